@@ -1,0 +1,219 @@
+"""Run a function in ``world_size`` spawned CPU processes joined by a gloo process group.
+
+Test helper, reused by every multi-process test::
+
+    def _body(rank, world_size, x):          # module level: it is pickled by name
+        ...
+        return {"rank": rank}                # anything picklable
+
+    results = run_multiprocess(_body, 4, x)  # list indexed by rank
+
+Habits (STYLE.md, triton_kernels ``test_distributed``): the rendezvous port comes from binding
+port 0 on 127.0.0.1; every wait has a timeout; survivors are killed; each child destroys its
+process group in ``finally``; a child's exception comes back to the parent as a
+``RuntimeError`` naming its rank and carrying its traceback text.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_multiprocess"]
+
+_GRACE_S = 2.0
+"""Seconds to wait for a dead child's last message, and for peers of a failed rank."""
+
+# Results are pickled to bytes in the child (tensors by value, not as shared-memory handles
+# that die with the child), so a child may exit as soon as its message is flushed.
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago: bind port 0 and read back what the OS chose."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _patched_environ(env: Mapping[str, str] | None) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` for the duration (spawned children inherit it, so
+    variables read at import time work too), then restore the previous values."""
+    if not env:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update({k: str(v) for k, v in env.items()})
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: Mapping[str, str] | None,
+    num_threads: int | None,
+    pg_timeout_s: float,
+    results: Any,
+) -> None:
+    if env:
+        os.environ.update({k: str(v) for k, v in env.items()})
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+            )
+            out = fn(rank, world_size, *args)
+            payload = ("ok", rank, pickle.dumps(out))
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            payload = ("error", rank, traceback.format_exc())
+        finally:
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+        try:
+            results.put(payload)
+        except Exception:  # e.g. the result was not picklable after all
+            results.put(("error", rank, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()  # flush before exiting so the parent always gets the message
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
+    num_threads: int | None = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes, each inside an
+    initialised gloo process group, and return their results as a list indexed by rank.
+
+    ``fn`` must be a module-level function and ``args`` and the results picklable.
+    ``env`` is set in the children's environment (before they import anything).
+    ``num_threads`` sets ``torch.set_num_threads`` in each child (1 by default: several
+    ranks share few cores); ``None`` leaves torch's default.
+    ``timeout`` bounds the whole run (seconds): on expiry the survivors are killed and a
+    ``RuntimeError`` names the ranks that had not reported.  If a child raised, the parent
+    raises ``RuntimeError`` with that rank and its traceback; a child that died without
+    reporting gives a ``RuntimeError`` naming its rank and exit code.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0, got {timeout}")
+
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    ok = False
+    deadline = time.monotonic() + timeout
+    try:
+        with _patched_environ(env):
+            for rank in range(world_size):
+                p = ctx.Process(
+                    target=_child,
+                    args=(rank, world_size, init_method, fn, args, env, num_threads,
+                          timeout, results_q),
+                    name=f"run_multiprocess-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+
+        outputs: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        dead_since: dict[int, float] = {}
+        first_error_at: float | None = None
+        name = getattr(fn, "__qualname__", repr(fn))
+        while len(outputs) + len(errors) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(set(range(world_size)) - outputs.keys() - errors.keys())
+                raise RuntimeError(
+                    f"run_multiprocess({name}, world_size={world_size}): ranks {missing}"
+                    f" did not report within {timeout} s" + _format_errors(errors)
+                )
+            try:
+                status, rank, data = results_q.get(timeout=min(0.2, deadline - now))
+            except queue_mod.Empty:
+                pass
+            else:
+                if status == "ok":
+                    outputs[rank] = pickle.loads(data)
+                else:
+                    errors[rank] = data
+                    if first_error_at is None:
+                        first_error_at = time.monotonic()
+                continue
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in outputs or r in errors or p.is_alive():
+                    continue
+                # Dead and silent: allow a moment for a message still in the pipe.
+                if now - dead_since.setdefault(r, now) > _GRACE_S:
+                    errors[r] = f"rank {r} died without reporting (exit code {p.exitcode})"
+                    if first_error_at is None:
+                        first_error_at = now
+            # A failed rank leaves its peers blocked in collectives: give them a short grace
+            # period to report their own errors, then stop waiting for them.
+            if first_error_at is not None and now - first_error_at > _GRACE_S:
+                break
+        if errors:
+            raise RuntimeError(
+                f"run_multiprocess({name}, world_size={world_size}): {len(errors)} rank(s)"
+                f" failed: {sorted(errors)}" + _format_errors(errors)
+            )
+        ok = True
+        return [outputs[r] for r in range(world_size)]
+    finally:
+        # After success the children are exiting: join them patiently.  After a failure
+        # the survivors are probably blocked on a dead peer: kill them soon.
+        join_deadline = time.monotonic() + (10.0 if ok else _GRACE_S)
+        for p in procs:
+            p.join(timeout=max(0.0, join_deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results_q.close()
+        results_q.cancel_join_thread()
+
+
+def _format_errors(errors: Mapping[int, str]) -> str:
+    return "".join(f"\n--- rank {r} ---\n{errors[r].rstrip()}" for r in sorted(errors))

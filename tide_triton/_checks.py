@@ -1,0 +1,155 @@
+"""Argument checks shared by the kernels' launchers and the collectives.
+
+Every failure names the argument, what was expected and what came.  Nothing here touches
+device memory or synchronises a device.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_tensor_list",
+    "check_uniform",
+    "check_shapes",
+    "check_flat",
+    "dtype_name",
+]
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _shape_str(shape: Iterable[int]) -> str:
+    s = tuple(shape)
+    return "(" + ", ".join(map(str, s)) + ("," if len(s) == 1 else "") + ")"
+
+
+def check_tensor_list(name: str, value: object, length: int | None = None) -> list[torch.Tensor]:
+    """``value`` must be a sequence of tensors (of ``length`` items if given)."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of tensors, got {type(value).__name__}")
+    items = list(value)
+    if length is not None and len(items) != length:
+        raise ValueError(f"{name} must have {length} entries (one per parameter), got {len(items)}")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return items
+
+
+def check_uniform(
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    *,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device | None = None,
+) -> tuple[torch.dtype, torch.device]:
+    """Same dtype (one of ``dtypes``), same device, contiguous; returns (dtype, device)."""
+    first = tensors[0]
+    dtype = first.dtype
+    dev = first.device if device is None else device
+    allowed = " or ".join(dtype_name(d) for d in dtypes)
+    for i, t in enumerate(tensors):
+        if t.dtype is not dtype or dtype not in dtypes:
+            want = allowed if dtype not in dtypes else f"{dtype_name(dtype)} like {name}[0]"
+            raise TypeError(f"{name}[{i}] must be {want}, got {dtype_name(t.dtype)}")
+        if t.device != dev:
+            raise ValueError(f"{name}[{i}] must be on {dev}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous, got strides {tuple(t.stride())}")
+    return dtype, dev
+
+
+def check_shapes(
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    expected: Sequence[tuple[int, ...]],
+    alternative: Sequence[tuple[int, ...]] | None = None,
+    *,
+    what: str = "",
+    alt_what: str = "padded",
+) -> list[bool]:
+    """Each tensor has ``expected[i]`` or ``alternative[i]``; returns per tensor whether it
+    matched the alternative."""
+    out = []
+    for i, (t, e) in enumerate(zip(tensors, expected)):
+        shape = tuple(t.shape)
+        if shape == e:
+            out.append(False)
+        elif alternative is not None and shape == alternative[i]:
+            out.append(True)
+        else:
+            want = f"{what + ' ' if what else ''}{_shape_str(e)}"
+            if alternative is not None and alternative[i] != e:
+                want += f" or {alt_what} {_shape_str(alternative[i])}"
+            raise ValueError(f"{name}[{i}] must have shape {want}, got {_shape_str(shape)}")
+    return out
+
+
+def check_flat(name: str, t: torch.Tensor, min_numel: int) -> None:
+    """A 1-D (or any contiguous) buffer holding at least ``min_numel`` elements."""
+    if t.numel() < min_numel:
+        raise ValueError(f"{name} must hold at least {min_numel} elements, got {t.numel()}")
+
+
+def check_sources(
+    name: str,
+    value: object,
+    *,
+    count_name: str,
+    count: int | None,
+    flat_numel: int,
+    n_params: int,
+) -> tuple[list[list[torch.Tensor]], bool]:
+    """Sources given per rank / per contribution: each entry is either one flat 1-D buffer
+    (padded shards back to back, ``flat_numel`` elements at least) or a sequence of
+    ``n_params`` per-parameter tensors; all entries of one kind.  Returns the entries as
+    lists of tensors (one tensor each when flat) and whether they are flat.  Shapes of
+    per-parameter entries are the caller's to check."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{name} must be a sequence (one entry per {count_name}), got {type(value).__name__}"
+        )
+    entries = list(value)
+    if count is not None and len(entries) != count:
+        raise ValueError(f"{name} must have {count} entries (one per {count_name}), got {len(entries)}")
+    if not entries:
+        raise ValueError(f"{name} must have at least one entry (one per {count_name}), got none")
+    flat = isinstance(entries[0], torch.Tensor)
+    out: list[list[torch.Tensor]] = []
+    for j, e in enumerate(entries):
+        if isinstance(e, torch.Tensor) != flat:
+            kind = "a flat 1-D tensor" if flat else "a sequence of per-parameter tensors"
+            raise TypeError(f"{name}[{j}] must be {kind} like {name}[0], got {type(e).__name__}")
+        if flat:
+            if e.dim() != 1:
+                raise ValueError(f"{name}[{j}] must be a 1-D flat buffer, got shape {_shape_str(e.shape)}")
+            check_flat(f"{name}[{j}]", e, flat_numel)
+            out.append([e])
+        else:
+            out.append(check_tensor_list(f"{name}[{j}]", e, n_params))
+    return out, flat
+
+
+def check_entries_uniform(
+    name: str,
+    entries: Sequence[Sequence[torch.Tensor]],
+    flat: bool,
+    *,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device,
+) -> torch.dtype:
+    """One dtype (of ``dtypes``) and ``device`` across all entries of a source list."""
+    if flat:
+        dtype, _ = check_uniform(name, [e[0] for e in entries], dtypes=dtypes, device=device)
+        return dtype
+    dtype, _ = check_uniform(f"{name}[0]", entries[0], dtypes=dtypes, device=device)
+    for j, e in enumerate(entries[1:], start=1):
+        check_uniform(f"{name}[{j}]", e, dtypes=(dtype,), device=device)
+    return dtype

@@ -1,0 +1,251 @@
+"""Segment programs: the cached tables that drive the one segmented kernel.
+
+A *run* copies (or reduces) ``numel`` contiguous elements from source slot ``src_idx`` at
+element ``src_off`` to destination slot ``dst_idx`` at element ``dst_off``.  Runs are cut
+into tiles of at most ``tile_numel`` elements so a bounded grid balances big and small
+parameters alike.  The tile table depends only on the layout, so it is built once and kept
+on every device it is used on; the pointer tables (addresses of the tensors of one call)
+are cached by address, so a call with the same tensors as an earlier one sends nothing to
+the device.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import triton.language as tl
+
+from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
+
+__all__ = ["Run", "SegmentProgram", "Binding", "launch_config", "interpreting"]
+
+_TL_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+}
+
+# Pointer tables kept per program (distinct address sets seen): enough for double
+# buffering and a handful of parameter groups sharing a layout.
+_POINTER_CACHE_SIZE = 16
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Run:
+    """``numel`` contiguous elements from ``src[src_idx][src_off:]`` to ``dst[dst_idx][dst_off:]``."""
+
+    dst_idx: int
+    dst_off: int
+    src_idx: int
+    src_off: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block: int
+    """Elements per inner step of a program."""
+    num_warps: int
+    tile_numel: int
+    """Largest run piece one program handles before taking the next tile."""
+
+
+def launch_config(dst_dtype: torch.dtype, k: int) -> LaunchConfig:
+    """Launch settings for a segmented copy/reduce.
+
+    BLOCK=2048 with 8 warps: every thread moves 8 elements per source per step (16 B of
+    bf16, two 16 B vectors of fp32), enough bytes in flight per SM for HBM without spills
+    even at K=8.  Tiles of 64 blocks (128 Ki elements) keep the tile table small (a
+    Llama-3.1-70B layer: ~6.5 K tiles) while leaving ~50 tiles per SM to balance.
+    """
+    del dst_dtype, k
+    if interpreting():
+        # The interpreter runs programs one by one in numpy: small blocks and tiles keep
+        # test sizes cheap while still exercising many-tile, many-program paths.
+        return LaunchConfig(block=64, num_warps=1, tile_numel=256)
+    return LaunchConfig(block=2048, num_warps=8, tile_numel=2048 * 64)
+
+
+def _alignment(values: Sequence[int], cap: int = 16) -> int:
+    """Largest power of two <= cap dividing every value (bytes)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+        if g == 1:
+            return 1
+    if g == 0:
+        return cap
+    a = 1
+    while a < cap and g % (a * 2) == 0:
+        a *= 2
+    return a
+
+
+@dataclass(eq=False)
+class SegmentProgram:
+    """The tile table for a fixed set of runs, cached on each device it is used on."""
+
+    runs: tuple[Run, ...]
+    n_dst: int
+    n_src: int
+    tile_numel: int
+    tiles: torch.Tensor = field(init=False, repr=False)
+    total_numel: int = field(init=False)
+    _dst_off_gcd: int = field(init=False, repr=False)
+    _src_off_gcd: int = field(init=False, repr=False)
+    _device_tiles: dict = field(default_factory=dict, init=False, repr=False)
+    _pointer_cache: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rows: list[tuple[int, int, int, int, int]] = []
+        step = self.tile_numel
+        dst_offs: list[int] = []
+        src_offs: list[int] = []
+        for r in self.runs:
+            if r.numel <= 0:
+                continue
+            for start in range(0, r.numel, step):
+                n = min(step, r.numel - start)
+                rows.append((r.dst_idx, r.dst_off + start, r.src_idx, r.src_off + start, n))
+            dst_offs.append(r.dst_off)
+            src_offs.append(r.src_off)
+        self.tiles = torch.tensor(rows, dtype=torch.int64).reshape(-1, TILE_FIELDS)
+        self.total_numel = sum(r.numel for r in self.runs if r.numel > 0)
+        # Offsets in elements; tiles start at run offsets plus multiples of tile_numel.
+        self._dst_off_gcd = math.gcd(*dst_offs, step) if dst_offs else 0
+        self._src_off_gcd = math.gcd(*src_offs, step) if src_offs else 0
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.tiles.shape[0])
+
+    def tiles_on(self, device: torch.device) -> torch.Tensor:
+        t = self._device_tiles.get(device)
+        if t is None:
+            t = self.tiles.to(device) if device.type != "cpu" else self.tiles
+            self._device_tiles[device] = t
+        return t
+
+    def pointer_tables(
+        self, device: torch.device, dst_ptrs: tuple[int, ...], src_ptrs: tuple[int, ...],
+        dst_elem: int, src_elem: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Device tables of destination and source addresses (cached by address) and the
+        byte alignment every tile's destination and source address is known to have."""
+        key = (device, dst_ptrs, src_ptrs, dst_elem, src_elem)
+        with self._lock:
+            hit = self._pointer_cache.get(key)
+            if hit is not None:
+                self._pointer_cache.move_to_end(key)
+                return hit
+        host = torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64)
+        if device.type == "cuda":
+            # Pinned + non_blocking: no host sync; the caching host allocator keeps the
+            # pinned block alive until the copy has run.
+            table = host.pin_memory().to(device, non_blocking=True)
+        else:
+            table = host
+        dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
+        src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
+        hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align)
+        with self._lock:
+            self._pointer_cache[key] = hit
+            while len(self._pointer_cache) > _POINTER_CACHE_SIZE:
+                self._pointer_cache.popitem(last=False)
+        return hit
+
+
+@dataclass(eq=False)
+class Binding:
+    """A program bound to concrete tensors: launching it costs one kernel launch.
+
+    Holds references to its tensors (they cannot be freed under it) and re-reads their
+    addresses at launch when ``check_addresses`` is set, so storage that was resized in
+    place (FSDP2 frees unsharded parameters with ``storage.resize_(0)``) is caught
+    instead of written through a stale pointer.
+    """
+
+    program: SegmentProgram
+    dsts: tuple[torch.Tensor, ...]
+    srcs: tuple[torch.Tensor, ...]
+    k: int
+    max_ctas: int | None
+    dst_ptrs: tuple[int, ...] = field(init=False, repr=False)
+    src_ptrs: tuple[int, ...] = field(init=False, repr=False)
+    _tables: tuple = field(init=False, repr=False)
+    _static: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._grid = (0,)
+        if self.program.n_tiles == 0:
+            self.dst_ptrs, self.src_ptrs = (), ()
+            return
+        if len(self.dsts) != self.program.n_dst or len(self.srcs) != self.k * self.program.n_src:
+            raise ValueError(
+                f"binding needs {self.program.n_dst} destinations and {self.k} x "
+                f"{self.program.n_src} sources, got {len(self.dsts)} and {len(self.srcs)}"
+            )
+        self.dst_ptrs = tuple(map(torch.Tensor.data_ptr, self.dsts))
+        self.src_ptrs = tuple(map(torch.Tensor.data_ptr, self.srcs))
+        dst0, src0 = self.dsts[0], self.srcs[0]
+        device = dst0.device
+        dst_tbl, src_tbl, dst_align, src_align = self.program.pointer_tables(
+            device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
+        )
+        cfg = launch_config(dst0.dtype, self.k)
+        n_tiles = self.program.n_tiles
+        grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
+        self._tables = (self.program.tiles_on(device), dst_tbl, src_tbl)
+        self._static = dict(
+            K=self.k,
+            SRC_DTYPE=getattr(tl, _TL_DTYPES[src0.dtype]),
+            DST_DTYPE=getattr(tl, _TL_DTYPES[dst0.dtype]),
+            SRC_ALIGN=src_align,
+            DST_ALIGN=dst_align,
+            SOFT_RNE=interpreting(),
+            BLOCK=cfg.block,
+            num_warps=cfg.num_warps,
+        )
+        self._grid = (grid,)
+        self._n_iters = -(-n_tiles // grid)
+
+    def addresses_unchanged(self) -> bool:
+        if self.program.n_tiles == 0:
+            return True
+        return (
+            tuple(map(torch.Tensor.data_ptr, self.dsts)) == self.dst_ptrs
+            and tuple(map(torch.Tensor.data_ptr, self.srcs)) == self.src_ptrs
+        )
+
+    def launch(
+        self, *, scale: float | None = None, accumulate: bool = False, check_addresses: bool = True,
+    ) -> None:
+        """Enqueue the kernel on the current stream of the destinations' device:
+        ``dst = [dst +] scale * sum_k src_k`` over every tile."""
+        if self.program.n_tiles == 0:
+            return
+        if check_addresses and not self.addresses_unchanged():
+            raise RuntimeError(
+                "a tensor of this binding moved since it was bound (storage resized or "
+                "replaced); bind the tensors again"
+            )
+        tiles, dst_tbl, src_tbl = self._tables
+        segmented_reduce_kernel[self._grid](
+            tiles, dst_tbl, src_tbl,
+            self.program.n_tiles, self._n_iters, self.program.n_src,
+            1.0 if scale is None else float(scale),
+            HAS_SCALE=scale is not None,
+            ACCUMULATE=accumulate,
+            **self._static,
+        )

@@ -1,0 +1,88 @@
+"""Packing: one destination rank's slices of many per-parameter gradients into one
+contiguous buffer (the payload of a network chunk, or a receive slot's layout).
+
+Block ``j`` of ``out`` (``layout.flat_shard_numel`` elements) receives rank ``ranks[j]``'s
+real rows of every gradient at ``layout.flat_offsets`` -- the same flat layout that
+:func:`~tide_triton.kernels.accumulate_shards` and :func:`~tide_triton.kernels.place_shards`
+read.  Padding positions are not written.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from .._checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
+from ..layout import ShardLayout
+from ._segments import Binding, Run, SegmentProgram, launch_config
+from .placement import check_layout, check_max_ctas, check_ranks
+
+__all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
+
+
+@lru_cache(maxsize=64)
+def _program(layout: ShardLayout, ranks: tuple[int, ...], tile_numel: int) -> SegmentProgram:
+    S, F = layout.padded_shard_numels, layout.flat_shard_numel
+    runs = [
+        Run(0, j * F + layout.flat_offsets[p], p, r * S[p], layout.shard_numels(r)[p])
+        for j, r in enumerate(ranks)
+        for p in range(len(layout))
+    ]
+    return SegmentProgram(tuple(runs), n_dst=1, n_src=len(layout), tile_numel=tile_numel)
+
+
+def bind_pack_shards(
+    grads: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    layout: ShardLayout,
+    ranks: int | Sequence[int],
+    *,
+    max_ctas: int | None = None,
+) -> Binding:
+    """Check the arguments of :func:`pack_shards` once; ``launch()`` the result."""
+    check_layout(layout)
+    rank_list = check_ranks(layout, ranks)
+    check_max_ctas(max_ctas)
+    P = len(layout)
+    grads_l = check_tensor_list("grads", grads, P)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    check_shapes("grads", grads_l, layout.shapes, layout.padded_shapes)
+    if out.dim() != 1:
+        raise ValueError(f"out must be a 1-D buffer, got shape {tuple(out.shape)}")
+    check_flat("out", out, len(rank_list) * layout.flat_shard_numel)
+    check_uniform("out", [out], dtypes=FLOAT_DTYPES)
+    if P:
+        check_uniform("grads", grads_l, dtypes=FLOAT_DTYPES, device=out.device)
+    program = _program(layout, rank_list, launch_config(out.dtype, 1).tile_numel)
+    return Binding(program, (out,), tuple(grads_l), 1, max_ctas)
+
+
+def pack_shards(
+    grads: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    layout: ShardLayout,
+    ranks: int | Sequence[int],
+    *,
+    max_ctas: int | None = None,
+) -> None:
+    """Gather rank ``ranks``' (one rank or several, blocks back to back) real rows of every
+    gradient into the flat buffer ``out``; dtypes may differ (cast fused).  ``grads[p]`` has
+    ``layout.shapes[p]`` or the padded shape.  One launch on the current stream."""
+    bind_pack_shards(grads, out, layout, ranks, max_ctas=max_ctas).launch(check_addresses=False)
+
+
+def pack_shards_ref(
+    grads: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    layout: ShardLayout,
+    ranks: int | Sequence[int],
+) -> None:
+    """Plain-torch reference of :func:`pack_shards`."""
+    S, F = layout.padded_shard_numels, layout.flat_shard_numel
+    for j, r in enumerate(check_ranks(layout, ranks)):
+        for p, g in enumerate(grads):
+            n = layout.shard_numels(r)[p]
+            o = j * F + layout.flat_offsets[p]
+            out[o:o + n].copy_(g.reshape(-1)[r * S[p]:r * S[p] + n])

@@ -1,0 +1,166 @@
+"""Which bytes go where: FSDP2's dim-0 padded sharding for a list of parameter shapes.
+
+FSDP2 (``fully_shard`` with the default ``Shard(0)`` placement) gives every rank
+``c = ceil(dim0 / W)`` rows of every parameter.  Rank ``r`` holds rows
+``[r*c, r*c + rows_r)`` with ``rows_r = clamp(dim0 - r*c, 0, c)``: trailing ranks may
+hold fewer rows, or none.  Each rank's shard is padded to ``c`` rows, so the padded shard
+numel ``S_p = c * prod(shape[1:])`` is the same on every rank, and rank ``r``'s segment of
+parameter ``p`` starts at element ``r * S_p`` of ``p``'s padded unsharded storage.
+
+This module imports nothing from CUDA: schedules and simulators use it anywhere.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterable, Sequence
+
+__all__ = ["ShardLayout"]
+
+
+def _as_shape(shape: object, index: int) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(f"shapes[{index}] must be a sequence of ints, got {type(shape).__name__}")
+    dims = tuple(shape)
+    if len(dims) == 0:
+        raise ValueError(f"shapes[{index}] must have at least one dimension, got a 0-d shape ()")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int):
+            # torch.Size holds ints; numpy integers are accepted through __index__.
+            try:
+                d = d.__index__()  # type: ignore[union-attr]
+            except AttributeError:
+                raise TypeError(f"shapes[{index}] must hold ints, got {dims!r}") from None
+        if d < 0:
+            raise ValueError(f"shapes[{index}] must have non-negative dims, got {dims!r}")
+    return tuple(int(d) for d in dims)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """FSDP2's dim-0 sharding of ``shapes`` over ``world_size`` ranks.
+
+    Immutable and hashable: build it once per parameter group and use it as a cache key
+    for everything derived from it (segment tables, plans).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    """Unsharded parameter shapes, each with at least one dimension."""
+    world_size: int
+    """Number of ranks sharing every parameter (the shard group size), >= 1."""
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+
+    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
+            raise TypeError(f"shapes must be a sequence of shapes, got {type(shapes).__name__}")
+        object.__setattr__(self, "shapes", tuple(_as_shape(s, i) for i, s in enumerate(shapes)))
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "_derived", {})
+
+    # ---- per-parameter sizes -------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @cached_property
+    def row_numels(self) -> tuple[int, ...]:
+        """Elements per dim-0 row: ``prod(shape[1:])`` (1 for 1-D parameters)."""
+        return tuple(math.prod(s[1:]) for s in self.shapes)
+
+    @cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Unsharded (unpadded) numel of each parameter."""
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @cached_property
+    def rows_per_rank(self) -> tuple[int, ...]:
+        """``ceil(dim0 / world_size)``: the padded number of rows every rank holds."""
+        w = self.world_size
+        return tuple(-(-s[0] // w) for s in self.shapes)
+
+    @cached_property
+    def padded_shard_numels(self) -> tuple[int, ...]:
+        """``rows_per_rank * prod(shape[1:])``: numel of each rank's padded shard."""
+        return tuple(c * n for c, n in zip(self.rows_per_rank, self.row_numels))
+
+    @cached_property
+    def padded_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of the padded unsharded storage: ``(W * rows_per_rank, *shape[1:])``."""
+        w = self.world_size
+        return tuple((w * c, *s[1:]) for c, s in zip(self.rows_per_rank, self.shapes))
+
+    @cached_property
+    def padded_numels(self) -> tuple[int, ...]:
+        """Numel of each parameter's padded unsharded storage: ``W * S_p``."""
+        return tuple(self.world_size * s for s in self.padded_shard_numels)
+
+    @cached_property
+    def flat_offsets(self) -> tuple[int, ...]:
+        """Start of each padded shard in one rank's flat block (padded shards back to back,
+        in parameter order: FSDP2's all-gather input and its reduce-scatter output)."""
+        out, acc = [], 0
+        for s in self.padded_shard_numels:
+            out.append(acc)
+            acc += s
+        return tuple(out)
+
+    @cached_property
+    def flat_shard_numel(self) -> int:
+        """Numel of one rank's flat block: ``sum(padded_shard_numels)``."""
+        return sum(self.padded_shard_numels)
+
+    # ---- per-rank views ------------------------------------------------------------
+    def _check_rank(self, rank: int) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank
+
+    def shard_rows(self, rank: int) -> tuple[int, ...]:
+        """Real rows rank ``rank`` holds of each parameter:
+        ``clamp(dim0 - rank * rows_per_rank, 0, rows_per_rank)``."""
+        key = ("rows", self._check_rank(rank))
+        hit = self._derived.get(key)
+        if hit is None:
+            hit = tuple(
+                max(0, min(s[0] - rank * c, c)) for s, c in zip(self.shapes, self.rows_per_rank)
+            )
+            self._derived[key] = hit
+        return hit
+
+    def shard_numels(self, rank: int) -> tuple[int, ...]:
+        """Real (unpadded) numel of rank ``rank``'s shard of each parameter."""
+        key = ("numels", self._check_rank(rank))
+        hit = self._derived.get(key)
+        if hit is None:
+            hit = tuple(r * n for r, n in zip(self.shard_rows(rank), self.row_numels))
+            self._derived[key] = hit
+        return hit
+
+    def shard_offsets(self, rank: int) -> tuple[int, ...]:
+        """Element offset of rank ``rank``'s segment in each padded unsharded storage:
+        ``rank * padded_shard_numels``."""
+        self._check_rank(rank)
+        return tuple(rank * s for s in self.padded_shard_numels)
+
+    def shard_shapes(self, rank: int, *, padded: bool = False) -> tuple[tuple[int, ...], ...]:
+        """Shape of rank ``rank``'s shard of each parameter, ``(rows, *shape[1:])``; with
+        ``padded=True`` every shard has ``rows_per_rank`` rows."""
+        rows = self.rows_per_rank if padded else self.shard_rows(rank)
+        return tuple((r, *s[1:]) for r, s in zip(rows, self.shapes))
+
+    def select(self, indices: Iterable[int]) -> "ShardLayout":
+        """The layout of a subset of the parameters (in the given order), same world size."""
+        idx = list(indices)
+        for i in idx:
+            if not -len(self.shapes) <= i < len(self.shapes):
+                raise ValueError(f"indices must be in [0, {len(self.shapes)}), got {i}")
+        return ShardLayout([self.shapes[i] for i in idx], self.world_size)
+
+    def __repr__(self) -> str:
+        return f"ShardLayout({len(self.shapes)} params, world_size={self.world_size})"
