@@ -36,7 +36,9 @@ def check_tensor_list(name: str, value: object, length: int | None = None) -> li
         raise TypeError(f"{name} must be a sequence of tensors, got {type(value).__name__}")
     items = list(value)
     if length is not None and len(items) != length:
-        raise ValueError(f"{name} must have {length} entries (one per parameter), got {len(items)}")
+        raise ValueError(
+            f"{name} must have {length} {'entry' if length == 1 else 'entries'} (one per parameter), got {len(items)}"
+        )
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
@@ -118,7 +120,9 @@ def check_sources(
         )
     entries = list(value)
     if count is not None and len(entries) != count:
-        raise ValueError(f"{name} must have {count} entries (one per {count_name}), got {len(entries)}")
+        raise ValueError(
+            f"{name} must have {count} {'entry' if count == 1 else 'entries'} (one per {count_name}), got {len(entries)}"
+        )
     if not entries:
         raise ValueError(f"{name} must have at least one entry (one per {count_name}), got none")
     flat = isinstance(entries[0], torch.Tensor)

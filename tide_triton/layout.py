@@ -26,7 +26,9 @@ def _as_shape(shape: object, index: int) -> tuple[int, ...]:
     if len(dims) == 0:
         raise ValueError(f"shapes[{index}] must have at least one dimension, got a 0-d shape ()")
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int):
+        if isinstance(d, bool):
+            raise TypeError(f"shapes[{index}] must hold ints, got {dims!r}")
+        if not isinstance(d, int):
             # torch.Size holds ints; numpy integers are accepted through __index__.
             try:
                 d = d.__index__()  # type: ignore[union-attr]
@@ -115,8 +117,9 @@ class ShardLayout:
 
     # ---- per-rank views ------------------------------------------------------------
     def _check_rank(self, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int):
+        if isinstance(rank, bool) or not hasattr(rank, "__index__"):
             raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        rank = rank.__index__()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return rank
@@ -151,15 +154,19 @@ class ShardLayout:
     def shard_shapes(self, rank: int, *, padded: bool = False) -> tuple[tuple[int, ...], ...]:
         """Shape of rank ``rank``'s shard of each parameter, ``(rows, *shape[1:])``; with
         ``padded=True`` every shard has ``rows_per_rank`` rows."""
+        self._check_rank(rank)
         rows = self.rows_per_rank if padded else self.shard_rows(rank)
         return tuple((r, *s[1:]) for r, s in zip(rows, self.shapes))
 
     def select(self, indices: Iterable[int]) -> "ShardLayout":
         """The layout of a subset of the parameters (in the given order), same world size."""
         idx = list(indices)
+        n = len(self.shapes)
         for i in idx:
-            if not -len(self.shapes) <= i < len(self.shapes):
-                raise ValueError(f"indices must be in [0, {len(self.shapes)}), got {i}")
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"indices must hold ints, got {type(i).__name__}")
+            if not -n <= i < n:
+                raise ValueError(f"indices must be in [-{n}, {n}), got {i}")
         return ShardLayout([self.shapes[i] for i in idx], self.world_size)
 
     def __repr__(self) -> str:

@@ -76,6 +76,26 @@ def launch_config(dst_dtype: torch.dtype, k: int) -> LaunchConfig:
     return LaunchConfig(block=2048, num_warps=8, tile_numel=2048 * 64)
 
 
+def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
+    """Copy a small host table to ``device`` without a host sync: pinned memory, a
+    non-blocking copy on the current stream, and an event that other streams wait on
+    before their first use (see :meth:`Binding.launch`)."""
+    if device.type != "cuda":
+        return host, None
+    table = host.pin_memory().to(device, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return table, event
+
+
+def check_device(name: str, device: torch.device) -> None:
+    """The kernels run on CUDA tensors, or on CPU tensors through the interpreter."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return
+    want = "a CUDA device" + (" (or the CPU under TRITON_INTERPRET=1)" if device.type == "cpu" else "")
+    raise ValueError(f"{name} must be on {want}, got {device}")
+
+
 def _alignment(values: Sequence[int], cap: int = 16) -> int:
     """Largest power of two <= cap dividing every value (bytes)."""
     g = 0
@@ -130,35 +150,31 @@ class SegmentProgram:
     def n_tiles(self) -> int:
         return int(self.tiles.shape[0])
 
-    def tiles_on(self, device: torch.device) -> torch.Tensor:
-        t = self._device_tiles.get(device)
-        if t is None:
-            t = self.tiles.to(device) if device.type != "cpu" else self.tiles
-            self._device_tiles[device] = t
-        return t
+    def tiles_on(self, device: torch.device) -> tuple[torch.Tensor, object]:
+        """The tile table on ``device`` and the event its upload recorded."""
+        hit = self._device_tiles.get(device)
+        if hit is None:
+            hit = _upload(self.tiles, device)
+            self._device_tiles[device] = hit
+        return hit
 
     def pointer_tables(
         self, device: torch.device, dst_ptrs: tuple[int, ...], src_ptrs: tuple[int, ...],
         dst_elem: int, src_elem: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """Device tables of destination and source addresses (cached by address) and the
-        byte alignment every tile's destination and source address is known to have."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, object]:
+        """Device tables of destination and source addresses (cached by address), the
+        byte alignment every tile's destination and source address is known to have, and
+        the event the upload recorded."""
         key = (device, dst_ptrs, src_ptrs, dst_elem, src_elem)
         with self._lock:
             hit = self._pointer_cache.get(key)
             if hit is not None:
                 self._pointer_cache.move_to_end(key)
                 return hit
-        host = torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64)
-        if device.type == "cuda":
-            # Pinned + non_blocking: no host sync; the caching host allocator keeps the
-            # pinned block alive until the copy has run.
-            table = host.pin_memory().to(device, non_blocking=True)
-        else:
-            table = host
+        table, event = _upload(torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64), device)
         dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
         src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
-        hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align)
+        hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event)
         with self._lock:
             self._pointer_cache[key] = hit
             while len(self._pointer_cache) > _POINTER_CACHE_SIZE:
@@ -200,23 +216,33 @@ class Binding:
         self.src_ptrs = tuple(map(torch.Tensor.data_ptr, self.srcs))
         dst0, src0 = self.dsts[0], self.srcs[0]
         device = dst0.device
-        dst_tbl, src_tbl, dst_align, src_align = self.program.pointer_tables(
+        check_device("the tensors", device)
+        dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
             device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
         )
+        tiles, tile_event = self.program.tiles_on(device)
         cfg = launch_config(dst0.dtype, self.k)
         n_tiles = self.program.n_tiles
         grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
-        self._tables = (self.program.tiles_on(device), dst_tbl, src_tbl)
+        self._tables = (tiles, dst_tbl, src_tbl)
+        self._cuda = device.type == "cuda"
+        self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
+        self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
+        self._streams_seen: set = set()
+        self._same_dtype = src0.dtype == dst0.dtype
         self._static = dict(
             K=self.k,
             SRC_DTYPE=getattr(tl, _TL_DTYPES[src0.dtype]),
             DST_DTYPE=getattr(tl, _TL_DTYPES[dst0.dtype]),
             SRC_ALIGN=src_align,
             DST_ALIGN=dst_align,
-            SOFT_RNE=interpreting(),
+            SOFT=interpreting(),
             BLOCK=cfg.block,
             num_warps=cfg.num_warps,
         )
+        if not interpreting():
+            # No fused multiply-add: ``scale * sum + old`` rounds twice, like the reference.
+            self._static["enable_fp_fusion"] = False
         self._grid = (grid,)
         self._n_iters = -(-n_tiles // grid)
 
@@ -241,11 +267,22 @@ class Binding:
                 "replaced); bind the tensors again"
             )
         tiles, dst_tbl, src_tbl = self._tables
+        if self._cuda:
+            stream = torch.cuda.current_stream(self.dsts[0].device)
+            if stream != self._upload_stream and stream not in self._streams_seen:
+                # First launch on another stream: wait for the table uploads, and keep the
+                # tables' memory from being reused before this stream is done with them.
+                for event in self._events:
+                    stream.wait_event(event)
+                for t in self._tables:
+                    t.record_stream(stream)
+                self._streams_seen.add(stream)
         segmented_reduce_kernel[self._grid](
             tiles, dst_tbl, src_tbl,
             self.program.n_tiles, self._n_iters, self.program.n_src,
             1.0 if scale is None else float(scale),
             HAS_SCALE=scale is not None,
             ACCUMULATE=accumulate,
+            RAW=self.k == 1 and self._same_dtype and scale is None and not accumulate,
             **self._static,
         )

@@ -24,7 +24,7 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, launch_config
+from ._segments import Binding, Run, SegmentProgram, check_device, launch_config
 from .placement import Sources, check_layout, check_max_ctas
 
 __all__ = ["accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref"]
@@ -62,8 +62,8 @@ def bind_accumulate_shards(
     """Check the arguments of :func:`accumulate_shards` once; the result's
     ``launch(scale=..., accumulate=...)`` costs one kernel launch."""
     check_layout(layout)
-    layout._check_rank(rank)
-    check_max_ctas(max_ctas)
+    rank = layout._check_rank(rank)
+    max_ctas = check_max_ctas(max_ctas)
     P = len(layout)
     shards_l = check_tensor_list("shards", shards, P)
     entries, flat = check_sources(
@@ -77,6 +77,7 @@ def bind_accumulate_shards(
     if P == 0:
         return Binding(_program(layout, rank, flat, 1), (), (), len(entries), max_ctas)
     _, device = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES)
+    check_device("shards", device)
     check_entries_uniform("srcs", entries, flat, dtypes=FLOAT_DTYPES, device=device)
     program = _program(layout, rank, flat, launch_config(shards_l[0].dtype, len(entries)).tile_numel)
     src_tensors = tuple(t for e in entries for t in e)

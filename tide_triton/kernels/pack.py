@@ -15,7 +15,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, launch_config
+from ._segments import Binding, Run, SegmentProgram, check_device, launch_config
 from .placement import check_layout, check_max_ctas, check_ranks
 
 __all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
@@ -43,7 +43,7 @@ def bind_pack_shards(
     """Check the arguments of :func:`pack_shards` once; ``launch()`` the result."""
     check_layout(layout)
     rank_list = check_ranks(layout, ranks)
-    check_max_ctas(max_ctas)
+    max_ctas = check_max_ctas(max_ctas)
     P = len(layout)
     grads_l = check_tensor_list("grads", grads, P)
     if not isinstance(out, torch.Tensor):
@@ -52,7 +52,11 @@ def bind_pack_shards(
     if out.dim() != 1:
         raise ValueError(f"out must be a 1-D buffer, got shape {tuple(out.shape)}")
     check_flat("out", out, len(rank_list) * layout.flat_shard_numel)
-    check_uniform("out", [out], dtypes=FLOAT_DTYPES)
+    if out.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out must be bfloat16, float16 or float32, got {str(out.dtype).replace('torch.', '')}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
+    check_device("out", out.device)
     if P:
         check_uniform("grads", grads_l, dtypes=FLOAT_DTYPES, device=out.device)
     program = _program(layout, rank_list, launch_config(out.dtype, 1).tile_numel)

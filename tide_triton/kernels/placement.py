@@ -8,6 +8,7 @@ written.
 """
 from __future__ import annotations
 
+import operator
 from functools import lru_cache
 from typing import Sequence, Union
 
@@ -22,7 +23,7 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, launch_config
+from ._segments import Binding, Run, SegmentProgram, check_device, launch_config
 
 __all__ = ["place_shards", "bind_place_shards", "place_shards_ref", "Sources"]
 
@@ -37,24 +38,36 @@ def check_layout(layout: object) -> ShardLayout:
     return layout
 
 
-def check_ranks(layout: ShardLayout, ranks: Sequence[int] | None) -> tuple[int, ...]:
+def _as_int(what: str, value: object) -> int:
+    """``value`` as an int (numpy integers too; bools refused); ``what`` words the error."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what}, got {type(value).__name__}")
+    return operator.index(value)
+
+
+def check_ranks(layout: ShardLayout, ranks: object) -> tuple[int, ...]:
+    """None (all ranks), one rank, or a sequence of distinct ranks of ``layout``."""
     if ranks is None:
         return tuple(range(layout.world_size))
-    if isinstance(ranks, int):
-        ranks = (ranks,)
-    out = tuple(ranks)
+    if isinstance(ranks, Sequence) and not isinstance(ranks, (str, bytes)):
+        out = tuple(_as_int("ranks must hold ints", r) for r in ranks)
+    else:
+        out = (_as_int("ranks must be None, an int or a sequence of ints", ranks),)
     for r in out:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < layout.world_size:
-            raise ValueError(f"ranks must hold ints in [0, {layout.world_size}), got {r!r}")
+        if not 0 <= r < layout.world_size:
+            raise ValueError(f"ranks must hold ints in [0, {layout.world_size}), got {r}")
     if len(set(out)) != len(out):
         raise ValueError(f"ranks must not repeat a rank, got {out}")
     return out
 
 
-def check_max_ctas(max_ctas: int | None) -> int | None:
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
-        raise ValueError(f"max_ctas must be None or an int >= 1, got {max_ctas!r}")
-    return max_ctas
+def check_max_ctas(max_ctas: object) -> int | None:
+    if max_ctas is None:
+        return None
+    n = _as_int("max_ctas must be None or an int", max_ctas)
+    if n < 1:
+        raise ValueError(f"max_ctas must be None or an int >= 1, got {n}")
+    return n
 
 
 @lru_cache(maxsize=64)
@@ -85,7 +98,7 @@ def bind_place_shards(
     ``launch()`` costs one kernel launch (it re-checks the tensors' addresses)."""
     check_layout(layout)
     rank_list = check_ranks(layout, ranks)
-    check_max_ctas(max_ctas)
+    max_ctas = check_max_ctas(max_ctas)
     P = len(layout)
     params_l = check_tensor_list("params", params, P)
     entries, flat = check_sources(
@@ -100,6 +113,7 @@ def bind_place_shards(
     if P == 0:
         return Binding(_program(layout, rank_list, flat, 1), (), (), 1, max_ctas)
     _, device = check_uniform("params", params_l, dtypes=FLOAT_DTYPES)
+    check_device("params", device)
     check_entries_uniform("srcs", entries, flat, dtypes=FLOAT_DTYPES, device=device)
     program = _program(layout, rank_list, flat, launch_config(params_l[0].dtype, 1).tile_numel)
     return Binding(program, tuple(params_l), tuple(src_tensors), 1, max_ctas)

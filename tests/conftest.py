@@ -1,0 +1,145 @@
+"""Shared test setup: where the Triton kernels run, the ``device`` fixture, exact-value
+tensors and the real model layouts (scaled down for the interpreter).
+
+Without a CUDA device compiled Triton cannot run, so the kernels go through Triton's CPU
+interpreter (``TRITON_INTERPRET=1``) on CPU tensors.  Triton 3.6 reads the variable when
+``@triton.jit`` decorates a kernel, i.e. when ``tide_triton.kernels`` is first imported,
+so it is set here, at conftest import, before any test module imports the package.  A
+value the user set (``TRITON_INTERPRET=1`` on a GPU machine, say) is kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+
+__all__ = [
+    "HAS_CUDA",
+    "interpreting",
+    "int_tensor",
+    "scaled_shape",
+    "workload_shapes",
+    "workload_layouts",
+    "WORKLOADS",
+]
+
+
+def interpreting() -> bool:
+    """True when the kernels run through Triton's interpreter (same rule as the package)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------
+# Markers and the device fixture
+# ---------------------------------------------------------------------------------------
+def pytest_configure(config: pytest.Config) -> None:
+    # Triton 3.6's interpreter turns 1-element arrays into ints the way numpy >= 1.25
+    # deprecates, once per loop bound: thousands of lines of someone else's warning.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning:triton",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=_DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Where the kernels' tensors live: "cpu" under the interpreter (compiled Triton cannot
+    take CPU tensors), "cuda" whenever a GPU is there (skipped otherwise)."""
+    name = request.param
+    if name == "cpu" and not interpreting():
+        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+    if name == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------
+# Exact-value tensors
+# ---------------------------------------------------------------------------------------
+def int_tensor(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    generator: torch.Generator | None = None,
+    low: int = -8,
+    high: int = 9,
+) -> torch.Tensor:
+    """Integer values in ``[low, high)`` stored as ``dtype``: every sum of a few of them
+    (times 0.5 or 2) is exact in bf16/fp16/fp32, so reductions are bit-checkable.  With a
+    CPU ``generator`` they are drawn on the CPU and moved, so a seed gives the same values
+    on every device; without one they are drawn on ``device``."""
+    if generator is None:  # large real-workload tensors: draw where they live
+        return torch.randint(low, high, tuple(shape), device=device).to(dtype)
+    t = torch.randint(low, high, tuple(shape), generator=generator, dtype=torch.int64)
+    return t.to(dtype).to(device)
+
+
+# ---------------------------------------------------------------------------------------
+# Real model layouts
+# ---------------------------------------------------------------------------------------
+_WORKLOADS_JSON = Path(__file__).resolve().parent.parent / "tide_triton" / "workloads.json"
+WORKLOADS = ("llama-3.1-70b", "qwen3-30b-a3b", "wan2.2-14b")
+
+# Interpreter-sized: 512 shrinks Llama's 28672 x 8192 MLP to 56 x 16 and keeps a layer a few
+# thousand elements (~0.5 s a launch at W=8); Wan's [1, 6, 5120] modulation becomes
+# [1, 1, 10], still 3-D with dim 0 = 1 < W.
+CPU_SCALE = 512
+
+
+def scaled_shape(shape: Sequence[int], factor: int) -> tuple[int, ...]:
+    """Every dim divided by ``factor``, at least 1: same rank, dim 0 of 1 stays 1."""
+    return tuple(max(1, int(d) // factor) for d in shape)
+
+
+def workload_shapes(
+    model: str, *, factor: int | None = None, max_params: int | None = None
+) -> list[tuple[int, ...]]:
+    """One layer's parameter shapes of ``model`` (a key of tide_triton/workloads.json).
+
+    ``factor=None`` picks the real shapes on a compiled-Triton run and ``CPU_SCALE`` under
+    the interpreter; ``max_params`` keeps the first parameters only (Qwen3's layer has 393,
+    one interpreter launch per tile makes that slow on CPU)."""
+    data = json.loads(_WORKLOADS_JSON.read_text())
+    if model not in WORKLOADS:
+        raise ValueError(f"model must be one of {WORKLOADS}, got {model!r}")
+    if factor is None:
+        factor = CPU_SCALE if interpreting() else 1
+    shapes = [scaled_shape(s, factor) for _, s in data[model]["params"]]
+    return shapes[:max_params] if max_params is not None else shapes
+
+
+def workload_layouts(
+    world_size: int, *, factor: int | None = None, max_params: int | None = None
+) -> dict:
+    """``{model: ShardLayout}`` for every model of workloads.json at ``world_size``."""
+    from tide_triton.layout import ShardLayout  # after TRITON_INTERPRET is settled
+
+    return {
+        m: ShardLayout(workload_shapes(m, factor=factor, max_params=max_params), world_size)
+        for m in WORKLOADS
+    }
