@@ -1,8 +1,9 @@
 """Every argument check of the launchers: one ``pytest.raises(..., match=...)`` per branch,
 the message naming the argument, what was expected and what came (STYLE.md).
 
-Nothing here launches a kernel (every call fails validation first), so these run on CPU
-tensors whether or not Triton interprets.  The "meta" device stands in for a second device.
+Nothing here launches a kernel (every call fails validation first).  Tensors are made on
+``DEV`` -- the CPU under the interpreter, the GPU otherwise -- and the "meta" device
+stands in for a second device.
 
 Layout used throughout: shapes (5, 3), (4,), (2, 3, 2) over W=2, so
   padded shapes (6, 3), (4,), (2, 3, 2); rows per rank 3, 2, 1;
@@ -29,10 +30,20 @@ from tide_triton import (
     place_shards,
 )
 
+DEV = "cpu" if interpreting() else "cuda"
+DEV_NAME = "cpu" if interpreting() else "cuda:0"
+
 SHAPES = [(5, 3), (4,), (2, 3, 2)]
 W = 2
 F = 17
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _default_device():
+    torch.set_default_device(DEV)
+    yield
+    torch.set_default_device(None)
 
 
 @pytest.fixture
@@ -254,7 +265,7 @@ def test_tensor_list_must_be_contiguous(name: str, layout) -> None:
 def test_tensor_list_one_device(name: str, layout) -> None:
     value = _good_list(name)
     value[1] = value[1].to("meta")
-    with pytest.raises(ValueError, match=rf"{name}\[1\] must be on cpu, got meta"):
+    with pytest.raises(ValueError, match=rf"{name}\[1\] must be on {DEV_NAME}, got meta"):
         _call_with_list(name, layout, value)
 
 
@@ -405,11 +416,11 @@ def test_srcs_must_be_contiguous(kernel: str, layout) -> None:
 @pytest.mark.parametrize("kernel", list(SRC_KERNELS))
 def test_srcs_on_the_destinations_device(kernel: str, layout) -> None:
     _, call = SRC_KERNELS[kernel]
-    with pytest.raises(ValueError, match=r"srcs\[1\] must be on cpu, got meta"):
+    with pytest.raises(ValueError, match=rf"srcs\[1\] must be on {DEV_NAME}, got meta"):
         call(layout, srcs=[_flat(), _flat().to("meta")])
     entry = _entry(kernel, 1)
     entry[2] = entry[2].to("meta")
-    with pytest.raises(ValueError, match=r"srcs\[1\]\[2\] must be on cpu, got meta"):
+    with pytest.raises(ValueError, match=rf"srcs\[1\]\[2\] must be on {DEV_NAME}, got meta"):
         call(layout, srcs=[_entry(kernel, 0), entry])
 
 
@@ -418,7 +429,7 @@ def test_first_param_on_another_device(layout) -> None:
     # two disagree, not which one is "wrong".
     params = _params()
     params[0] = params[0].to("meta")
-    with pytest.raises(ValueError, match=r"params\[1\] must be on meta, got cpu"):
+    with pytest.raises(ValueError, match=rf"params\[1\] must be on meta, got {DEV_NAME}"):
         _place(layout, params=params)
     # All params on meta: a device the kernels cannot run on, named as such.
     with pytest.raises(ValueError, match=r"params must be on a CUDA device, got meta"):
@@ -470,7 +481,7 @@ def test_pack_out_on_a_kernel_device(layout) -> None:
 def test_pack_grads_on_outs_device(layout) -> None:
     grads = _params()
     grads[2] = grads[2].to("meta")
-    with pytest.raises(ValueError, match=r"grads\[2\] must be on cpu, got meta"):
+    with pytest.raises(ValueError, match=rf"grads\[2\] must be on {DEV_NAME}, got meta"):
         _pack(layout, grads=grads)
 
 

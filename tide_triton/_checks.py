@@ -5,6 +5,7 @@ device memory or synchronises a device.
 """
 from __future__ import annotations
 
+import operator
 from typing import Iterable, Sequence
 
 import torch
@@ -19,6 +20,9 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -56,6 +60,14 @@ def check_uniform(
     first = tensors[0]
     dtype = first.dtype
     dev = first.device if device is None else device
+    # Fast path (hundreds of tensors per call): C-level maps, details only on failure.
+    if (
+        dtype in dtypes
+        and all(d is dtype for d in map(_DTYPE, tensors))
+        and all(d == dev for d in map(_DEVICE, tensors))
+        and all(map(torch.Tensor.is_contiguous, tensors))
+    ):
+        return dtype, dev
     allowed = " or ".join(dtype_name(d) for d in dtypes)
     for i, t in enumerate(tensors):
         if t.dtype is not dtype or dtype not in dtypes:
@@ -79,6 +91,11 @@ def check_shapes(
 ) -> list[bool]:
     """Each tensor has ``expected[i]`` or ``alternative[i]``; returns per tensor whether it
     matched the alternative."""
+    sizes = list(map(torch.Tensor.size, tensors))
+    if sizes == list(expected):  # fast paths: torch.Size compares equal to tuples
+        return [False] * len(sizes)
+    if alternative is not None and sizes == list(alternative):
+        return [True] * len(sizes)
     out = []
     for i, (t, e) in enumerate(zip(tensors, expected)):
         shape = tuple(t.shape)

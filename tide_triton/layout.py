@@ -154,9 +154,13 @@ class ShardLayout:
     def shard_shapes(self, rank: int, *, padded: bool = False) -> tuple[tuple[int, ...], ...]:
         """Shape of rank ``rank``'s shard of each parameter, ``(rows, *shape[1:])``; with
         ``padded=True`` every shard has ``rows_per_rank`` rows."""
-        self._check_rank(rank)
-        rows = self.rows_per_rank if padded else self.shard_rows(rank)
-        return tuple((r, *s[1:]) for r, s in zip(rows, self.shapes))
+        key = ("shapes", self._check_rank(rank), bool(padded))
+        hit = self._derived.get(key)
+        if hit is None:
+            rows = self.rows_per_rank if padded else self.shard_rows(rank)
+            hit = tuple((r, *s[1:]) for r, s in zip(rows, self.shapes))
+            self._derived[key] = hit
+        return hit
 
     def select(self, indices: Iterable[int]) -> "ShardLayout":
         """The layout of a subset of the parameters (in the given order), same world size."""

@@ -50,7 +50,9 @@ def _cast_out(acc, OUT_DTYPE: tl.constexpr, SOFT: tl.constexpr):
 def _src_ptr(src_tbl_ptr, src_stride_k, src_idx, src_off, k,
              SRC_DTYPE: tl.constexpr, SRC_ALIGN: tl.constexpr):
     addr = tl.load(src_tbl_ptr + k * src_stride_k + src_idx) + src_off * (SRC_DTYPE.primitive_bitwidth // 8)
-    return tl.multiple_of(addr, SRC_ALIGN).to(tl.pointer_type(SRC_DTYPE))
+    # The hint goes on the pointer: Triton's alignment analysis does not carry an integer's
+    # divisibility through int_to_ptr (no hint, no 16-byte vector loads).
+    return tl.multiple_of(addr.to(tl.pointer_type(SRC_DTYPE)), SRC_ALIGN)
 
 
 @triton.jit
@@ -125,8 +127,8 @@ def segmented_reduce_kernel(
         src_idx = tl.load(row + 2)
         src_off = tl.load(row + 3)
         numel = tl.where(valid, tl.load(row + 4), 0)
-        dst_addr = tl.multiple_of(tl.load(dst_tbl_ptr + dst_idx) + dst_off * dst_bytes, DST_ALIGN)
-        dst = dst_addr.to(tl.pointer_type(DST_DTYPE))
+        dst_addr = tl.load(dst_tbl_ptr + dst_idx) + dst_off * dst_bytes
+        dst = tl.multiple_of(dst_addr.to(tl.pointer_type(DST_DTYPE)), DST_ALIGN)
         # Whole blocks without masks (vector loads and stores), then one masked tail.
         n_full = numel // BLOCK
         for b in range(0, n_full):

@@ -14,11 +14,13 @@ import math
 import os
 import threading
 from collections import OrderedDict
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import triton.language as tl
+from triton import knobs as _knobs
 
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
 
@@ -56,24 +58,44 @@ class LaunchConfig:
     block: int
     """Elements per inner step of a program."""
     num_warps: int
-    tile_numel: int
-    """Largest run piece one program handles before taking the next tile."""
 
 
 def launch_config(dst_dtype: torch.dtype, k: int) -> LaunchConfig:
     """Launch settings for a segmented copy/reduce.
 
-    BLOCK=2048 with 8 warps: every thread moves 8 elements per source per step (16 B of
-    bf16, two 16 B vectors of fp32), enough bytes in flight per SM for HBM without spills
-    even at K=8.  Tiles of 64 blocks (128 Ki elements) keep the tile table small (a
-    Llama-3.1-70B layer: ~6.5 K tiles) while leaving ~50 tiles per SM to balance.
+    BLOCK=2048 with 8 warps: every thread moves 8 elements per source per step (one 16 B
+    vector of bf16, two of fp32).  Measured on the H200 (bench/NOTES.md).
     """
     del dst_dtype, k
     if interpreting():
-        # The interpreter runs programs one by one in numpy: small blocks and tiles keep
-        # test sizes cheap while still exercising many-tile, many-program paths.
-        return LaunchConfig(block=64, num_warps=1, tile_numel=256)
-    return LaunchConfig(block=2048, num_warps=8, tile_numel=2048 * 64)
+        # The interpreter runs programs one by one in numpy: small blocks keep test sizes
+        # cheap while still exercising many-block, many-tile paths.
+        return LaunchConfig(block=64, num_warps=1)
+    return LaunchConfig(block=2048, num_warps=8)
+
+
+@lru_cache(maxsize=None)
+def _sm_count() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132  # an H100/H200
+
+
+def tile_numel_for(total_numel: int) -> int:
+    """Largest piece of a run one program takes at a time.
+
+    Enough tiles for ~8 per SM (small outputs -- a W=64 shard -- still fill the GPU), but
+    no fewer than 4 blocks per tile nor more than 64 (a Llama-3.1-70B layer: ~6.5 K tiles),
+    a power of two times the block.
+    """
+    if interpreting():
+        return 256
+    block = launch_config(torch.float32, 1).block
+    want = max(1, total_numel // (8 * _sm_count()))
+    tile = block * 4
+    while tile * 2 <= want and tile < block * 64:
+        tile *= 2
+    return tile
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
@@ -118,7 +140,8 @@ class SegmentProgram:
     runs: tuple[Run, ...]
     n_dst: int
     n_src: int
-    tile_numel: int
+    tile_numel: int = 0
+    """0: chosen from the total size by :func:`tile_numel_for`."""
     tiles: torch.Tensor = field(init=False, repr=False)
     total_numel: int = field(init=False)
     _dst_off_gcd: int = field(init=False, repr=False)
@@ -129,6 +152,8 @@ class SegmentProgram:
 
     def __post_init__(self) -> None:
         rows: list[tuple[int, int, int, int, int]] = []
+        if self.tile_numel <= 0:
+            self.tile_numel = tile_numel_for(sum(r.numel for r in self.runs if r.numel > 0))
         step = self.tile_numel
         dst_offs: list[int] = []
         src_offs: list[int] = []
@@ -229,6 +254,7 @@ class Binding:
         self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
         self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
         self._streams_seen: set = set()
+        self._compiled: dict = {}
         self._same_dtype = src0.dtype == dst0.dtype
         self._static = dict(
             K=self.k,
@@ -267,22 +293,43 @@ class Binding:
                 "replaced); bind the tensors again"
             )
         tiles, dst_tbl, src_tbl = self._tables
-        if self._cuda:
-            stream = torch.cuda.current_stream(self.dsts[0].device)
-            if stream != self._upload_stream and stream not in self._streams_seen:
-                # First launch on another stream: wait for the table uploads, and keep the
-                # tables' memory from being reused before this stream is done with them.
-                for event in self._events:
-                    stream.wait_event(event)
-                for t in self._tables:
-                    t.record_stream(stream)
-                self._streams_seen.add(stream)
-        segmented_reduce_kernel[self._grid](
-            tiles, dst_tbl, src_tbl,
-            self.program.n_tiles, self._n_iters, self.program.n_src,
-            1.0 if scale is None else float(scale),
-            HAS_SCALE=scale is not None,
-            ACCUMULATE=accumulate,
-            RAW=self.k == 1 and self._same_dtype and scale is None and not accumulate,
-            **self._static,
-        )
+        has_scale = scale is not None
+        raw = self.k == 1 and self._same_dtype and not has_scale and not accumulate
+        args = (tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
+                float(scale) if has_scale else 1.0)
+        if not self._cuda:
+            segmented_reduce_kernel[self._grid](
+                *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
+            )
+            return
+        stream = torch.cuda.current_stream(self.dsts[0].device)
+        if stream != self._upload_stream and stream not in self._streams_seen:
+            # First launch on another stream: wait for the table uploads, and keep the
+            # tables' memory from being reused before this stream is done with them.
+            for event in self._events:
+                stream.wait_event(event)
+            for t in self._tables:
+                t.record_stream(stream)
+            self._streams_seen.add(stream)
+        key = (has_scale, bool(accumulate), raw)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            # First launch of this variant goes through Triton's JIT (compile or cache
+            # lookup); later ones call the compiled kernel directly, skipping Triton's
+            # per-launch argument binding and specialisation (~30 us of host time).
+            compiled = segmented_reduce_kernel[self._grid](
+                *args, HAS_SCALE=has_scale, ACCUMULATE=bool(accumulate), RAW=raw, **self._static
+            )
+            self._compiled[key] = (compiled, self._constexpr_values(*key))
+            return
+        kernel, consts = compiled
+        s = stream.cuda_stream
+        all_args = args + consts
+        kernel.run(self._grid[0], 1, 1, s, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self._grid, s, *all_args),
+                   _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *all_args)
+
+    def _constexpr_values(self, has_scale: bool, accumulate: bool, raw: bool) -> tuple:
+        st = self._static
+        return (st["K"], st["SRC_DTYPE"], st["DST_DTYPE"], has_scale, accumulate, raw,
+                st["SRC_ALIGN"], st["DST_ALIGN"], st["SOFT"], st["BLOCK"])

@@ -24,14 +24,14 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, check_device, launch_config
+from ._segments import Binding, Run, SegmentProgram, check_device
 from .placement import Sources, check_layout, check_max_ctas
 
 __all__ = ["accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref"]
 
 
 @lru_cache(maxsize=64)
-def _program(layout: ShardLayout, rank: int, flat_src: bool, tile_numel: int) -> SegmentProgram:
+def _program(layout: ShardLayout, rank: int, flat_src: bool) -> SegmentProgram:
     S = layout.padded_shard_numels
     numels = layout.shard_numels(rank)
     if flat_src:
@@ -39,7 +39,7 @@ def _program(layout: ShardLayout, rank: int, flat_src: bool, tile_numel: int) ->
     else:
         runs = [Run(p, 0, p, rank * S[p], numels[p]) for p in range(len(layout))]
     return SegmentProgram(
-        tuple(runs), n_dst=len(layout), n_src=1 if flat_src else len(layout), tile_numel=tile_numel
+        tuple(runs), n_dst=len(layout), n_src=1 if flat_src else len(layout)
     )
 
 
@@ -75,11 +75,11 @@ def bind_accumulate_shards(
         for j, e in enumerate(entries):
             check_shapes(f"srcs[{j}]", e, layout.shapes, layout.padded_shapes)
     if P == 0:
-        return Binding(_program(layout, rank, flat, 1), (), (), len(entries), max_ctas)
+        return Binding(_program(layout, rank, flat), (), (), len(entries), max_ctas)
     _, device = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES)
     check_device("shards", device)
     check_entries_uniform("srcs", entries, flat, dtypes=FLOAT_DTYPES, device=device)
-    program = _program(layout, rank, flat, launch_config(shards_l[0].dtype, len(entries)).tile_numel)
+    program = _program(layout, rank, flat)
     src_tensors = tuple(t for e in entries for t in e)
     return Binding(program, tuple(shards_l), src_tensors, len(entries), max_ctas)
 

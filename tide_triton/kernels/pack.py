@@ -15,21 +15,21 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, check_device, launch_config
+from ._segments import Binding, Run, SegmentProgram, check_device
 from .placement import check_layout, check_max_ctas, check_ranks
 
 __all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
 
 
 @lru_cache(maxsize=64)
-def _program(layout: ShardLayout, ranks: tuple[int, ...], tile_numel: int) -> SegmentProgram:
+def _program(layout: ShardLayout, ranks: tuple[int, ...]) -> SegmentProgram:
     S, F = layout.padded_shard_numels, layout.flat_shard_numel
     runs = [
         Run(0, j * F + layout.flat_offsets[p], p, r * S[p], layout.shard_numels(r)[p])
         for j, r in enumerate(ranks)
         for p in range(len(layout))
     ]
-    return SegmentProgram(tuple(runs), n_dst=1, n_src=len(layout), tile_numel=tile_numel)
+    return SegmentProgram(tuple(runs), n_dst=1, n_src=len(layout))
 
 
 def bind_pack_shards(
@@ -59,7 +59,7 @@ def bind_pack_shards(
     check_device("out", out.device)
     if P:
         check_uniform("grads", grads_l, dtypes=FLOAT_DTYPES, device=out.device)
-    program = _program(layout, rank_list, launch_config(out.dtype, 1).tile_numel)
+    program = _program(layout, rank_list)
     return Binding(program, (out,), tuple(grads_l), 1, max_ctas)
 
 

@@ -23,7 +23,7 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, check_device, launch_config
+from ._segments import Binding, Run, SegmentProgram, check_device
 
 __all__ = ["place_shards", "bind_place_shards", "place_shards_ref", "Sources"]
 
@@ -71,7 +71,7 @@ def check_max_ctas(max_ctas: object) -> int | None:
 
 
 @lru_cache(maxsize=64)
-def _program(layout: ShardLayout, ranks: tuple[int, ...], flat_src: bool, tile_numel: int) -> SegmentProgram:
+def _program(layout: ShardLayout, ranks: tuple[int, ...], flat_src: bool) -> SegmentProgram:
     P = len(layout)
     S = layout.padded_shard_numels
     runs = []
@@ -83,7 +83,7 @@ def _program(layout: ShardLayout, ranks: tuple[int, ...], flat_src: bool, tile_n
             else:
                 runs.append(Run(p, r * S[p], i * P + p, 0, n))
     n_src = len(ranks) * (1 if flat_src else P)
-    return SegmentProgram(tuple(runs), n_dst=P, n_src=n_src, tile_numel=tile_numel)
+    return SegmentProgram(tuple(runs), n_dst=P, n_src=n_src)
 
 
 def bind_place_shards(
@@ -111,11 +111,11 @@ def bind_place_shards(
             check_shapes(f"srcs[{j}]", entries[j], layout.shard_shapes(r), layout.shard_shapes(r, padded=True))
     src_tensors = [t for e in entries for t in e]
     if P == 0:
-        return Binding(_program(layout, rank_list, flat, 1), (), (), 1, max_ctas)
+        return Binding(_program(layout, rank_list, flat), (), (), 1, max_ctas)
     _, device = check_uniform("params", params_l, dtypes=FLOAT_DTYPES)
     check_device("params", device)
     check_entries_uniform("srcs", entries, flat, dtypes=FLOAT_DTYPES, device=device)
-    program = _program(layout, rank_list, flat, launch_config(params_l[0].dtype, 1).tile_numel)
+    program = _program(layout, rank_list, flat)
     return Binding(program, tuple(params_l), tuple(src_tensors), 1, max_ctas)
 
 
