@@ -16,3 +16,6 @@ ptx=$(find ~/.triton/cache -name 'segmented_reduce_kernel*.ptx' 2>/dev/null | he
 for f in $ptx; do
   echo "$(basename $(dirname $f)): ld.v4=$(grep -c 'ld.global.*v4' $f) ld.v2=$(grep -c 'ld.global.*v2' $f) ld=$(grep -c 'ld.global' $f) st.v4=$(grep -c 'st.global.*v4' $f) st=$(grep -c 'st.global' $f) fma=$(grep -c 'fma.rn.f32' $f)"
 done | tee "$OUT/ptx.txt"
+if [ "${SWEEP:-0}" = 1 ]; then
+  timeout 300 python3 bench/sweep_launch.py 2>&1 | tee "$OUT/sweep.log"
+fi

@@ -23,8 +23,9 @@ def main() -> int:
     print(f"copy ceiling {ceiling:.0f} GB/s")
     shapes = layer_shapes("llama-3.1-70b")
     original = _segments.launch_config
-    print("| BLOCK | warps | place bf16 W=8 | place fp32->bf16 W=8 | acc K=8 W=8 | acc K=8 W=64 |")
-    print("|---|---|---|---|---|---|")
+    qwen = layer_shapes("qwen3-30b-a3b")
+    print("| BLOCK | warps | place bf16 W=8 | place fp32->bf16 W=8 | acc K=8 W=8 | acc K=8 W=64 | qwen place W=64 | qwen acc W=64 |")
+    print("|---|---|---|---|---|---|---|---|")
     for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
         _segments.launch_config = lambda dst_dtype, k, b=block, w=warps: _segments.LaunchConfig(b, w)
         for mod in (placement, accumulate, pack):
@@ -37,6 +38,10 @@ def main() -> int:
         for W in (8, 64):
             r = [x for x in bench.bench_accumulation("llama", shapes, W, dev) if x.impl.startswith("tide")][0]
             cells.append(f"{r.time_ms:.3f} ms {100 * r.gbps() / ceiling:.0f}%")
+        r = [x for x in bench.bench_placement("qwen", qwen, 64, dev) if x.impl.startswith("tide")][0]
+        cells.append(f"{r.time_ms:.3f} ms {100 * r.gbps() / ceiling:.0f}%")
+        r = [x for x in bench.bench_accumulation("qwen", qwen, 64, dev) if x.impl.startswith("tide")][0]
+        cells.append(f"{r.time_ms:.3f} ms {100 * r.gbps() / ceiling:.0f}%")
         print(f"| {block} | {warps} | " + " | ".join(cells) + " |", flush=True)
         torch.cuda.empty_cache()
     _segments.launch_config = original

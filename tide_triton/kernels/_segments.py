@@ -165,7 +165,7 @@ class SegmentProgram:
                 rows.append((r.dst_idx, r.dst_off + start, r.src_idx, r.src_off + start, n))
             dst_offs.append(r.dst_off)
             src_offs.append(r.src_off)
-        self.tiles = torch.tensor(rows, dtype=torch.int64).reshape(-1, TILE_FIELDS)
+        self.tiles = torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, TILE_FIELDS)
         self.total_numel = sum(r.numel for r in self.runs if r.numel > 0)
         # Offsets in elements; tiles start at run offsets plus multiples of tile_numel.
         self._dst_off_gcd = math.gcd(*dst_offs, step) if dst_offs else 0
@@ -196,7 +196,7 @@ class SegmentProgram:
             if hit is not None:
                 self._pointer_cache.move_to_end(key)
                 return hit
-        table, event = _upload(torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64), device)
+        table, event = _upload(torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64, device="cpu"), device)
         dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
         src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
         hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event)

@@ -103,8 +103,9 @@ def accumulate_shards(
     ``[shards[p] +] scale * sum_k srcs[k]`` on its real rows; padding rows are not written.
     One launch on the current stream of the shards' device.
     """
+    scale = _check_scale(scale)
     binding = bind_accumulate_shards(srcs, shards, layout, rank, max_ctas=max_ctas)
-    binding.launch(scale=_check_scale(scale), accumulate=bool(accumulate), check_addresses=False)
+    binding.launch(scale=scale, accumulate=bool(accumulate), check_addresses=False)
 
 
 def accumulate_shards_ref(
