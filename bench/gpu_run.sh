@@ -19,3 +19,7 @@ done | tee "$OUT/ptx.txt"
 if [ "${SWEEP:-0}" = 1 ]; then
   timeout 300 python3 bench/sweep_launch.py 2>&1 | tee "$OUT/sweep.log"
 fi
+if [ "${PYBENCH:-0}" = 1 ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider bench/test_bench_kernels.py --benchmark-only \
+    --benchmark-json="$OUT/pytest_benchmark.json" --benchmark-columns=median,iqr,rounds 2>&1 | tail -40 | tee "$OUT/pytest_benchmark.log"
+fi

@@ -6,6 +6,7 @@ device memory or synchronises a device.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import Iterable, Sequence
 
 import torch
@@ -39,6 +40,8 @@ def check_tensor_list(name: str, value: object, length: int | None = None) -> li
     if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a sequence of tensors, got {type(value).__name__}")
     items = list(value)
+    if all(map(isinstance, items, repeat(torch.Tensor))) and (length is None or len(items) == length):
+        return items  # fast path
     if length is not None and len(items) != length:
         raise ValueError(
             f"{name} must have {length} {'entry' if length == 1 else 'entries'} (one per parameter), got {len(items)}"
@@ -63,8 +66,8 @@ def check_uniform(
     # Fast path (hundreds of tensors per call): C-level maps, details only on failure.
     if (
         dtype in dtypes
-        and all(d is dtype for d in map(_DTYPE, tensors))
-        and all(d == dev for d in map(_DEVICE, tensors))
+        and all(map(operator.is_, map(_DTYPE, tensors), repeat(dtype)))
+        and all(map(operator.eq, map(_DEVICE, tensors), repeat(dev)))
         and all(map(torch.Tensor.is_contiguous, tensors))
     ):
         return dtype, dev
