@@ -1,7 +1,9 @@
 """tide_triton: zero-copy, layout-aware collectives for FSDP2.
 
-Layout (:class:`ShardLayout`) -> kernels (:mod:`tide_triton.kernels`: placement,
-accumulation, packing, all Triton).
+Layout (:class:`ShardLayout`) -> schedule (:mod:`tide_triton.schedule`) -> transport
+(:mod:`tide_triton.transport`) -> kernels (:mod:`tide_triton.kernels`: placement,
+accumulation, packing, all Triton).  Collectives: :func:`init`, :func:`reduce_scatter`,
+:func:`all_gather`.
 """
 from .kernels import (
     accumulate_shards,
@@ -14,12 +16,15 @@ from .kernels import (
     place_shards,
     place_shards_ref,
 )
+from .collectives import Work, all_gather, reduce_scatter
+from .group import Group, GroupOptions, init
 from .layout import ShardLayout
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ShardLayout",
+    "init", "Group", "GroupOptions", "reduce_scatter", "all_gather", "Work",
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",

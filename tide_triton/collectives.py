@@ -1,0 +1,250 @@
+"""Public collectives: ``reduce_scatter`` (bf16 grads in, fp32 shards out) and
+``all_gather`` (shards straight into per-parameter storage).
+
+Layers: validate (this rank) -> agree (all ranks: same signature, no errors) -> plan
+(layout, ring schedule, flag map) -> run over the group's transport (heap slots, copies,
+flags) with the Triton kernels doing the SM work (accumulation, casts).
+
+Heap layout of every rank: ``[flags | reduce-scatter ring | all-gather block]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
+from .group import Group, resolve
+from .kernels._segments import Binding, Run, SegmentProgram
+from .kernels.placement import bind_place_shards
+from .layout import ShardLayout
+from .schedule import ring_plan
+
+__all__ = ["reduce_scatter", "all_gather", "Work"]
+
+_ALIGN = 4096
+
+
+def _round_up(n: int, m: int = _ALIGN) -> int:
+    return -(-n // m) * m
+
+
+class Work:
+    """Handle of a collective.  ``wait()`` makes the current stream wait for it (a no-op
+    for the host transport, whose work is complete when the call returns)."""
+
+    def __init__(self, event: object = None) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+@dataclass(frozen=True)
+class _Regions:
+    ring_off: int
+    slot_bytes: int
+    ag_off: int
+
+    def slot(self, stage: int, src: int, world: int) -> int:
+        return self.ring_off + (stage * world + src) * self.slot_bytes
+
+
+def _regions(g: Group, ring_slot_bytes: int, world: int) -> _Regions:
+    flags = _round_up(g.flags.n_flags * 8)
+    ring = _round_up(g.options.stages * world * ring_slot_bytes)
+    return _Regions(flags, ring_slot_bytes, flags + ring)
+
+
+def _ring_slot_bytes(g: Group) -> int:
+    return (g.options.ring_bytes // (g.options.stages * g.world_size)) // 16 * 16
+
+
+def _scale(op: object, world: int) -> float | None:
+    if op == "sum":
+        return None
+    if op == "avg":
+        return 1.0 / world
+    if isinstance(op, float) and not isinstance(op, bool):
+        return op
+    raise ValueError(f'op must be "sum", "avg" or a float (pre-multiplied sum), got {op!r}')
+
+
+@lru_cache(maxsize=256)
+def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int, j: int) -> SegmentProgram:
+    plan = ring_plan(layout, ring_bytes, elem_bytes, stages)
+    runs = tuple(Run(pc.param, pc.start, 0, pc.slot_off, pc.numel) for pc in plan.chunks[dest][j])
+    return SegmentProgram(runs, n_dst=len(layout), n_src=1)
+
+
+# --------------------------------------------------------------------------- reduce-scatter
+def reduce_scatter(
+    grads: Sequence[torch.Tensor],
+    shards: Sequence[torch.Tensor],
+    *,
+    group: object = None,
+    op: str | float = "avg",
+    accumulate: bool = False,
+    stream: object = None,
+    async_op: bool = False,
+) -> Work:
+    """``shards[i][:rows_r] = f(sum over ranks of grads[i][r*c : r*c + rows_r])``.
+
+    ``grads[i]``: full gradient (contiguous; bf16, fp16 or fp32), same shapes on every rank.
+    ``shards[i]``: this rank's shard, padded ``(c, *rest)`` or unpadded ``(rows_r, *rest)``;
+    fp32 (bf16 and fp16 allowed).  ``op``: ``"sum"``, ``"avg"`` or a float ``s`` (the sum
+    times ``s``).  With ``accumulate`` the previous shard value is added; otherwise padding
+    rows become zero.  Sums are fp32 in rank order 0..W-1: repeated runs are bit-identical.
+    """
+    g = resolve(group)
+    W, me = g.world_size, g.rank
+    err: BaseException | None = None
+    sig: object = None
+    try:
+        grads_l = check_tensor_list("grads", grads)
+        shards_l = check_tensor_list("shards", shards, len(grads_l))
+        if not grads_l:
+            raise ValueError("grads must hold at least one tensor, got none")
+        gdt, device = check_uniform("grads", grads_l, dtypes=FLOAT_DTYPES)
+        layout = ShardLayout([tuple(t.shape) for t in grads_l], W)
+        check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True))
+        sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
+        scale = _scale(op, W)
+        sig = ("reduce_scatter", layout.shapes, dtype_name(gdt), dtype_name(sdt), repr(op), bool(accumulate), device.type)
+    except (TypeError, ValueError) as e:
+        err = e
+    g.agree(sig, err)
+
+    t = g.transport(device)
+    es = gdt.itemsize
+    plan = ring_plan(layout, g.options.ring_bytes, es, g.options.stages)
+    slot_bytes = plan.chunk_elems * es
+    reg = _regions(g, _ring_slot_bytes(g), W)
+    if slot_bytes > reg.slot_bytes:
+        raise AssertionError("ring plan and heap regions disagree")  # internal invariant
+    t.ensure_heap(reg.ag_off)
+    fm, S, timeout = g.flags, g.options.stages, g.options.timeout_s
+    Sp = layout.padded_shard_numels
+    gptrs = [x.data_ptr() for x in grads_l]
+    slots = [[t.heap_tensor(me, reg.slot(s, c, W), plan.chunk_elems, gdt) for c in range(W)] for s in range(S)]
+    base = g.rs_count
+    for j in range(plan.rounds):
+        s = j % S
+        v = base + j + 1
+        # Push: for every destination, its slices of my gradients into its slot for me.
+        for d in range(W):
+            if j >= len(plan.chunks[d]):
+                continue
+            last = g.rs_last.get((d, s))
+            if last is not None:
+                t.wait(fm.rs_free(s, d), last, peer=d, timeout_s=timeout,
+                       what=f"rank {d} to free reduce-scatter slot (stage {s})")
+            dst0 = t.address(d, reg.slot(s, me, W))
+            pieces = plan.chunks[d][j]
+            t.copy([dst0 + pc.slot_off * es for pc in pieces],
+                   [gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es for pc in pieces],
+                   [pc.numel * es for pc in pieces])
+            t.signal(d, fm.rs_ready(s, me), v)
+            g.rs_last[(d, s)] = v
+        # Reduce: my chunk j from the W slots, in rank order, into my shards.
+        if j < len(plan.chunks[me]):
+            for c in range(W):
+                t.wait(fm.rs_ready(s, c), v, peer=c, timeout_s=timeout,
+                       what=f"rank {c}'s reduce-scatter contribution (chunk {j})")
+            program = _chunk_program(layout, g.options.ring_bytes, es, S, me, j)
+            Binding(program, tuple(shards_l), tuple(slots[s]), W, None).launch(
+                scale=scale, accumulate=bool(accumulate), check_addresses=False)
+            for c in range(W):
+                t.signal(c, fm.rs_free(s, me), v)
+    g.rs_count = base + plan.rounds
+    if not accumulate:
+        for x, n in zip(shards_l, layout.shard_numels(me)):
+            if x.numel() > n:
+                x.view(-1)[n:].zero_()
+    return Work()
+
+
+# --------------------------------------------------------------------------- all-gather
+def all_gather(
+    shards: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    *,
+    group: object = None,
+    stream: object = None,
+    async_op: bool = False,
+) -> Work:
+    """``params[i][r*c : r*c + rows_r] = shard of rank r`` for every rank ``r``.
+
+    ``shards[i]``: this rank's shard, padded ``(c, *rest)`` or unpadded ``(rows_r, *rest)``.
+    ``params[i]``: the full parameter ``(d0, *rest)`` or padded ``(W*c, *rest)``; its dtype
+    may differ from the shards' (fp32 -> bf16 rounds to nearest even, in the same pass).
+    """
+    g = resolve(group)
+    W, me = g.world_size, g.rank
+    err: BaseException | None = None
+    sig: object = None
+    try:
+        params_l = check_tensor_list("params", params)
+        shards_l = check_tensor_list("shards", shards, len(params_l))
+        if not params_l:
+            raise ValueError("params must hold at least one tensor, got none")
+        pdt, device = check_uniform("params", params_l, dtypes=FLOAT_DTYPES)
+        layout = ShardLayout([tuple(t.shape) for t in params_l], W)
+        check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True))
+        sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
+        c = layout.rows_per_rank
+        sig = ("all_gather", tuple((ci, *s[1:]) for ci, s in zip(c, layout.shapes)),
+               dtype_name(pdt), dtype_name(sdt), device.type)
+    except (TypeError, ValueError) as e:
+        err = e
+    g.agree(sig, err)
+    # Ranks may pass full or padded params: the flat block (padded shards) is the same.
+    t = g.transport(device)
+    es = sdt.itemsize
+    reg = _regions(g, _ring_slot_bytes(g), W)
+    block = layout.flat_shard_numel * es
+    t.ensure_heap(reg.ag_off + _round_up(block, 16))
+    fm, timeout = g.flags, g.options.timeout_s
+    g.ag_epoch += 1
+    e = g.ag_epoch
+    if e > 1:  # my block is free once every reader has finished the previous epoch
+        for r in range(W):
+            t.wait(fm.ag_done(r), e - 1, peer=r, timeout_s=timeout,
+                   what=f"rank {r} to finish reading my all-gather block")
+    # Stage my shards into my block (padded positions of an unpadded shard become zero).
+    my_block = t.address(me, reg.ag_off)
+    offs, S = layout.flat_offsets, layout.padded_shard_numels
+    t.copy([my_block + offs[p] * es for p in range(len(layout))],
+           [x.data_ptr() for x in shards_l],
+           [x.numel() * es for x in shards_l])
+    for p, x in enumerate(shards_l):
+        if x.numel() < S[p]:
+            t.heap_tensor(me, reg.ag_off + (offs[p] + x.numel()) * es, S[p] - x.numel(), sdt).zero_()
+    for r in range(W):
+        t.signal(r, fm.ag_ready(me), e)
+    for r in range(W):
+        t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
+    if pdt == sdt:
+        # Straight copies: every rank's real rows into every parameter, no SMs.
+        dsts, srcs, sizes = [], [], []
+        pptrs = [x.data_ptr() for x in params_l]
+        for r in range(W):
+            rb = t.address(r, reg.ag_off)
+            for p, n in enumerate(layout.shard_numels(r)):
+                if n:
+                    dsts.append(pptrs[p] + r * S[p] * es)
+                    srcs.append(rb + offs[p] * es)
+                    sizes.append(n * es)
+        t.copy(dsts, srcs, sizes)
+    else:
+        blocks = [t.heap_tensor(r, reg.ag_off, layout.flat_shard_numel, sdt) for r in range(W)]
+        bind_place_shards(blocks, params_l, layout).launch(check_addresses=False)
+    for r in range(W):
+        t.signal(r, fm.ag_done(me), e)
+    return Work()

@@ -1,0 +1,173 @@
+"""A tide_triton group: bootstrap over a torch.distributed process group, agreement on
+arguments and errors, and the transports it owns.
+
+Every collective starts with :meth:`Group.agree`: each rank checks its own arguments, then
+all ranks exchange (signature, error) over the group's gloo bootstrap; if any rank failed,
+every rank raises (the failing rank its own error, the others an error naming it), and if
+the signatures differ every rank raises naming the ranks that disagree -- nobody is left
+waiting on a peer that will never come.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .schedule import FlagMap
+
+__all__ = ["GroupOptions", "Group", "init", "ArgumentMismatchError", "PeerArgumentError"]
+
+log = logging.getLogger("tide_triton")
+
+
+class ArgumentMismatchError(ValueError):
+    """Ranks called the same collective with arguments that disagree."""
+
+
+class PeerArgumentError(ValueError):
+    """Another rank rejected its arguments; this rank raises too instead of hanging."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank} rejected its arguments: {message}")
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Options of :func:`init` (keyword-only)."""
+
+    timeout_s: float = 300.0
+    """Longest wait on any peer before raising an error that names it."""
+    ring_bytes: int = 64 << 20
+    """Reduce-scatter receive staging per rank, whatever the world size or the layout."""
+    stages: int = 2
+    """Stages of the receive ring: chunk j+1's copies overlap chunk j's accumulation."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if isinstance(self.ring_bytes, bool) or not isinstance(self.ring_bytes, int) or self.ring_bytes < 4096:
+            raise ValueError(f"ring_bytes must be an int >= 4096, got {self.ring_bytes!r}")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
+
+
+class Group:
+    """Collective state over one torch.distributed process group (all ranks on one node)."""
+
+    def __init__(self, pg: dist.ProcessGroup | None = None, options: GroupOptions | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+        self.pg = pg if pg is not None else dist.group.WORLD
+        self.options = options or GroupOptions()
+        self.rank = dist.get_rank(self.pg)
+        self.world_size = dist.get_world_size(self.pg)
+        self.local_size = self.world_size
+        self.flags = FlagMap(self.local_size, self.options.stages)
+        if dist.get_backend(self.pg) == "gloo":
+            self._bootstrap = self.pg
+        else:  # object exchange needs a CPU-capable group
+            ranks = dist.get_process_group_ranks(self.pg)
+            self._bootstrap = dist.new_group(ranks, backend="gloo")
+        self._transports: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.ag_epoch = 0
+        self.rs_last: dict[tuple[int, int], int] = {}
+        self.rs_count = 0
+        self._closed = False
+
+    # ---- bootstrap ----------------------------------------------------------------------
+    def exchange(self, obj: object) -> list:
+        """All-gather one small picklable object per rank (rank order)."""
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._bootstrap)
+        return out
+
+    def agree(self, signature: object, error: BaseException | None) -> None:
+        """Share this rank's (signature, error); raise on every rank if any rank failed or
+        the signatures differ."""
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        got = self.exchange((signature, msg))
+        if error is not None:
+            raise error
+        for r, (_, m) in enumerate(got):
+            if m is not None:
+                raise PeerArgumentError(r, m)
+        first = got[0][0]
+        bad = [r for r, (s, _) in enumerate(got) if s != first]
+        if bad:
+            raise ArgumentMismatchError(
+                f"ranks disagree on the collective's arguments: rank 0 has {first!r}, "
+                f"rank {bad[0]} has {got[bad[0]][0]!r}"
+            )
+
+    # ---- transports ---------------------------------------------------------------------
+    def transport(self, device: torch.device):
+        self._check_open()
+        key = device.type
+        with self._lock:
+            t = self._transports.get(key)
+            if t is None:
+                if key == "cpu":
+                    from .transport.host import HostTransport
+
+                    t = HostTransport(self.rank, self.local_size, self.exchange, n_flags=self.flags.n_flags)
+                else:
+                    raise NotImplementedError(
+                        f"tide_triton collectives on {device.type} tensors need the GPU transport, "
+                        "which is not wired into the collectives yet; CPU tensors use the host transport"
+                    )
+                self._transports[key] = t
+        return t
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this tide_triton group is closed")
+
+    def close(self) -> None:
+        """Idempotent: closes every transport (unmaps heaps, closes handles)."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+        _GROUPS.pop(id(self.pg), None)
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_GROUPS: dict[int, Group] = {}
+
+
+def init(pg: dist.ProcessGroup | None = None, **options: Any) -> Group:
+    """The tide_triton group for ``pg`` (default: the world group), created on first use
+    (collective: every rank of ``pg`` calls it) and cached."""
+    key_pg = pg if pg is not None else dist.group.WORLD
+    g = _GROUPS.get(id(key_pg))
+    if g is not None and not g._closed:
+        if options and GroupOptions(**options) != g.options:
+            raise ValueError(f"init: a group for this process group exists with options {g.options}")
+        return g
+    g = Group(pg, GroupOptions(**options))
+    _GROUPS[id(key_pg)] = g
+    return g
+
+
+def resolve(group: object) -> Group:
+    """A tide_triton group from a Group, a ProcessGroup or None (the default group)."""
+    if isinstance(group, Group):
+        group._check_open()
+        return group
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return init(group)
+    raise TypeError(f"group must be a tide_triton Group, a ProcessGroup or None, got {type(group).__name__}")

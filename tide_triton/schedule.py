@@ -1,0 +1,111 @@
+"""In what order: pure-Python schedules for the node-local collectives (no CUDA imports).
+
+Reduce-scatter moves rank ``d``'s segment of every gradient from every contributor into
+``d``'s receive ring, chunk by chunk.  The ring has ``stages`` stages of ``local_size``
+slots (one per contributor); a slot holds ``chunk_elems`` elements, chosen so the ring is a
+fixed number of bytes whatever the world size or the layout: more ranks, smaller chunks,
+same staging.  Chunk ``j`` of destination ``d`` is a list of :class:`Piece` -- contiguous
+runs of ``d``'s real shard elements, packed back to back in the slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .layout import ShardLayout
+
+__all__ = ["Piece", "RingPlan", "ring_plan", "FlagMap"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``numel`` elements of parameter ``param`` starting at element ``start`` of the
+    destination's shard, at element ``slot_off`` of the slot."""
+
+    param: int
+    start: int
+    numel: int
+    slot_off: int
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    layout: ShardLayout
+    stages: int
+    chunk_elems: int
+    chunks: tuple[tuple[tuple[Piece, ...], ...], ...]
+    """``chunks[d][j]``: the pieces of destination ``d``'s chunk ``j``."""
+
+    @property
+    def rounds(self) -> int:
+        """Lock-step iterations: the most chunks any destination has."""
+        return max((len(c) for c in self.chunks), default=0)
+
+    def staging_elems(self) -> int:
+        """Receive staging per rank, in elements: stages x local ranks x chunk."""
+        return self.stages * self.layout.world_size * self.chunk_elems
+
+
+def _split(layout: ShardLayout, dest: int, chunk_elems: int) -> tuple[tuple[Piece, ...], ...]:
+    chunks: list[tuple[Piece, ...]] = []
+    cur: list[Piece] = []
+    used = 0
+    for p, n in enumerate(layout.shard_numels(dest)):
+        start = 0
+        while start < n:
+            take = min(n - start, chunk_elems - used)
+            cur.append(Piece(p, start, take, used))
+            start += take
+            used += take
+            if used == chunk_elems:
+                chunks.append(tuple(cur))
+                cur, used = [], 0
+    if cur:
+        chunks.append(tuple(cur))
+    return tuple(chunks)
+
+
+@lru_cache(maxsize=64)
+def ring_plan(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int = 2) -> RingPlan:
+    """Chunks for a ring of ``ring_bytes`` per rank (``stages`` x ``world_size`` slots).
+
+    Slots are rounded down to 16-byte multiples so every slot starts aligned."""
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    per_slot = ring_bytes // (stages * layout.world_size)
+    chunk_elems = (per_slot // 16 * 16) // elem_bytes
+    if chunk_elems < 1:
+        raise ValueError(
+            f"ring_bytes={ring_bytes} is too small for {stages} stages x {layout.world_size} ranks "
+            f"of {elem_bytes}-byte elements"
+        )
+    chunks = tuple(_split(layout, d, chunk_elems) for d in range(layout.world_size))
+    return RingPlan(layout, stages, chunk_elems, chunks)
+
+
+@dataclass(frozen=True)
+class FlagMap:
+    """Where each flag lives in every heap's flag array (64-bit words)."""
+
+    local_size: int
+    stages: int = 2
+
+    def ag_ready(self, src: int) -> int:
+        """On a reader: rank ``src``'s all-gather block holds this epoch's shards."""
+        return src
+
+    def ag_done(self, reader: int) -> int:
+        """On an owner: ``reader`` has finished reading the owner's all-gather block."""
+        return self.local_size + reader
+
+    def rs_ready(self, stage: int, src: int) -> int:
+        """On a destination: contributor ``src`` filled its slot of ring ``stage``."""
+        return 2 * self.local_size + stage * self.local_size + src
+
+    def rs_free(self, stage: int, dest: int) -> int:
+        """On a contributor: destination ``dest`` has consumed this contributor's slot."""
+        return (2 + self.stages) * self.local_size + stage * self.local_size + dest
+
+    @property
+    def n_flags(self) -> int:
+        return (2 + 2 * self.stages) * self.local_size
