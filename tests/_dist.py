@@ -23,7 +23,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, Iterator, Mapping
+from typing import Collection, Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,7 @@ def run_multiprocess(
     timeout: float = 120,
     env: Mapping[str, str] | None = None,
     num_threads: int | None = 1,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes, each inside an
     initialised gloo process group, and return their results as a list indexed by rank.
@@ -128,7 +129,8 @@ def run_multiprocess(
     ``timeout`` bounds the whole run (seconds): on expiry the survivors are killed and a
     ``RuntimeError`` names the ranks that had not reported.  If a child raised, the parent
     raises ``RuntimeError`` with that rank and its traceback; a child that died without
-    reporting gives a ``RuntimeError`` naming its rank and exit code.
+    reporting gives a ``RuntimeError`` naming its rank and exit code -- unless it is in
+    ``may_die`` (a test of peer failure): its result is then ``None``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
@@ -186,7 +188,9 @@ def run_multiprocess(
                 if r in outputs or r in errors or p.is_alive():
                     continue
                 # Dead and silent: allow a moment for a message still in the pipe.
-                if now - dead_since.setdefault(r, now) > _GRACE_S:
+                if now - dead_since.setdefault(r, now) > _GRACE_S and r in may_die:
+                    outputs[r] = None
+                elif now - dead_since.setdefault(r, now) > _GRACE_S:
                     errors[r] = f"rank {r} died without reporting (exit code {p.exitcode})"
                     if first_error_at is None:
                         first_error_at = now

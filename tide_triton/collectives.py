@@ -171,6 +171,21 @@ def reduce_scatter(
 
 
 # --------------------------------------------------------------------------- all-gather
+def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: int) -> None:
+    """Shard ``i`` is ``(rows, *rest)`` with rows = ``c`` (padded) or this rank's real rows.
+    A parameter passed padded (``W*c`` rows) hides its true dim 0, so there any row count
+    up to ``c`` is a valid unpadded shard: the rows it lacks arrive as zero padding."""
+    real = layout.shard_rows(rank)
+    for i, (x, shape, c) in enumerate(zip(shards, layout.shapes, layout.rows_per_rank)):
+        got = tuple(x.shape)
+        ok = len(got) == len(shape) and got[1:] == shape[1:] and (
+            got[0] in (c, real[i]) or (shape[0] == layout.world_size * c and 0 <= got[0] <= c))
+        if not ok:
+            want = (real[i], *shape[1:])
+            alt = "" if real[i] == c else f" or padded {(c, *shape[1:])}"
+            raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got}")
+
+
 def all_gather(
     shards: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -196,7 +211,7 @@ def all_gather(
             raise ValueError("params must hold at least one tensor, got none")
         pdt, device = check_uniform("params", params_l, dtypes=FLOAT_DTYPES)
         layout = ShardLayout([tuple(t.shape) for t in params_l], W)
-        check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True))
+        _check_gather_shards(shards_l, layout, me)
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         c = layout.rows_per_rank
         sig = ("all_gather", tuple((ci, *s[1:]) for ci, s in zip(c, layout.shapes)),

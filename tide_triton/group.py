@@ -50,8 +50,8 @@ class GroupOptions:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if isinstance(self.ring_bytes, bool) or not isinstance(self.ring_bytes, int) or self.ring_bytes < 4096:
-            raise ValueError(f"ring_bytes must be an int >= 4096, got {self.ring_bytes!r}")
+        if isinstance(self.ring_bytes, bool) or not isinstance(self.ring_bytes, int) or self.ring_bytes < 256:
+            raise ValueError(f"ring_bytes must be an int >= 256, got {self.ring_bytes!r}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
 
