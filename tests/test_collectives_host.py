@@ -228,3 +228,47 @@ def test_receive_staging_is_constant_in_world_size(ring_bytes: int) -> None:
                     assert start == pos
                     pos += numel
                 assert pos == n
+
+
+# ----------------------------------------------------------------------- one process, W ranks
+def test_single_process_multi_rank_mode() -> None:
+    # local_groups: one thread per rank, each with its own heap, the same collective code.
+    import threading
+
+    import tide_triton as tt
+
+    W = 4
+    groups = tt.local_groups(W, timeout_s=30, ring_bytes=512 * W)
+    shapes = [(7, 5), (3,), (1, 4, 3), (13, 2), (97,)]
+    layout = ShardLayout(shapes, W)
+    gen = torch.Generator().manual_seed(3)
+    grads = [[_int_tensor(s, gen) for s in shapes] for _ in range(W)]
+    full = [torch.randn(s, generator=gen) for s in shapes]
+    out: dict[int, object] = {}
+
+    def rank_main(r: int) -> None:
+        try:
+            shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+            tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
+            mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
+            params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+            tt.all_gather(mine, params, group=groups[r])
+            out[r] = (shards, params)
+        except BaseException as e:  # reported below, not lost in the thread
+            out[r] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for g in groups:
+        g.close()
+    for r in range(W):
+        assert not isinstance(out[r], BaseException), out[r]
+        shards, params = out[r]
+        for p in range(len(shapes)):
+            rows = layout.shard_rows(r)[p]
+            assert torch.equal(shards[p][:rows], _expected_shard(grads, p, r, layout, 1.0 / W))
+            assert bool((shards[p][rows:] == 0).all())
+            assert torch.equal(params[p], full[p].to(torch.bfloat16))

@@ -17,14 +17,14 @@ from .kernels import (
     place_shards_ref,
 )
 from .collectives import Work, all_gather, reduce_scatter
-from .group import Group, GroupOptions, init
+from .group import Group, GroupOptions, init, local_groups
 from .layout import ShardLayout
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ShardLayout",
-    "init", "Group", "GroupOptions", "reduce_scatter", "all_gather", "Work",
+    "init", "local_groups", "Group", "GroupOptions", "reduce_scatter", "all_gather", "Work",
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .schedule import FlagMap
 
-__all__ = ["GroupOptions", "Group", "init", "ArgumentMismatchError", "PeerArgumentError"]
+__all__ = ["GroupOptions", "Group", "init", "local_groups", "ArgumentMismatchError", "PeerArgumentError"]
 
 log = logging.getLogger("tide_triton")
 
@@ -59,20 +59,27 @@ class GroupOptions:
 class Group:
     """Collective state over one torch.distributed process group (all ranks on one node)."""
 
-    def __init__(self, pg: dist.ProcessGroup | None = None, options: GroupOptions | None = None) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
-        self.pg = pg if pg is not None else dist.group.WORLD
+    def __init__(self, pg: dist.ProcessGroup | None = None, options: GroupOptions | None = None, *,
+                 _local: "_LocalExchange | None" = None, _rank: int = 0) -> None:
         self.options = options or GroupOptions()
-        self.rank = dist.get_rank(self.pg)
-        self.world_size = dist.get_world_size(self.pg)
+        if _local is not None:  # single-process multi-rank mode (see local_groups)
+            self.pg = None
+            self.rank, self.world_size = _rank, _local.world_size
+            self._local = _local
+            self._bootstrap = None
+        else:
+            if not dist.is_initialized():
+                raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+            self.pg = pg if pg is not None else dist.group.WORLD
+            self._local = None
+            self.rank = dist.get_rank(self.pg)
+            self.world_size = dist.get_world_size(self.pg)
+            if dist.get_backend(self.pg) == "gloo":
+                self._bootstrap = self.pg
+            else:  # object exchange needs a CPU-capable group
+                self._bootstrap = dist.new_group(dist.get_process_group_ranks(self.pg), backend="gloo")
         self.local_size = self.world_size
         self.flags = FlagMap(self.local_size, self.options.stages)
-        if dist.get_backend(self.pg) == "gloo":
-            self._bootstrap = self.pg
-        else:  # object exchange needs a CPU-capable group
-            ranks = dist.get_process_group_ranks(self.pg)
-            self._bootstrap = dist.new_group(ranks, backend="gloo")
         self._transports: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.ag_epoch = 0
@@ -83,6 +90,8 @@ class Group:
     # ---- bootstrap ----------------------------------------------------------------------
     def exchange(self, obj: object) -> list:
         """All-gather one small picklable object per rank (rank order)."""
+        if self._local is not None:
+            return self._local.exchange(self.rank, obj, self.options.timeout_s)
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._bootstrap)
         return out
@@ -137,13 +146,47 @@ class Group:
         for t in self._transports.values():
             t.close()
         self._transports.clear()
-        _GROUPS.pop(id(self.pg), None)
+        if self.pg is not None and _GROUPS.get(id(self.pg)) is self:
+            _GROUPS.pop(id(self.pg), None)
 
     def __enter__(self) -> "Group":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _LocalExchange:
+    """In-process all-gather for ranks driven by threads of one process."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list = [None] * world_size
+
+    def exchange(self, rank: int, obj: object, timeout_s: float) -> list:
+        self._slots[rank] = obj
+        try:
+            self._barrier.wait(timeout_s)      # everyone has written
+            out = list(self._slots)
+            self._barrier.wait(timeout_s)      # everyone has read: slots may be reused
+        except threading.BrokenBarrierError:
+            raise TimeoutError(
+                f"rank {rank}: a local peer did not reach the exchange within {timeout_s} s"
+            ) from None
+        return out
+
+
+def local_groups(world_size: int, **options: Any) -> list[Group]:
+    """Single-process multi-rank mode: ``world_size`` groups whose ranks are driven by
+    threads of this process (one thread per rank calls the collectives with its group).
+    Each rank has its own heap and streams, so on one GPU their work overlaps the way it
+    does on a real node (processes sharing a GPU time-slice instead)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    opts = GroupOptions(**options)
+    ex = _LocalExchange(world_size)
+    return [Group(None, opts, _local=ex, _rank=r) for r in range(world_size)]
 
 
 _GROUPS: dict[int, Group] = {}

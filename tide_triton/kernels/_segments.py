@@ -35,6 +35,7 @@ _TL_DTYPES: dict[torch.dtype, str] = {
 # Pointer tables kept per program (distinct address sets seen): enough for double
 # buffering and a handful of parameter groups sharing a layout.
 _POINTER_CACHE_SIZE = 16
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def interpreting() -> bool:
@@ -304,9 +305,12 @@ class Binding:
         args = (tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
                 float(scale) if has_scale else 1.0)
         if not self._cuda:
-            segmented_reduce_kernel[self._grid](
-                *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
-            )
+            # The interpreter keeps global state per launch: one launch at a time (threads
+            # of the single-process multi-rank mode launch concurrently).
+            with _INTERPRETER_LOCK:
+                segmented_reduce_kernel[self._grid](
+                    *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
+                )
             return
         stream = torch.cuda.current_stream(self.dsts[0].device)
         if stream != self._upload_stream and stream not in self._streams_seen:
