@@ -9,6 +9,7 @@ Heap layout of every rank: ``[flags | reduce-scatter ring | all-gather block]``.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -44,6 +45,36 @@ class Work:
 
     def is_completed(self) -> bool:
         return self._event is None or self._event.query()
+
+
+class _Streams:
+    """Where the collective's work goes.  GPU: the copy queue (the transport's copy-engine
+    stream) first waits for work already on ``stream``; SM work (accumulation, casts) runs
+    on ``stream`` -- or, with ``async_op``, on the group's side stream, which a returned
+    :class:`Work` hands back to the caller.  Host: everything is synchronous."""
+
+    def __init__(self, g: Group, device: torch.device, stream: object, async_op: bool) -> None:
+        self.cuda = device.type == "cuda"
+        self.async_op = async_op
+        self.compute = None
+        if self.cuda:
+            user = stream if stream is not None else torch.cuda.current_stream(device)
+            if async_op:
+                side = g.side_stream(device)
+                side.wait_stream(user)
+                self.compute = side
+            else:
+                self.compute = user
+
+    def kernels(self):
+        return torch.cuda.stream(self.compute) if self.cuda else nullcontext()
+
+    def finish(self) -> Work:
+        if self.cuda and self.async_op:
+            ev = torch.cuda.Event()
+            ev.record(self.compute)
+            return Work(ev)
+        return Work()
 
 
 @dataclass(frozen=True)
@@ -129,6 +160,9 @@ def reduce_scatter(
     if slot_bytes > reg.slot_bytes:
         raise AssertionError("ring plan and heap regions disagree")  # internal invariant
     t.ensure_heap(reg.ag_off)
+    st = _Streams(g, device, stream, async_op)
+    cs = st.compute
+    t.fence_from(cs)  # grads are complete before the copy queue reads them
     fm, S, timeout = g.flags, g.options.stages, g.options.timeout_s
     Sp = layout.padded_shard_numels
     gptrs = [x.data_ptr() for x in grads_l]
@@ -155,19 +189,22 @@ def reduce_scatter(
         # Reduce: my chunk j from the W slots, in rank order, into my shards.
         if j < len(plan.chunks[me]):
             for c in range(W):
-                t.wait(fm.rs_ready(s, c), v, peer=c, timeout_s=timeout,
+                t.wait(fm.rs_ready(s, c), v, peer=c, timeout_s=timeout, stream=cs,
                        what=f"rank {c}'s reduce-scatter contribution (chunk {j})")
             program = _chunk_program(layout, g.options.ring_bytes, es, S, me, j)
-            Binding(program, tuple(shards_l), tuple(slots[s]), W, None).launch(
-                scale=scale, accumulate=bool(accumulate), check_addresses=False)
+            with st.kernels():
+                Binding(program, tuple(shards_l), tuple(slots[s]), W, g.options.max_ctas).launch(
+                    scale=scale, accumulate=bool(accumulate), check_addresses=False)
             for c in range(W):
-                t.signal(c, fm.rs_free(s, me), v)
+                t.signal(c, fm.rs_free(s, me), v, stream=cs)
     g.rs_count = base + plan.rounds
-    if not accumulate:
-        for x, n in zip(shards_l, layout.shard_numels(me)):
-            if x.numel() > n:
-                x.view(-1)[n:].zero_()
-    return Work()
+    with st.kernels():
+        if not accumulate:
+            for x, n in zip(shards_l, layout.shard_numels(me)):
+                if x.numel() > n:
+                    x.view(-1)[n:].zero_()
+    t.fence_to(cs)  # my grads may be reused once the copy queue has read them
+    return st.finish()
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -225,6 +262,9 @@ def all_gather(
     reg = _regions(g, _ring_slot_bytes(g), W)
     block = layout.flat_shard_numel * es
     t.ensure_heap(reg.ag_off + _round_up(block, 16))
+    st = _Streams(g, device, stream, async_op)
+    cs = st.compute
+    t.fence_from(cs)  # shards are complete before the copy queue reads them
     fm, timeout = g.flags, g.options.timeout_s
     g.ag_epoch += 1
     e = g.ag_epoch
@@ -238,14 +278,16 @@ def all_gather(
     t.copy([my_block + offs[p] * es for p in range(len(layout))],
            [x.data_ptr() for x in shards_l],
            [x.numel() * es for x in shards_l])
-    for p, x in enumerate(shards_l):
-        if x.numel() < S[p]:
-            t.heap_tensor(me, reg.ag_off + (offs[p] + x.numel()) * es, S[p] - x.numel(), sdt).zero_()
+    pads = [(p, x.numel()) for p, x in enumerate(shards_l) if x.numel() < S[p]]
+    if pads:  # padding of unpadded shards: zeros from a buffer, on the copy queue
+        zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es)
+        t.copy([my_block + (offs[p] + n) * es for p, n in pads], [zeros.data_ptr()] * len(pads),
+               [(S[p] - n) * es for p, n in pads])
     for r in range(W):
         t.signal(r, fm.ag_ready(me), e)
-    for r in range(W):
-        t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
     if pdt == sdt:
+        for r in range(W):
+            t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
         # Straight copies: every rank's real rows into every parameter, no SMs.
         dsts, srcs, sizes = [], [], []
         pptrs = [x.data_ptr() for x in params_l]
@@ -257,9 +299,16 @@ def all_gather(
                     srcs.append(rb + offs[p] * es)
                     sizes.append(n * es)
         t.copy(dsts, srcs, sizes)
+        for r in range(W):
+            t.signal(r, fm.ag_done(me), e)
+        t.fence_to(cs)  # the parameters are complete for later work on the stream
     else:
+        for r in range(W):  # the cast runs on SMs: the compute stream waits for the blocks
+            t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, stream=cs, what=f"rank {r}'s all-gather block")
         blocks = [t.heap_tensor(r, reg.ag_off, layout.flat_shard_numel, sdt) for r in range(W)]
-        bind_place_shards(blocks, params_l, layout).launch(check_addresses=False)
-    for r in range(W):
-        t.signal(r, fm.ag_done(me), e)
-    return Work()
+        with st.kernels():
+            bind_place_shards(blocks, params_l, layout, max_ctas=g.options.max_ctas).launch(check_addresses=False)
+        for r in range(W):
+            t.signal(r, fm.ag_done(me), e, stream=cs)
+        t.fence_to(cs)
+    return st.finish()

@@ -46,6 +46,8 @@ class GroupOptions:
     """Reduce-scatter receive staging per rank, whatever the world size or the layout."""
     stages: int = 2
     """Stages of the receive ring: chunk j+1's copies overlap chunk j's accumulation."""
+    max_ctas: int | None = None
+    """CTA budget of the collectives' kernels (None: as many as the work has tiles)."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -54,6 +56,9 @@ class GroupOptions:
             raise ValueError(f"ring_bytes must be an int >= 256, got {self.ring_bytes!r}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
+        if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
+                                          or self.max_ctas < 1):
+            raise ValueError(f"max_ctas must be None or an int >= 1, got {self.max_ctas!r}")
 
 
 class Group:
@@ -81,6 +86,7 @@ class Group:
         self.local_size = self.world_size
         self.flags = FlagMap(self.local_size, self.options.stages)
         self._transports: dict[str, Any] = {}
+        self._extras: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         self.ag_epoch = 0
         self.rs_last: dict[tuple[int, int], int] = {}
@@ -132,6 +138,26 @@ class Group:
                     )
                 self._transports[key] = t
         return t
+
+    def side_stream(self, device: torch.device):
+        """The group's stream for ``async_op=True`` collectives on ``device``."""
+        key = ("stream", device.type, device.index)
+        with self._lock:
+            s = self._extras.get(key)
+            if s is None:
+                s = self._extras[key] = torch.cuda.Stream(device)
+        return s
+
+    def zeros(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A zero-filled buffer of at least ``nbytes`` on ``device`` (grown, never shrunk)."""
+        key = ("zeros", device.type, device.index)
+        with self._lock:
+            z = self._extras.get(key)
+            if z is None or z.numel() < nbytes:
+                z = self._extras[key] = torch.zeros(max(nbytes, 4096), dtype=torch.uint8, device=device)
+                if device.type == "cuda":  # rare (growth only): other streams read it next
+                    torch.cuda.current_stream(device).synchronize()
+        return z
 
     # ---- lifetime -----------------------------------------------------------------------
     def _check_open(self) -> None:

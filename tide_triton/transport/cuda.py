@@ -42,6 +42,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -279,7 +280,7 @@ class CudaTransport:
         self.copy_path = "loop"
         self.signal_path = "direct"
         self._pending: dict[int, tuple[int, int, float, int]] = {}
-        self._streams_used: dict[int, None] = {}
+        self._streams_used: dict[int, Any] = {}  # handle -> weakref to the torch stream
         self._generation = 0
         self._mapped = 0
         self._segments: list[tuple[int, int, Any]] = []  # own (offset, size, handle)
@@ -305,8 +306,8 @@ class CudaTransport:
         cu = driver.init()
         self._cu = cu
         self._H = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        self._WRITE = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        self._GEQ = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+        self._GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
         with Transaction() as tx:
             err: str | None = None
@@ -360,7 +361,7 @@ class CudaTransport:
                 f"cuMemAddressReserve(rank={self.rank}, {self._va_bytes} bytes)",
             ))
             tx.on_rollback(self._free_va, self._own_va)
-            nb = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            nb = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
             self._copy_stream_handle = check(cu.cuStreamCreate(nb), "cuStreamCreate(copy)")
             tx.on_rollback(self._destroy_stream, self._copy_stream_handle)
             self._host_stream = check(cu.cuStreamCreate(nb), "cuStreamCreate(host reads)")
@@ -429,7 +430,7 @@ class CudaTransport:
             peer_dev = by_uuid.get(info["uuid"])
             if peer_dev is None:
                 _log_once("peer-dev-invisible", logging.WARNING,
-                          "tide_triton: rank %d's GPU is not visible to rank %d; mapping its "
+                          "rank %d's GPU is not visible to rank %d; mapping its "
                           "heap relies on the driver's peer access", r, self.rank)
                 continue
             ok = check(cu.cuDeviceCanAccessPeer(self._cudev, peer_dev),
@@ -603,7 +604,7 @@ class CudaTransport:
                 for p in missing:
                     if self._fd_passing == "auto":
                         _log_once("pidfd", logging.WARNING,
-                                  "tide_triton: heap fd of rank %d did not come over the Unix "
+                                  "heap fd of rank %d did not come over the Unix "
                                   "socket; using pidfd_getfd", p)
                     fds[p] = _pidfd_getfd(self._pids[p], infos[p]["fd"])
                 with self._guard:
@@ -650,7 +651,7 @@ class CudaTransport:
                 sent.append(p)
             except OSError as exc:
                 _log_once(f"send-{type(exc).__name__}", logging.WARNING,
-                          "tide_triton: sending a heap fd from rank %d to rank %d over a Unix "
+                          "sending a heap fd from rank %d to rank %d over a Unix "
                           "socket failed (%s)", self.rank, p, exc)
         return sent
 
@@ -720,7 +721,7 @@ class CudaTransport:
             raise RuntimeError(f"copy_mode='batch' but {why}")
         self.copy_path = path
         level = logging.INFO if path == "batch" else logging.WARNING
-        _log_once(f"copy-{path}", level, "tide_triton: copies use %s (%s)",
+        _log_once(f"copy-{path}", level, "copies use %s (%s)",
                   "cuMemcpyBatchAsync" if path == "batch" else "a cuMemcpyAsync loop", why)
 
     def _choose_signal_path(self) -> None:
@@ -753,13 +754,13 @@ class CudaTransport:
         if all(i["ok"] for i in infos):
             self.signal_path = "direct"
             _log_once("signal-direct", logging.INFO,
-                      "tide_triton: signals write peers' flags directly (cuStreamWriteValue64 "
+                      "signals write peers' flags directly (cuStreamWriteValue64 "
                       "to the peer mapping works)")
         else:
             self.signal_path = "copy"
             whys = "; ".join(f"rank {r}: {i['why']}" for r, i in enumerate(infos) if not i["ok"])
             _log_once("signal-copy", logging.WARNING,
-                      "tide_triton: signals use a scratch word + 8-byte copy (%s)", whys)
+                      "signals use a scratch word + 8-byte copy (%s)", whys)
 
     # ------------------------------------------------------------------------------------
     # addresses and views
@@ -794,7 +795,7 @@ class CudaTransport:
         self._check_rank("rank", rank)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % item:
             raise ValueError(f"offset must be a non-negative multiple of {item} (the size of "
                              f"{dtype}), got {offset!r}")
@@ -820,7 +821,7 @@ class CudaTransport:
             except Exception as exc:  # noqa: BLE001
                 why = _describe(exc)
             CudaTransport._cai_ok = False
-            _log_once("cai", logging.WARNING, "tide_triton: __cuda_array_interface__ does not "
+            _log_once("cai", logging.WARNING, "__cuda_array_interface__ does not "
                       "wrap heap memory in place (%s); using DLPack", why)
         t = _dlpack_wrap(ptr, nbytes, self.device.index)
         if t.data_ptr() != ptr:
@@ -840,7 +841,11 @@ class CudaTransport:
             return self._copy_stream_int
         if isinstance(stream, torch.cuda.Stream):
             h = int(stream.cuda_stream)
-            self._streams_used[h] = None
+            if h not in self._streams_used:
+                try:
+                    self._streams_used[h] = weakref.ref(stream)
+                except TypeError:
+                    pass
             return h
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
 
@@ -878,7 +883,7 @@ class CudaTransport:
                 self._batch(dsts, srcs, nbytes, s)
                 return
             if self.copy_path == "batch":
-                _log_once("copy-legacy", logging.INFO, "tide_triton: copies on a default "
+                _log_once("copy-legacy", logging.INFO, "copies on a default "
                           "stream use a cuMemcpyAsync loop (cuMemcpyBatchAsync refuses it)")
             for d, x, b in zip(dsts, srcs, nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
@@ -1047,16 +1052,19 @@ class CudaTransport:
         try:
             fn(*args)
         except Exception:  # noqa: BLE001 - teardown goes on
-            log.warning("tide_triton: teardown step %s failed", fn.__name__, exc_info=True)
+            log.warning("teardown step %s failed", fn.__name__, exc_info=True)
 
     def _drain(self, timeout_s: float) -> bool:
         """Wait (polling, bounded) until every stream that may touch the heaps is idle."""
-        handles = {self._copy_stream_int, self._host_stream_int, *self._streams_used}
+        def live(t: CudaTransport) -> list[int]:  # user streams whose objects still exist
+            return [h for h, ref in t._streams_used.items() if ref() is not None]
+
+        handles = {self._copy_stream_int, self._host_stream_int, *live(self)}
         if self._peers is not None:
             for t in self._peers:
                 if not t._closed:
                     handles.add(t._copy_stream_int)
-                    handles.update(t._streams_used)
+                    handles.update(live(t))
         deadline = time.monotonic() + timeout_s
         with self._guard:
             for h in handles:
@@ -1074,7 +1082,7 @@ class CudaTransport:
             return
         self._closed = True
         if not self._drain(_DRAIN_TIMEOUT_S):
-            log.error("tide_triton: rank %d: streams still busy after %.0f s at close; "
+            log.error("rank %d: streams still busy after %.0f s at close; "
                       "leaking the heap rather than unmapping it under running work",
                       self.rank, _DRAIN_TIMEOUT_S)
             return
