@@ -39,15 +39,15 @@ def _shape_sets(W: int, seed: int) -> list[list[tuple[int, ...]]]:
     return sets
 
 
-def _int_tensor(shape, gen, dtype=torch.bfloat16):
-    return torch.randint(-8, 9, shape, generator=gen).to(dtype)
+def _int_tensor(shape, gen, dtype=torch.bfloat16, device="cpu"):
+    return torch.randint(-8, 9, shape, generator=gen).to(dtype).to(device)
 
 
 def _expected_shard(grads_all, p, rank, layout, scale, prev=None):
     W = layout.world_size
-    full = grads_all[0][p].float().clone()
+    full = grads_all[0][p].float().cpu().clone()
     for r in range(1, W):
-        full += grads_all[r][p].float()
+        full += grads_all[r][p].float().cpu()
     c, rows = layout.rows_per_rank[p], layout.shard_rows(rank)[p]
     want = full[rank * c: rank * c + rows]
     if scale is not None:
@@ -57,38 +57,44 @@ def _expected_shard(grads_all, p, rank, layout, scale, prev=None):
     return want
 
 
-def _scenarios(rank: int, W: int, seed: int) -> dict:
+def _scenarios(rank: int, W: int, seed: int, device: str = "cpu") -> dict:
     import tide_triton as tt
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
 
     g = tt.init(timeout_s=60, ring_bytes=512 * W)  # tiny ring: many chunks, stages wrap
     results = {}
     for si, shapes in enumerate(_shape_sets(W, seed)):
         layout = ShardLayout(shapes, W)
         gen = torch.Generator().manual_seed(seed * 100 + si)
-        grads_all = [[_int_tensor(s, gen) for s in shapes] for _ in range(W)]  # same on every rank
+        grads_all = [[_int_tensor(s, gen, device=dev) for s in shapes] for _ in range(W)]  # same on every rank
         for op, scale in [("sum", None), ("avg", 1.0 / W), (0.5, 0.5)]:
             for padded in (False, True):
-                shards = [torch.full(s, -5.0) for s in layout.shard_shapes(rank, padded=padded)]
+                shards = [torch.full(s, -5.0, device=dev) for s in layout.shard_shapes(rank, padded=padded)]
                 tt.reduce_scatter(grads_all[rank], shards, op=op)
                 for p, x in enumerate(shards):
+                    x = x.cpu()
                     rows = layout.shard_rows(rank)[p]
                     want = _expected_shard(grads_all, p, rank, layout, scale)
                     assert torch.equal(x[:rows], want), (si, op, padded, p)
                     assert bool((x[rows:] == 0).all()), f"padding not zeroed: set {si} param {p}"
         # accumulate into existing shards (gradient accumulation), bf16 shards too
         for sdt in (torch.float32, torch.bfloat16):
-            prev = [_int_tensor(s, gen, sdt) for s in layout.shard_shapes(rank, padded=True)]
+            prev = [_int_tensor(s, gen, sdt, dev) for s in layout.shard_shapes(rank, padded=True)]
             shards = [x.clone() for x in prev]
             tt.reduce_scatter(grads_all[rank], shards, op="sum", accumulate=True)
             for p, x in enumerate(shards):
+                x = x.cpu()
                 rows = layout.shard_rows(rank)[p]
-                want = _expected_shard(grads_all, p, rank, layout, None, prev[p][:rows].float())
+                want = _expected_shard(grads_all, p, rank, layout, None, prev[p][:rows].float().cpu())
                 assert torch.equal(x[:rows].float(), want.to(sdt).float()), (si, "accumulate", sdt, p)
-                assert torch.equal(x[rows:], prev[p][rows:]), "accumulate must keep padding rows"
+                assert torch.equal(x[rows:], prev[p][rows:].cpu()), "accumulate must keep padding rows"
         # determinism with non-integer inputs: two runs, same bits
-        rgrads = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
-        a = [torch.empty(s) for s in layout.shard_shapes(rank)]
-        b = [torch.empty(s) for s in layout.shard_shapes(rank)]
+        rgrads = [torch.randn(s, generator=gen).to(torch.bfloat16).to(dev) for s in shapes]
+        a = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
+        b = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
         tt.reduce_scatter(rgrads, a)
         tt.reduce_scatter(rgrads, b)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "repeated runs differ"
@@ -99,17 +105,20 @@ def _scenarios(rank: int, W: int, seed: int) -> dict:
             for f, c, n, s in zip(full, layout.rows_per_rank, layout.shard_rows(rank), shapes):
                 x = torch.zeros((c if padded_shards else n, *s[1:]))
                 x[:n] = f[rank * c: rank * c + n]
-                mine.append(x)
+                mine.append(x.to(dev))
             for pdt in (torch.float32, torch.bfloat16):
                 for padded_params in (False, True):
                     pshapes = layout.padded_shapes if padded_params else layout.shapes
-                    params = [torch.full(s, -9.0, dtype=pdt) for s in pshapes]
+                    params = [torch.full(s, -9.0, dtype=pdt, device=dev) for s in pshapes]
                     tt.all_gather(mine, params)
                     for p, (x, f) in enumerate(zip(params, full)):
+                        x = x.cpu()
                         assert torch.equal(x[: f.shape[0]], f.to(pdt)), (si, padded_shards, pdt, padded_params, p)
                         if padded_params:
                             assert bool((x[f.shape[0]:] == 0).all()), "padding rows of a padded param"
         results[si] = "ok"
+    if dev.type == "cuda":
+        tt.synchronize(timeout_s=60)
     results["rounds"] = g.rs_count
     g.close()
     shm = [n for n in os.listdir("/dev/shm") if n.startswith("tide_triton.")]
@@ -231,29 +240,32 @@ def test_receive_staging_is_constant_in_world_size(ring_bytes: int) -> None:
 
 
 # ----------------------------------------------------------------------- one process, W ranks
-def test_single_process_multi_rank_mode() -> None:
+def run_single_process_mode(device: str = "cpu") -> None:
     # local_groups: one thread per rank, each with its own heap, the same collective code.
     import threading
 
     import tide_triton as tt
 
     W = 4
+    dev = torch.device(device)
     groups = tt.local_groups(W, timeout_s=30, ring_bytes=512 * W)
     shapes = [(7, 5), (3,), (1, 4, 3), (13, 2), (97,)]
     layout = ShardLayout(shapes, W)
     gen = torch.Generator().manual_seed(3)
-    grads = [[_int_tensor(s, gen) for s in shapes] for _ in range(W)]
-    full = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[_int_tensor(s, gen, device=dev) for s in shapes] for _ in range(W)]
+    full = [torch.randn(s, generator=gen).to(dev) for s in shapes]
     out: dict[int, object] = {}
 
     def rank_main(r: int) -> None:
         try:
-            shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+            shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(r, padded=True)]
             tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
             mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
-            params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+            params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
             tt.all_gather(mine, params, group=groups[r])
-            out[r] = (shards, params)
+            if dev.type == "cuda":
+                tt.synchronize(groups[r], timeout_s=30)
+            out[r] = ([x.cpu() for x in shards], [x.cpu() for x in params])
         except BaseException as e:  # reported below, not lost in the thread
             out[r] = e
 
@@ -262,8 +274,6 @@ def test_single_process_multi_rank_mode() -> None:
         t.start()
     for t in threads:
         t.join(60)
-    for g in groups:
-        g.close()
     for r in range(W):
         assert not isinstance(out[r], BaseException), out[r]
         shards, params = out[r]
@@ -271,4 +281,10 @@ def test_single_process_multi_rank_mode() -> None:
             rows = layout.shard_rows(r)[p]
             assert torch.equal(shards[p][:rows], _expected_shard(grads, p, r, layout, 1.0 / W))
             assert bool((shards[p][rows:] == 0).all())
-            assert torch.equal(params[p], full[p].to(torch.bfloat16))
+            assert torch.equal(params[p], full[p].to(torch.bfloat16).cpu())
+    for g in groups:
+        g.close()
+
+
+def test_single_process_multi_rank_mode() -> None:
+    run_single_process_mode("cpu")

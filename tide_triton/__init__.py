@@ -16,7 +16,7 @@ from .kernels import (
     place_shards,
     place_shards_ref,
 )
-from .collectives import Work, all_gather, reduce_scatter
+from .collectives import Work, all_gather, reduce_scatter, synchronize
 from .group import Group, GroupOptions, init, local_groups
 from .layout import ShardLayout
 
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardLayout",
-    "init", "local_groups", "Group", "GroupOptions", "reduce_scatter", "all_gather", "Work",
+    "init", "local_groups", "Group", "GroupOptions", "reduce_scatter", "all_gather", "synchronize", "Work",
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",

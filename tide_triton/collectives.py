@@ -23,7 +23,7 @@ from .kernels.placement import bind_place_shards
 from .layout import ShardLayout
 from .schedule import ring_plan
 
-__all__ = ["reduce_scatter", "all_gather", "Work"]
+__all__ = ["reduce_scatter", "all_gather", "Work", "synchronize"]
 
 _ALIGN = 4096
 
@@ -160,6 +160,7 @@ def reduce_scatter(
     if slot_bytes > reg.slot_bytes:
         raise AssertionError("ring plan and heap regions disagree")  # internal invariant
     t.ensure_heap(reg.ag_off)
+    g.heap_barrier()
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
     t.fence_from(cs)  # grads are complete before the copy queue reads them
@@ -262,6 +263,7 @@ def all_gather(
     reg = _regions(g, _ring_slot_bytes(g), W)
     block = layout.flat_shard_numel * es
     t.ensure_heap(reg.ag_off + _round_up(block, 16))
+    g.heap_barrier()
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
     t.fence_from(cs)  # shards are complete before the copy queue reads them
@@ -312,3 +314,21 @@ def all_gather(
             t.signal(r, fm.ag_done(me), e, stream=cs)
         t.fence_to(cs)
     return st.finish()
+
+
+def synchronize(group: object = None, *, device: object = None, stream: object = None,
+                timeout_s: float | None = None) -> None:
+    """Block the host until the group's queued collective work on ``device`` (default: the
+    current CUDA device) and ``stream`` (default: the current stream) is done.  GPU-side
+    waits on peers cannot time out by themselves: this is where a dead or stuck peer
+    surfaces, as :class:`~tide_triton.transport.base.PeerTimeoutError` naming it, after
+    ``timeout_s`` (default: the group's).  A no-op for the host transport."""
+    g = resolve(group)
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    if dev.type != "cuda":
+        return
+    t = g.transport(dev)
+    limit = g.options.timeout_s if timeout_s is None else timeout_s
+    t.synchronize(timeout_s=limit)
+    t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev))

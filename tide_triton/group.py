@@ -131,13 +131,25 @@ class Group:
                     from .transport.host import HostTransport
 
                     t = HostTransport(self.rank, self.local_size, self.exchange, n_flags=self.flags.n_flags)
+                elif key == "cuda":
+                    from .transport.cuda import CudaTransport
+
+                    if self._local is not None:  # one process: the ranks' transports are made together
+                        t = self._local.shared(("cuda", device.index), lambda: CudaTransport.create_local_group(
+                            self.local_size, device=device, n_flags=self.flags.n_flags))[self.rank]
+                    else:
+                        t = CudaTransport(self.rank, self.local_size, self.exchange, device=device,
+                                          n_flags=self.flags.n_flags, timeout_s=self.options.timeout_s)
                 else:
-                    raise NotImplementedError(
-                        f"tide_triton collectives on {device.type} tensors need the GPU transport, "
-                        "which is not wired into the collectives yet; CPU tensors use the host transport"
-                    )
+                    raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
                 self._transports[key] = t
         return t
+
+    def heap_barrier(self) -> None:
+        """After ``ensure_heap``: in the single-process mode each rank grows its own heap,
+        so nobody may address a peer's new range before the peer has mapped it."""
+        if self._local is not None:
+            self.exchange(None)
 
     def side_stream(self, device: torch.device):
         """The group's stream for ``async_op=True`` collectives on ``device``."""
@@ -189,6 +201,15 @@ class _LocalExchange:
         self.world_size = world_size
         self._barrier = threading.Barrier(world_size)
         self._slots: list = [None] * world_size
+        self._lock = threading.Lock()
+        self._shared: dict = {}
+
+    def shared(self, key: object, make: Any) -> Any:
+        """One object per key for all local ranks, made by the first rank that asks."""
+        with self._lock:
+            if key not in self._shared:
+                self._shared[key] = make()
+            return self._shared[key]
 
     def exchange(self, rank: int, obj: object, timeout_s: float) -> list:
         self._slots[rank] = obj

@@ -9,13 +9,12 @@ Heap
     range it reserved for that rank.  Peers may share one GPU.  In a single-process group
     (:meth:`CudaTransport.create_local_group`) a peer's heap is simply its own range.
 
-    Byte layout of a heap::
-
-        [0, 8 * n_flags)               flags: int64 words, zeroed at creation, only grow
-        [.., + 8 * local_size)         probe words (the signal-path test at creation)
-        [.., + 8 * local_size*n_flags) scratch words for scratch+copy signals
-        [data_offset, mapped)          the data heap: ``heap_tensor``/``heap_ptr`` offsets
-                                       count from ``data_offset`` (4 KiB aligned)
+    Heap offsets (``address``, ``heap_tensor``, ``ensure_heap``) count from the heap's
+    start, as in the host transport: ``[0, 8 * n_flags)`` are the flags (int64 words,
+    zeroed at creation, values only grow); the caller lays out its data after them.  A
+    small hidden region below offset 0 (4 KiB aligned) holds the transport's own words:
+    ``local_size`` probe words (the signal-path test at creation) and
+    ``local_size * n_flags`` scratch words (scratch+copy signals).
 
 Copies
     On a dedicated stream (:attr:`CudaTransport.copy_stream`, a ``torch.cuda`` stream
@@ -279,7 +278,7 @@ class CudaTransport:
         self._signal_mode = signal_mode
         self.copy_path = "loop"
         self.signal_path = "direct"
-        self._pending: dict[int, tuple[int, int, float, int]] = {}
+        self._pending: dict[int, tuple[int, int, int, str]] = {}  # slot -> value, peer, stream, what
         self._streams_used: dict[int, Any] = {}  # handle -> weakref to the torch stream
         self._generation = 0
         self._mapped = 0
@@ -297,10 +296,10 @@ class CudaTransport:
         self._ctx = None
         self._cudev = None
 
-        # Control region: flags, probe words, scratch words; the data heap after it.
-        self._probe_off = 8 * n_flags
-        self._scratch_off = self._probe_off + 8 * local_size
-        self.data_offset = _round_up(self._scratch_off + 8 * local_size * n_flags, _DATA_ALIGN)
+        # Hidden region below heap offset 0: probe words, then scratch words.
+        self._probe_off = 0
+        self._scratch_off = 8 * local_size
+        self._user_off = _round_up(self._scratch_off + 8 * local_size * n_flags, _DATA_ALIGN)
         self._va_bytes = va_bytes
 
         cu = driver.init()
@@ -322,7 +321,7 @@ class CudaTransport:
                 self._peer_va_reserve(tx)
             self._peers_bases_init()
             tx.on_rollback(self._release_heap)
-            self._grow(_round_up(self.data_offset, self._gran))
+            self._grow(_round_up(self._user_off + 8 * n_flags, self._gran))
             self._choose_copy_path()
             self._choose_signal_path()
             self._closed = False
@@ -356,10 +355,7 @@ class CudaTransport:
             self._gran = int(gran)
             self._segment_bytes = _round_up(segment_bytes, self._gran)
             self._va_bytes = _round_up(self._va_bytes, self._gran)
-            self._own_va = int(check(
-                cu.cuMemAddressReserve(self._va_bytes, self._gran, 0, 0),
-                f"cuMemAddressReserve(rank={self.rank}, {self._va_bytes} bytes)",
-            ))
+            self._own_va = self._reserve_va(f"rank={self.rank}")
             tx.on_rollback(self._free_va, self._own_va)
             nb = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
             self._copy_stream_handle = check(cu.cuStreamCreate(nb), "cuStreamCreate(copy)")
@@ -448,10 +444,7 @@ class CudaTransport:
                 for p in range(self.local_size):
                     if p == self.rank:
                         continue
-                    va = int(check(
-                        self._cu.cuMemAddressReserve(self._va_bytes, self._gran, 0, 0),
-                        f"cuMemAddressReserve(peer={p}, {self._va_bytes} bytes)",
-                    ))
+                    va = self._reserve_va(f"rank={self.rank}, peer={p}")
                     self._peer_va[p] = va
                     self._peer_segments[p] = []
                     tx.on_rollback(self._free_va, va)
@@ -508,7 +501,7 @@ class CudaTransport:
     # heap growth (collective)
     # ------------------------------------------------------------------------------------
     def ensure_heap(self, nbytes: int) -> None:
-        """Collective: every heap holds at least ``nbytes`` data bytes afterwards.
+        """Collective: every heap holds at least ``nbytes`` bytes (flags included).
 
         Grows by whole segments (``segment_bytes`` multiples); addresses and contents stay.
         A no-op (no communication) when the heap is large enough already -- every rank
@@ -518,7 +511,7 @@ class CudaTransport:
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        need = self.data_offset + nbytes
+        need = self._user_off + nbytes
         if need <= self._mapped:
             return
         new_mapped = self._mapped + _round_up(need - self._mapped, self._segment_bytes)
@@ -530,8 +523,8 @@ class CudaTransport:
         self._grow(new_mapped)
 
     def heap_nbytes(self) -> int:
-        """Data bytes in this rank's heap (``heap_tensor`` offsets go up to this)."""
-        return max(0, self._mapped - self.data_offset)
+        """Bytes in this rank's heap, flags included (offsets go up to this)."""
+        return max(0, self._mapped - self._user_off)
 
     def _mapped_of(self, rank: int) -> int:
         return self._peers[rank]._mapped if self._peers is not None else self._mapped
@@ -558,8 +551,9 @@ class CudaTransport:
                 tx.on_rollback(self._unmap, ptr, size)
                 check(cu.cuMemSetAccess(ptr, size, self._access, 1),
                       f"cuMemSetAccess(rank={self.rank})")
-                if offset == 0:  # flags, probe and scratch words start at zero
-                    check(cu.cuMemsetD8Async(ptr, 0, self.data_offset, self._host_stream),
+                if offset == 0:  # probe, scratch and flag words start at zero
+                    check(cu.cuMemsetD8Async(ptr, 0, self._user_off + 8 * self.n_flags,
+                                             self._host_stream),
                           "cuMemsetD8Async(flags)")
                     check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize")
                 if peers:
@@ -777,16 +771,20 @@ class CudaTransport:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_flags:
             raise ValueError(f"slot must be an int in [0, {self.n_flags}), got {slot!r}")
 
-    def heap_ptr(self, rank: int, offset: int = 0) -> int:
-        """Address, in this process, of byte ``offset`` of ``rank``'s data heap."""
+    def address(self, rank: int, offset: int) -> int:
+        """Address, in this process, of byte ``offset`` of ``rank``'s heap (0 = flag 0)."""
         self._check_rank("rank", rank)
-        return self._bases[rank] + self.data_offset + offset
+        return self._bases[rank] + self._user_off + offset
+
+    def heap_ptr(self, rank: int, offset: int = 0) -> int:
+        """Same as :meth:`address`."""
+        return self.address(rank, offset)
 
     def flag_ptr(self, rank: int, slot: int) -> int:
         """Address, in this process, of flag word ``slot`` of ``rank``."""
         self._check_rank("rank", rank)
         self._check_slot(slot)
-        return self._bases[rank] + 8 * slot
+        return self._bases[rank] + self._user_off + 8 * slot
 
     def heap_tensor(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D ``dtype`` tensor viewing ``numel`` elements of ``rank``'s heap at byte
@@ -802,7 +800,7 @@ class CudaTransport:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         nbytes = numel * item
-        size = self._mapped_of(rank) - self.data_offset
+        size = self._mapped_of(rank) - self._user_off
         if offset + nbytes > size:
             raise ValueError(f"offset + numel * {item} = {offset + nbytes} exceeds rank {rank}'s "
                              f"heap of {size} bytes (call ensure_heap first)")
@@ -899,7 +897,7 @@ class CudaTransport:
             raise ValueError(f"value must be an int in [0, 2**63), got {value!r}")
         s = self._stream_int(stream)
         cu = self._cu
-        addr = self._bases[rank] + 8 * slot
+        addr = self._bases[rank] + self._user_off + 8 * slot
         with self._guard:
             if rank == self.rank or self.signal_path == "direct":
                 check(cu.cuStreamWriteValue64(s, addr, value, self._WRITE),
@@ -912,7 +910,7 @@ class CudaTransport:
                   f"cuMemcpyAsync(rank={self.rank} -> {rank}, flag {slot})")
 
     def wait(self, slot: int, value: int, *, peer: int, timeout_s: float,
-             stream: torch.cuda.Stream | None = None) -> None:
+             stream: torch.cuda.Stream | None = None, what: str = "") -> None:
         """Work enqueued later on the copy stream (or ``stream``) waits until local flag
         ``slot`` is >= ``value`` (set by ``peer``).  The stream cannot time out by itself:
         :meth:`synchronize` (or :meth:`host_wait_flag`) raises ``PeerTimeoutError(peer)``
@@ -926,9 +924,10 @@ class CudaTransport:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         s = self._stream_int(stream)
         with self._guard:
-            check(self._cu.cuStreamWaitValue64(s, self._own_va + 8 * slot, value, self._GEQ),
+            check(self._cu.cuStreamWaitValue64(s, self._own_va + self._user_off + 8 * slot,
+                                               value, self._GEQ),
                   f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
-        self._pending[slot] = (value, peer, float(timeout_s), s)
+        self._pending[slot] = (value, peer, s, what)
 
     def fence_from(self, stream: torch.cuda.Stream | None = None) -> None:
         """The copy stream waits for work already enqueued on ``stream`` (default: the
@@ -962,11 +961,12 @@ class CudaTransport:
         self._check_slot(slot)
         r = self.rank if rank is None else rank
         self._check_rank("rank", r)
-        return self._read_words(self._bases[r] + 8 * slot, 1)[0]
+        return self._read_words(self._bases[r] + self._user_off + 8 * slot, 1)[0]
 
-    def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float) -> int:
+    def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float,
+                       what: str = "") -> int:
         """Block the host until local flag ``slot`` >= ``value``; returns the value read.
-        Raises ``PeerTimeoutError(peer)`` after ``timeout_s``."""
+        Raises ``PeerTimeoutError(peer)`` after ``timeout_s`` (``what`` says what for)."""
         self._check_slot(slot)
         self._check_rank("peer", peer)
         deadline = time.monotonic() + timeout_s
@@ -977,8 +977,8 @@ class CudaTransport:
                 return cur
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(
-                    peer, f"flag {slot} of rank {self.rank} to reach {value}, last read {cur}",
-                    timeout_s)
+                    peer, what or f"flag {slot} of rank {self.rank} to reach {value}, last "
+                    f"read {cur}", timeout_s)
             time.sleep(nap)
             nap = min(nap * 2, 2e-3)
 
@@ -994,7 +994,7 @@ class CudaTransport:
             res = self._cu.cuStreamQuery(s)
             code = int(res[0])
             if code == 0:
-                self._pending = {k: v for k, v in self._pending.items() if v[3] != s}
+                self._pending = {k: v for k, v in self._pending.items() if v[2] != s}
                 return
             if code != _CUDA_ERROR_NOT_READY:
                 check(res, f"cuStreamQuery(rank={self.rank})")
@@ -1002,12 +1002,12 @@ class CudaTransport:
                 break
             time.sleep(nap)
             nap = min(nap * 2, 2e-3)
-        for slot, (value, peer, _t, sh) in sorted(self._pending.items()):
+        for slot, (value, peer, sh, what) in sorted(self._pending.items()):
             cur = self.read_flag(slot)
             if cur < value and sh == s:
                 raise PeerTimeoutError(
-                    peer, f"flag {slot} of rank {self.rank} to reach {value}, last read {cur}",
-                    timeout_s)
+                    peer, what or f"flag {slot} of rank {self.rank} to reach {value}, last "
+                    f"read {cur}", timeout_s)
         raise TimeoutError(f"rank {self.rank}: stream still busy after {timeout_s:.1f} s "
                            "(no pending flag wait is short)")
 
@@ -1022,6 +1022,10 @@ class CudaTransport:
         with self._guard:
             check(self._cu.cuMemUnmap(ptr, size), f"cuMemUnmap(rank={self.rank})")
 
+    def _reserve_va(self, what: str) -> int:
+        return int(check(self._cu.cuMemAddressReserve(self._va_bytes, self._gran, 0, 0),
+                         f"cuMemAddressReserve({what}, {self._va_bytes} bytes)"))
+
     def _free_va(self, va: int) -> None:
         with self._guard:
             check(self._cu.cuMemAddressFree(va, self._va_bytes), f"cuMemAddressFree(rank={self.rank})")
@@ -1033,6 +1037,9 @@ class CudaTransport:
     def _free_host(self, p: int) -> None:
         with self._guard:
             check(self._cu.cuMemFreeHost(p), f"cuMemFreeHost(rank={self.rank})")
+
+    def _release_ctx(self) -> None:
+        check(self._cu.cuDevicePrimaryCtxRelease(self._cudev), "cuDevicePrimaryCtxRelease")
 
     def _release_heap(self) -> None:
         """Unmap and release every segment (own and peers'); the VA ranges stay reserved."""
@@ -1094,7 +1101,7 @@ class CudaTransport:
         self._quiet(self._destroy_stream, self._host_stream)
         self._quiet(self._free_host, self._host_buf)
         self._quiet(self._destroy_stream, self._copy_stream_handle)
-        self._quiet(self._cu.cuDevicePrimaryCtxRelease, self._cudev)
+        self._quiet(self._release_ctx)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
