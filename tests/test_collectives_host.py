@@ -256,16 +256,23 @@ def run_single_process_mode(device: str = "cpu") -> None:
     full = [torch.randn(s, generator=gen).to(dev) for s in shapes]
     out: dict[int, object] = {}
 
+    def body(r: int) -> None:
+        shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(r, padded=True)]
+        tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
+        mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
+        params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+        tt.all_gather(mine, params, group=groups[r])
+        if dev.type == "cuda":
+            tt.synchronize(groups[r], timeout_s=30)
+        out[r] = ([x.cpu() for x in shards], [x.cpu() for x in params])
+
     def rank_main(r: int) -> None:
         try:
-            shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(r, padded=True)]
-            tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
-            mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
-            params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
-            tt.all_gather(mine, params, group=groups[r])
-            if dev.type == "cuda":
-                tt.synchronize(groups[r], timeout_s=30)
-            out[r] = ([x.cpu() for x in shards], [x.cpu() for x in params])
+            if dev.type == "cuda":  # every rank its own compute stream, as on its own GPU
+                with torch.cuda.stream(torch.cuda.Stream(dev)):
+                    body(r)
+            else:
+                body(r)
         except BaseException as e:  # reported below, not lost in the thread
             out[r] = e
 
