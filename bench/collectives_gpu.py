@@ -43,8 +43,8 @@ def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
             barrier.abort()
 
     def rank_body(r: int) -> None:
+        g = groups[r]
         if True:
-            g = groups[r]
             for name, fn in [("reduce_scatter", lambda: tt.reduce_scatter(grads[r], shards[r], group=g, op="avg")),
                              ("all_gather", lambda: tt.all_gather(bshards[r], params[r], group=g))]:
                 fn()
@@ -74,6 +74,11 @@ def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
 
 
 def main() -> None:
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(float(__import__("os").environ.get("TIDE_HANG_DUMP_S", "1e9")), exit=True,
+                                      file=sys.stderr)
     ap = argparse.ArgumentParser()
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b"])

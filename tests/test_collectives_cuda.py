@@ -28,3 +28,13 @@ def test_contract_exact_processes_sharing_one_gpu(world_size: int) -> None:
 
 def test_single_process_multi_rank_mode_cuda() -> None:
     run_single_process_mode("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _collect_after_each_test():
+    # Finalisers of CUDA resources run here, attributed to the test that left them.
+    yield
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()

@@ -20,6 +20,17 @@ import time
 import pytest
 import torch
 
+
+@pytest.fixture(autouse=True)
+def _collect_after_each_test():
+    # Finalisers of CUDA resources run here, attributed to the test that left them.
+    yield
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
 try:
     from _dist import run_multiprocess
 except ImportError:  # pragma: no cover
