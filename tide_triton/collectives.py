@@ -160,14 +160,26 @@ def reduce_scatter(
     if slot_bytes > reg.slot_bytes:
         raise AssertionError("ring plan and heap regions disagree")  # internal invariant
     t.ensure_heap(reg.ag_off)
-    g.heap_barrier()
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
-    t.fence_from(cs)  # grads are complete before the copy queue reads them
     fm, S, timeout = g.flags, g.options.stages, g.options.timeout_s
     Sp = layout.padded_shard_numels
     gptrs = [x.data_ptr() for x in grads_l]
     slots = [[t.heap_tensor(me, reg.slot(s, c, W), plan.chunk_elems, gdt) for c in range(W)] for s in range(S)]
+    # Prepare (tables, kernels, padding) before any flag wait is enqueued; see Binding.prepare.
+    with st.kernels():
+        reducers = []
+        for j in range(len(plan.chunks[me])):
+            b = Binding(_chunk_program(layout, g.options.ring_bytes, es, S, me, j), tuple(shards_l),
+                        tuple(slots[j % S]), W, g.options.max_ctas)
+            b.prepare(scale=scale, accumulate=bool(accumulate))
+            reducers.append(b)
+        if not accumulate:  # padding rows of padded shards become zero
+            for x, n in zip(shards_l, layout.shard_numels(me)):
+                if x.numel() > n:
+                    x.view(-1)[n:].zero_()
+    g.heap_barrier()
+    t.fence_from(cs)  # grads are complete before the copy queue reads them
     base = g.rs_count
     for j in range(plan.rounds):
         s = j % S
@@ -188,22 +200,15 @@ def reduce_scatter(
             t.signal(d, fm.rs_ready(s, me), v)
             g.rs_last[(d, s)] = v
         # Reduce: my chunk j from the W slots, in rank order, into my shards.
-        if j < len(plan.chunks[me]):
+        if j < len(reducers):
             for c in range(W):
                 t.wait(fm.rs_ready(s, c), v, peer=c, timeout_s=timeout, stream=cs,
                        what=f"rank {c}'s reduce-scatter contribution (chunk {j})")
-            program = _chunk_program(layout, g.options.ring_bytes, es, S, me, j)
             with st.kernels():
-                Binding(program, tuple(shards_l), tuple(slots[s]), W, g.options.max_ctas).launch(
-                    scale=scale, accumulate=bool(accumulate), check_addresses=False)
+                reducers[j].launch(scale=scale, accumulate=bool(accumulate), check_addresses=False)
             for c in range(W):
                 t.signal(c, fm.rs_free(s, me), v, stream=cs)
     g.rs_count = base + plan.rounds
-    with st.kernels():
-        if not accumulate:
-            for x, n in zip(shards_l, layout.shard_numels(me)):
-                if x.numel() > n:
-                    x.view(-1)[n:].zero_()
     t.fence_to(cs)  # my grads may be reused once the copy queue has read them
     return st.finish()
 
@@ -263,9 +268,19 @@ def all_gather(
     reg = _regions(g, _ring_slot_bytes(g), W)
     block = layout.flat_shard_numel * es
     t.ensure_heap(reg.ag_off + _round_up(block, 16))
-    g.heap_barrier()
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
+    offs, S = layout.flat_offsets, layout.padded_shard_numels
+    # Prepare (zeros, tables, kernels) before any flag wait is enqueued; see Binding.prepare.
+    pads = [(p, x.numel()) for p, x in enumerate(shards_l) if x.numel() < S[p]]
+    zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
+    placer = None
+    if pdt != sdt:
+        blocks = [t.heap_tensor(r, reg.ag_off, layout.flat_shard_numel, sdt) for r in range(W)]
+        with st.kernels():
+            placer = bind_place_shards(blocks, params_l, layout, max_ctas=g.options.max_ctas)
+            placer.prepare()
+    g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
     fm, timeout = g.flags, g.options.timeout_s
     g.ag_epoch += 1
@@ -276,13 +291,10 @@ def all_gather(
                    what=f"rank {r} to finish reading my all-gather block")
     # Stage my shards into my block (padded positions of an unpadded shard become zero).
     my_block = t.address(me, reg.ag_off)
-    offs, S = layout.flat_offsets, layout.padded_shard_numels
     t.copy([my_block + offs[p] * es for p in range(len(layout))],
            [x.data_ptr() for x in shards_l],
            [x.numel() * es for x in shards_l])
-    pads = [(p, x.numel()) for p, x in enumerate(shards_l) if x.numel() < S[p]]
-    if pads:  # padding of unpadded shards: zeros from a buffer, on the copy queue
-        zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es)
+    if zeros is not None:  # padding of unpadded shards: zeros from a buffer, on the copy queue
         t.copy([my_block + (offs[p] + n) * es for p, n in pads], [zeros.data_ptr()] * len(pads),
                [(S[p] - n) * es for p, n in pads])
     for r in range(W):
@@ -307,9 +319,8 @@ def all_gather(
     else:
         for r in range(W):  # the cast runs on SMs: the compute stream waits for the blocks
             t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, stream=cs, what=f"rank {r}'s all-gather block")
-        blocks = [t.heap_tensor(r, reg.ag_off, layout.flat_shard_numel, sdt) for r in range(W)]
         with st.kernels():
-            bind_place_shards(blocks, params_l, layout, max_ctas=g.options.max_ctas).launch(check_addresses=False)
+            placer.launch(check_addresses=False)
         for r in range(W):
             t.signal(r, fm.ag_done(me), e, stream=cs)
         t.fence_to(cs)

@@ -339,6 +339,28 @@ class Binding:
                    kernel.launch_metadata(self._grid, s, *all_args),
                    _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *all_args)
 
+    def prepare(self, *, scale: float | None = None, accumulate: bool = False) -> None:
+        """Compile and load the kernel variant ``launch`` will use, without launching.
+
+        Loading a module (like allocating pinned memory) may synchronise the whole device.
+        Ranks driven from one process (the single-process mode) must do all of that before
+        they enqueue waits on each other's flags, or a sync can wait on a stream that waits
+        on a peer whose thread is itself stuck in a sync."""
+        if self.program.n_tiles == 0 or not self._cuda:
+            return
+        has_scale = scale is not None
+        raw = self.k == 1 and self._same_dtype and not has_scale and not accumulate
+        key = (has_scale, bool(accumulate), raw)
+        if key in self._compiled:
+            return
+        tiles, dst_tbl, src_tbl = self._tables
+        kernel = segmented_reduce_kernel.warmup(
+            tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
+            float(scale) if has_scale else 1.0, grid=self._grid,
+            HAS_SCALE=has_scale, ACCUMULATE=bool(accumulate), RAW=raw, **self._static)
+        kernel._init_handles()
+        self._compiled[key] = (kernel, self._constexpr_values(*key))
+
     def _constexpr_values(self, has_scale: bool, accumulate: bool, raw: bool) -> tuple:
         st = self._static
         return (st["K"], st["SRC_DTYPE"], st["DST_DTYPE"], has_scale, accumulate, raw,
