@@ -44,19 +44,18 @@ def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
 
     def rank_body(r: int) -> None:
         g = groups[r]
-        if True:
-            for name, fn in [("reduce_scatter", lambda: tt.reduce_scatter(grads[r], shards[r], group=g, op="avg")),
-                             ("all_gather", lambda: tt.all_gather(bshards[r], params[r], group=g))]:
+        for name, fn in [("reduce_scatter", lambda: tt.reduce_scatter(grads[r], shards[r], group=g, op="avg")),
+                         ("all_gather", lambda: tt.all_gather(bshards[r], params[r], group=g))]:
+            fn()
+            tt.synchronize(g, timeout_s=120)
+            barrier.wait()
+            t0 = time.perf_counter()
+            for _ in range(iters):
                 fn()
-                tt.synchronize(g, timeout_s=120)
-                barrier.wait()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                tt.synchronize(g, timeout_s=120)
-                barrier.wait()
-                if r == 0:
-                    times[name] = (time.perf_counter() - t0) / iters * 1e3
+            tt.synchronize(g, timeout_s=120)
+            barrier.wait()
+            if r == 0:
+                times[name] = (time.perf_counter() - t0) / iters * 1e3
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
     for t in threads:
