@@ -114,6 +114,17 @@ def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages
     return SegmentProgram(runs, n_dst=len(layout), n_src=1)
 
 
+def _full_and_shards(name: str, full: object, shards: object, world: int):
+    """Checks shared by both collectives: full tensors (one dtype, one device, contiguous)
+    and as many shards; the layout the full shapes define."""
+    full_l = check_tensor_list(name, full)
+    shards_l = check_tensor_list("shards", shards, len(full_l))
+    if not full_l:
+        raise ValueError(f"{name} must hold at least one tensor, got none")
+    dtype, device = check_uniform(name, full_l, dtypes=FLOAT_DTYPES)
+    return full_l, shards_l, dtype, device, ShardLayout([tuple(t.shape) for t in full_l], world)
+
+
 # --------------------------------------------------------------------------- reduce-scatter
 def reduce_scatter(
     grads: Sequence[torch.Tensor],
@@ -138,12 +149,7 @@ def reduce_scatter(
     err: BaseException | None = None
     sig: object = None
     try:
-        grads_l = check_tensor_list("grads", grads)
-        shards_l = check_tensor_list("shards", shards, len(grads_l))
-        if not grads_l:
-            raise ValueError("grads must hold at least one tensor, got none")
-        gdt, device = check_uniform("grads", grads_l, dtypes=FLOAT_DTYPES)
-        layout = ShardLayout([tuple(t.shape) for t in grads_l], W)
+        grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
         check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True))
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         scale = _scale(op, W)
@@ -158,7 +164,7 @@ def reduce_scatter(
     slot_bytes = plan.chunk_elems * es
     reg = _regions(g, _ring_slot_bytes(g), W)
     if slot_bytes > reg.slot_bytes:
-        raise AssertionError("ring plan and heap regions disagree")  # internal invariant
+        raise RuntimeError("internal error: ring plan and heap regions disagree")
     t.ensure_heap(reg.ag_off)
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
@@ -248,12 +254,7 @@ def all_gather(
     err: BaseException | None = None
     sig: object = None
     try:
-        params_l = check_tensor_list("params", params)
-        shards_l = check_tensor_list("shards", shards, len(params_l))
-        if not params_l:
-            raise ValueError("params must hold at least one tensor, got none")
-        pdt, device = check_uniform("params", params_l, dtypes=FLOAT_DTYPES)
-        layout = ShardLayout([tuple(t.shape) for t in params_l], W)
+        params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, W)
         _check_gather_shards(shards_l, layout, me)
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         c = layout.rows_per_rank
