@@ -225,6 +225,24 @@ def bench_host_overhead(model: str, shapes: Sequence[tuple[int, ...]], world_siz
     return rows
 
 
+def staging_table(models: Sequence[str], world_sizes: Sequence[int], ring_bytes: int = 64 << 20) -> str:
+    """Reduce-scatter buffer bytes per rank, from the layout: FSDP2's fp32 input (the whole
+    layer, W padded shards) vs tide_triton's receive ring (fixed) -- no GPU needed."""
+    from . import ShardLayout
+    from .schedule import ring_plan
+    from .workloads import layer_shapes
+
+    lines = ["| model | W | FSDP2 fp32 RS input / rank | tide RS staging / rank | chunks per RS |",
+             "|---|---|---|---|---|"]
+    for model in models:
+        for W in world_sizes:
+            layout = ShardLayout(layer_shapes(model), W)
+            plan = ring_plan(layout, ring_bytes, 2)
+            lines.append(f"| {model} | {W} | {4 * sum(layout.padded_numels) / 2**20:.0f} MiB | "
+                         f"{plan.staging_elems() * 2 / 2**20:.1f} MiB | {plan.rounds} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- CLI
 def _table(rows: list[BenchRow], ceiling: BenchRow) -> str:
     cgbps = ceiling.gbps()
@@ -295,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, shapes = shapes_of("qwen3-30b-a3b")
         rows += bench_host_overhead(model, shapes, 8, device, calls=200 if gpu else 2)
     print(_table(rows, ceiling))
+    print("\nreduce-scatter buffers per rank (from the layout, bf16 gradients, 64 MiB ring):")
+    print(staging_table(args.models, [2, 4, 8, 16, 64]))
     if not gpu:
         print("(CPU: every kernel runs in Triton's Python interpreter, so kernel times and 'host "
               "overhead' measure the interpreter, not tide_triton)")
