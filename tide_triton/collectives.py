@@ -173,11 +173,15 @@ def reduce_scatter(
     gptrs = [x.data_ptr() for x in grads_l]
     slots = [[t.heap_tensor(me, reg.slot(s, c, W), plan.chunk_elems, gdt) for c in range(W)] for s in range(S)]
     # Prepare (tables, kernels, padding) before any flag wait is enqueued; see Binding.prepare.
+    shard_t = tuple(shards_l)
+    shard_ptrs = tuple(map(torch.Tensor.data_ptr, shard_t))  # read once, not once per chunk
+    slot_ptrs = [tuple(map(torch.Tensor.data_ptr, stage)) for stage in slots]
     with st.kernels():
         reducers = []
         for j in range(len(plan.chunks[me])):
-            b = Binding(_chunk_program(layout, g.options.ring_bytes, es, S, me, j), tuple(shards_l),
-                        tuple(slots[j % S]), W, g.options.max_ctas)
+            b = Binding(_chunk_program(layout, g.options.ring_bytes, es, S, me, j), shard_t,
+                        tuple(slots[j % S]), W, g.options.max_ctas,
+                        known_ptrs=(shard_ptrs, slot_ptrs[j % S]))
             b.prepare(scale=scale, accumulate=bool(accumulate))
             reducers.append(b)
         if not accumulate:  # padding rows of padded shards become zero

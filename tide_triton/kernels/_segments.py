@@ -229,6 +229,9 @@ class Binding:
     srcs: tuple[torch.Tensor, ...]
     k: int
     max_ctas: int | None
+    known_ptrs: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False)
+    """(dst addresses, src addresses) when the caller already read them (one read per call
+    for many bindings over the same tensors, as the reduce-scatter's chunks are)."""
     dst_ptrs: tuple[int, ...] = field(init=False, repr=False)
     src_ptrs: tuple[int, ...] = field(init=False, repr=False)
     _tables: tuple = field(init=False, repr=False)
@@ -244,8 +247,11 @@ class Binding:
                 f"binding needs {self.program.n_dst} destinations and {self.k} x "
                 f"{self.program.n_src} sources, got {len(self.dsts)} and {len(self.srcs)}"
             )
-        self.dst_ptrs = tuple(map(torch.Tensor.data_ptr, self.dsts))
-        self.src_ptrs = tuple(map(torch.Tensor.data_ptr, self.srcs))
+        if self.known_ptrs is not None:
+            self.dst_ptrs, self.src_ptrs = self.known_ptrs
+        else:
+            self.dst_ptrs = tuple(map(torch.Tensor.data_ptr, self.dsts))
+            self.src_ptrs = tuple(map(torch.Tensor.data_ptr, self.srcs))
         dst0, src0 = self.dsts[0], self.srcs[0]
         device = dst0.device
         check_device("the tensors", device)
@@ -299,11 +305,9 @@ class Binding:
                 "a tensor of this binding moved since it was bound (storage resized or "
                 "replaced); bind the tensors again"
             )
-        tiles, dst_tbl, src_tbl = self._tables
-        has_scale = scale is not None
-        raw = self.k == 1 and self._same_dtype and not has_scale and not accumulate
-        args = (tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
-                float(scale) if has_scale else 1.0)
+        key = self._variant(scale, accumulate)
+        has_scale, accumulate, raw = key
+        args = self._args(scale)
         if not self._cuda:
             # The interpreter keeps global state per launch: one launch at a time (threads
             # of the single-process multi-rank mode launch concurrently).
@@ -321,17 +325,10 @@ class Binding:
             for t in self._tables:
                 t.record_stream(stream)
             self._streams_seen.add(stream)
-        key = (has_scale, bool(accumulate), raw)
         compiled = self._compiled.get(key)
-        if compiled is None:
-            # First launch of this variant goes through Triton's JIT (compile or cache
-            # lookup); later ones call the compiled kernel directly, skipping Triton's
-            # per-launch argument binding and specialisation (~30 us of host time).
-            compiled = segmented_reduce_kernel[self._grid](
-                *args, HAS_SCALE=has_scale, ACCUMULATE=bool(accumulate), RAW=raw, **self._static
-            )
-            self._compiled[key] = (compiled, self._constexpr_values(*key))
-            return
+        if compiled is None:  # first launch of this variant: compile or load, then run directly
+            self.prepare(scale=scale, accumulate=accumulate)
+            compiled = self._compiled[key]
         kernel, consts = compiled
         s = stream.cuda_stream
         all_args = args + consts
@@ -348,18 +345,28 @@ class Binding:
         on a peer whose thread is itself stuck in a sync."""
         if self.program.n_tiles == 0 or not self._cuda:
             return
-        has_scale = scale is not None
-        raw = self.k == 1 and self._same_dtype and not has_scale and not accumulate
-        key = (has_scale, bool(accumulate), raw)
+        key = self._variant(scale, accumulate)
         if key in self._compiled:
             return
-        tiles, dst_tbl, src_tbl = self._tables
+        has_scale, acc, raw = key
+        # Later launches call the compiled kernel directly, skipping Triton's per-launch
+        # argument binding and specialisation (~30 us of host time).
         kernel = segmented_reduce_kernel.warmup(
-            tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
-            float(scale) if has_scale else 1.0, grid=self._grid,
-            HAS_SCALE=has_scale, ACCUMULATE=bool(accumulate), RAW=raw, **self._static)
+            *self._args(scale), grid=self._grid,
+            HAS_SCALE=has_scale, ACCUMULATE=acc, RAW=raw, **self._static)
         kernel._init_handles()
         self._compiled[key] = (kernel, self._constexpr_values(*key))
+
+    def _variant(self, scale: float | None, accumulate: bool) -> tuple[bool, bool, bool]:
+        """(HAS_SCALE, ACCUMULATE, RAW): the compile-time switches of one launch."""
+        has_scale = scale is not None
+        raw = self.k == 1 and self._same_dtype and not has_scale and not accumulate
+        return has_scale, bool(accumulate), raw
+
+    def _args(self, scale: float | None) -> tuple:
+        tiles, dst_tbl, src_tbl = self._tables
+        return (tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
+                1.0 if scale is None else float(scale))
 
     def _constexpr_values(self, has_scale: bool, accumulate: bool, raw: bool) -> tuple:
         st = self._static
