@@ -126,21 +126,7 @@ def _pidfd_getfd(pid: int, remote_fd: int) -> int:
         os.close(pidfd)
 
 
-class _CudaBuffer:
-    """A bare ``__cuda_array_interface__`` (v2, bytes) so torch wraps a pointer in place."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 2,
-        }
-
-
-# DLPack through ctypes: the fallback when torch's __cuda_array_interface__ path does not
-# wrap in place (it derives the device from the pointer, a peer device for P2P memory).
+# DLPack through ctypes: the fallback where torch has no non-owning storage constructor.
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
 
@@ -285,7 +271,7 @@ class CudaTransport:
         self._segments: list[tuple[int, int, Any]] = []  # own (offset, size, handle)
         self._peer_segments: dict[int, list[tuple[int, int, Any]]] = {}
         self._peer_va: dict[int, int] = {}
-        self._peers: list[CudaTransport] | None = None
+        self._peers: list[Any] | None = None  # local group: weak references to every member
         self._listener: socket.socket | None = None
         self._sock_names: list[bytes] = []
         self._pids: list[int] = []
@@ -295,6 +281,8 @@ class CudaTransport:
         self._copy_stream_handle = None
         self._ctx = None
         self._cudev = None
+        self._tls = threading.local()
+        self._memop_batch = False
 
         # Hidden region below heap offset 0: probe words, then scratch words.
         self._probe_off = 0
@@ -324,6 +312,7 @@ class CudaTransport:
             self._grow(_round_up(self._user_off + 8 * n_flags, self._gran))
             self._choose_copy_path()
             self._choose_signal_path()
+            self._choose_memop_path()
             self._closed = False
 
     # ------------------------------------------------------------------------------------
@@ -487,7 +476,7 @@ class CudaTransport:
                 group.append(t)
         bases = [t._own_va for t in group]
         for t in group:
-            t._peers = group
+            t._peers = [weakref.ref(m) for m in group]  # no reference cycle among members
             t._bases = list(bases)
         return group
 
@@ -527,7 +516,12 @@ class CudaTransport:
         return max(0, self._mapped - self._user_off)
 
     def _mapped_of(self, rank: int) -> int:
-        return self._peers[rank]._mapped if self._peers is not None else self._mapped
+        if self._peers is None:
+            return self._mapped
+        peer = self._peers[rank]()
+        if peer is None:
+            raise RuntimeError(f"rank {rank} of this local group no longer exists")
+        return peer._mapped
 
     def _grow(self, new_mapped: int) -> None:
         cu = self._cu
@@ -810,20 +804,25 @@ class CudaTransport:
         return self._wrap(ptr, nbytes).view(dtype)
 
     def _wrap(self, ptr: int, nbytes: int) -> torch.Tensor:
-        if getattr(CudaTransport, "_cai_ok", True):
-            try:
-                t = torch.as_tensor(_CudaBuffer(ptr, nbytes), device=self.device)
-                if t.data_ptr() == ptr and t.device == self.device and t.dtype == torch.uint8:
-                    return t
-                why = f"it gave a tensor at {t.data_ptr():#x} on {t.device}"
-            except Exception as exc:  # noqa: BLE001
-                why = _describe(exc)
-            CudaTransport._cai_ok = False
-            _log_once("cai", logging.WARNING, "__cuda_array_interface__ does not "
-                      "wrap heap memory in place (%s); using DLPack", why)
-        t = _dlpack_wrap(ptr, nbytes, self.device.index)
-        if t.data_ptr() != ptr:
-            raise RuntimeError(f"DLPack wrapped heap address {ptr:#x} at {t.data_ptr():#x}")
+        """A uint8 tensor over ``nbytes`` of heap at ``ptr`` that does not own the memory.
+
+        torch's non-owning storage constructor (the one its CUDA-graph trees use) involves no
+        Python object's reference count.  ``__cuda_array_interface__`` is not used: with torch
+        2.11 on the H200, processes that wrapped heap memory that way crashed later inside
+        the cyclic garbage collector, the signature of a Python object freed while still
+        referenced.  DLPack through ctypes is the fallback for a torch without the
+        constructor."""
+        make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+        if make is not None:
+            storage = make(ptr, self.device, nbytes)
+            t = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        else:
+            _log_once("dlpack", logging.INFO, "heap views through DLPack (this torch has no "
+                      "_construct_storage_from_data_pointer)")
+            t = _dlpack_wrap(ptr, nbytes, self.device.index)
+        if t.data_ptr() != ptr or t.numel() != nbytes:
+            raise RuntimeError(f"wrapping heap address {ptr:#x} gave a tensor at {t.data_ptr():#x} "
+                               f"of {t.numel()} bytes")
         return t
 
     # ------------------------------------------------------------------------------------
@@ -943,6 +942,136 @@ class CudaTransport:
         dst = torch.cuda.current_stream(self.device) if stream is None else stream
         dst.wait_stream(self._copy_stream)
 
+    def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                 timeout_s: float, stream: torch.cuda.Stream | None = None, what: str = "") -> None:
+        """:meth:`wait` on several local flags in one driver call (``cuStreamBatchMemOp``;
+        one ``cuStreamWaitValue64`` each where batches are refused).  ``what`` may hold
+        ``{peer}``."""
+        n = len(slots)
+        if len(values) != n or len(peers) != n:
+            raise ValueError(f"slots, values and peers must have one entry per wait, got "
+                             f"{n}, {len(values)} and {len(peers)}")
+        if n == 0:
+            return
+        if n == 1 or not self._memop_batch:
+            for sl, v, p in zip(slots, values, peers):
+                self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream, what=what.format(peer=p))
+            return
+        self._check_open()
+        for sl, p in zip(slots, peers):
+            self._check_slot(sl)
+            self._check_rank("peer", p)
+        s = self._stream_int(stream)
+        base = self._own_va + self._user_off
+        self._memops(s, [(self._WAIT_OP, base + 8 * sl, v, self._GEQ) for sl, v in zip(slots, values)],
+                     "wait")
+        for sl, v, p in zip(slots, values, peers):
+            self._pending[sl] = (v, p, s, what.format(peer=p))
+
+    def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
+                   stream: torch.cuda.Stream | None = None) -> None:
+        """:meth:`signal` to several flags (of several ranks) in one driver call."""
+        n = len(ranks)
+        if len(slots) != n or len(values) != n:
+            raise ValueError(f"ranks, slots and values must have one entry per signal, got "
+                             f"{n}, {len(slots)} and {len(values)}")
+        if n == 0:
+            return
+        if n == 1 or not self._memop_batch or self.signal_path != "direct":
+            for r, sl, v in zip(ranks, slots, values):
+                self.signal(r, sl, v, stream=stream)
+            return
+        self._check_open()
+        for r, sl, v in zip(ranks, slots, values):
+            self._check_rank("rank", r)
+            self._check_slot(sl)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
+                raise ValueError(f"value must be an int in [0, 2**63), got {v!r}")
+        s = self._stream_int(stream)
+        self._memops(s, [(self._WRITE_OP, self._bases[r] + self._user_off + 8 * sl, v, self._WRITE)
+                         for r, sl, v in zip(ranks, slots, values)], "write")
+
+    def _memops(self, s: int, ops: Sequence[tuple[Any, int, int, int]], kind: str) -> None:
+        """Enqueue ``(op, address, value, flags)`` stream memory operations, <= 255 a call."""
+        cu = self._cu
+        for i in range(0, len(ops), 255):
+            part = ops[i:i + 255]
+            params = self._memop_params(len(part))
+            for p, (op, addr, value, flags) in zip(params, part):
+                p.operation = op
+                u = p.waitValue if op == self._WAIT_OP else p.writeValue
+                u.operation = op
+                u.address = addr
+                u.value64 = value
+                u.flags = flags
+            with self._guard:
+                check(cu.cuStreamBatchMemOp(s, len(part), params[:len(part)], 0),
+                      f"cuStreamBatchMemOp(rank={self.rank}, {len(part)} {kind}s)")
+
+    def _memop_params(self, n: int) -> list[Any]:
+        # Kept for reuse (setting fields is cheaper than building the structs per call);
+        # one list per thread, since ranks of the single-process mode enqueue concurrently.
+        tls = self._tls
+        params = getattr(tls, "memops", None)
+        if params is None or len(params) < n:
+            params = tls.memops = [self._cu.CUstreamBatchMemOpParams() for _ in range(max(n, 8))]
+        return params
+
+    def _choose_memop_path(self) -> None:
+        """Probe ``cuStreamBatchMemOp`` (a wait that is already satisfied and a write, on
+        this rank's own scratch word); fall back to one call per flag if refused."""
+        cu = self._cu
+        self._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+        self._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
+        self._memop_batch = False
+        if not hasattr(cu, "cuStreamBatchMemOp"):
+            return
+        word = self._own_va + self._scratch_off
+        try:
+            self._memops(self._host_stream_int, [(self._WRITE_OP, word, 7, self._WRITE),
+                                                 (self._WAIT_OP, word, 7, self._GEQ),
+                                                 (self._WRITE_OP, word, 0, self._WRITE)], "probe")
+            with self._guard:
+                check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize(memop probe)")
+            self._memop_batch = True
+        except CudaError as exc:
+            _log_once("memop-loop", logging.INFO,
+                      "flag waits and signals use one call each (cuStreamBatchMemOp: %s)", exc)
+
+    def session(self) -> CtxGuard:
+        """``with t.session():`` -- hold this transport's context current across many
+        enqueues (each one then skips its own push/pop)."""
+        return self._guard
+
+    def host_wait_event(self, event: Any, *, timeout_s: float) -> None:
+        """Block the host until ``event`` (a ``torch.cuda.Event``) has completed -- the
+        pacing of a long collective, so the host never runs more than a few chunks ahead
+        of the GPU.  After ``timeout_s``, raises ``PeerTimeoutError`` naming the peer of a
+        pending flag wait that is still short."""
+        if event.query():
+            return
+        deadline = time.monotonic() + timeout_s
+        nap = 5e-6
+        while not event.query():
+            if time.monotonic() >= deadline:
+                self._raise_stuck(timeout_s, None)
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+
+    def _raise_stuck(self, timeout_s: float, s: int | None) -> None:
+        """Raise ``PeerTimeoutError`` for a pending wait (on stream ``s``, or any) whose
+        flag is still short, else ``TimeoutError``."""
+        for slot, (value, peer, sh, what) in sorted(self._pending.items()):
+            if s is not None and sh != s:
+                continue
+            cur = self.read_flag(slot)
+            if cur < value:
+                raise PeerTimeoutError(
+                    peer, what or f"flag {slot} of rank {self.rank} to reach {value}, last "
+                    f"read {cur}", timeout_s)
+        raise TimeoutError(f"rank {self.rank}: GPU work still busy after {timeout_s:.1f} s "
+                           "(no pending flag wait is short)")
+
     # ------------------------------------------------------------------------------------
     # host-side waits
     # ------------------------------------------------------------------------------------
@@ -1002,14 +1131,7 @@ class CudaTransport:
                 break
             time.sleep(nap)
             nap = min(nap * 2, 2e-3)
-        for slot, (value, peer, sh, what) in sorted(self._pending.items()):
-            cur = self.read_flag(slot)
-            if cur < value and sh == s:
-                raise PeerTimeoutError(
-                    peer, what or f"flag {slot} of rank {self.rank} to reach {value}, last "
-                    f"read {cur}", timeout_s)
-        raise TimeoutError(f"rank {self.rank}: stream still busy after {timeout_s:.1f} s "
-                           "(no pending flag wait is short)")
+        self._raise_stuck(timeout_s, s)
 
     # ------------------------------------------------------------------------------------
     # teardown
@@ -1068,7 +1190,10 @@ class CudaTransport:
 
         handles = {self._copy_stream_int, self._host_stream_int, *live(self)}
         if self._peers is not None:
-            for t in self._peers:
+            for ref in self._peers:
+                t = ref()
+                if t is None:
+                    continue
                 if not t._closed:
                     handles.add(t._copy_stream_int)
                     handles.update(live(t))

@@ -189,17 +189,28 @@ def device_context(device: torch.device) -> tuple[Any, Any]:
 
 class CtxGuard:
     """``with CtxGuard(ctx):`` -- ``ctx`` is current inside the block (push/pop), so
-    driver calls work from any thread, whatever the thread had current before."""
+    driver calls work from any thread, whatever the thread had current before.
 
-    __slots__ = ("_ctx",)
+    Re-entrant per thread: a block nested inside another block of the same guard (a
+    collective holding the context across its many enqueues) costs no driver call."""
+
+    __slots__ = ("_ctx", "_depth")
 
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
+        self._depth = threading.local()
 
     def __enter__(self) -> None:
-        check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent")
+        d = getattr(self._depth, "n", 0)
+        if d == 0:
+            check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent")
+        self._depth.n = d + 1
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        d = self._depth.n - 1
+        self._depth.n = d
+        if d:
+            return
         res = cu.cuCtxPopCurrent()
         if exc_type is None:
             check(res, "cuCtxPopCurrent")

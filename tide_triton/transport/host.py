@@ -11,6 +11,7 @@ ordered, and every copy here completes before the call returns).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -149,6 +150,23 @@ class HostTransport:
             pause = min(pause * 2, 1e-3)
 
     host_wait_flag = wait
+
+    def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                 timeout_s: float, stream: object = None, what: str = "") -> None:
+        """:meth:`wait` on each flag in turn (``what`` may hold ``{peer}``)."""
+        for sl, v, p in zip(slots, values, peers, strict=True):
+            self.wait(sl, v, peer=p, timeout_s=timeout_s, what=what.format(peer=p))
+
+    def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
+                   stream: object = None) -> None:
+        for r, sl, v in zip(ranks, slots, values, strict=True):
+            self.signal(r, sl, v)
+
+    def session(self):
+        return contextlib.nullcontext()
+
+    def host_wait_event(self, event: object, *, timeout_s: float) -> None:
+        return None  # host work is complete when it returns: there is never a backlog
 
     def fence_from(self, stream: object) -> None:
         return None  # host work is synchronous
