@@ -14,8 +14,13 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-import pytest
-import torch
+# The single-process multi-rank tests drive several ranks' streams from one process: they
+# must not share hardware queues (tide_triton.group._enough_hardware_queues).  Read when
+# CUDA initialises, so set before torch is imported.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

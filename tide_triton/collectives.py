@@ -21,11 +21,13 @@ from .group import Group, resolve
 from .kernels._segments import Binding, Run, SegmentProgram
 from .kernels.placement import bind_place_shards
 from .layout import ShardLayout
-from .schedule import ring_plan
+from .schedule import peer_slot, ring_plan, ring_slots
 
 __all__ = ["reduce_scatter", "all_gather", "Work", "synchronize"]
 
 _ALIGN = 4096
+_AG_BATCH = 256
+"""Copy descriptors per batch of an all-gather's pulls."""
 
 
 def _round_up(n: int, m: int = _ALIGN) -> int:
@@ -81,20 +83,20 @@ class _Streams:
 class _Regions:
     ring_off: int
     slot_bytes: int
+    slots: int
     ag_off: int
 
-    def slot(self, stage: int, src: int, world: int) -> int:
-        return self.ring_off + (stage * world + src) * self.slot_bytes
+    def slot(self, stage: int, src: int, dest: int) -> int:
+        """Byte offset, in ``dest``'s heap, of the slot contributor ``src`` fills."""
+        return self.ring_off + (stage * self.slots + peer_slot(src, dest)) * self.slot_bytes
 
 
-def _regions(g: Group, ring_slot_bytes: int, world: int) -> _Regions:
+def _regions(g: Group) -> _Regions:
     flags = _round_up(g.flags.n_flags * 8)
-    ring = _round_up(g.options.stages * world * ring_slot_bytes)
-    return _Regions(flags, ring_slot_bytes, flags + ring)
-
-
-def _ring_slot_bytes(g: Group) -> int:
-    return (g.options.ring_bytes // (g.options.stages * g.world_size)) // 16 * 16
+    n = ring_slots(g.world_size)
+    slot_bytes = (g.options.ring_bytes // (g.options.stages * n)) // 16 * 16
+    ring = _round_up(g.options.stages * n * slot_bytes)
+    return _Regions(flags, slot_bytes, n, flags + ring)
 
 
 def _scale(op: object, world: int) -> float | None:
@@ -109,9 +111,13 @@ def _scale(op: object, world: int) -> float | None:
 
 @lru_cache(maxsize=256)
 def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int, j: int) -> SegmentProgram:
+    """Destination ``dest``'s reduction of its chunk ``j``: run ``i`` (one piece) reads
+    source entry ``i`` of every contributor -- a slot address for a peer, a gradient
+    address for ``dest`` itself -- so the pointer tables carry the offsets."""
     plan = ring_plan(layout, ring_bytes, elem_bytes, stages)
-    runs = tuple(Run(pc.param, pc.start, 0, pc.slot_off, pc.numel) for pc in plan.chunks[dest][j])
-    return SegmentProgram(runs, n_dst=len(layout), n_src=1)
+    pieces = plan.chunks[dest][j]
+    runs = tuple(Run(pc.param, pc.start, i, 0, pc.numel) for i, pc in enumerate(pieces))
+    return SegmentProgram(runs, n_dst=len(layout), n_src=len(pieces))
 
 
 def _full_and_shards(name: str, full: object, shards: object, world: int):
@@ -126,6 +132,49 @@ def _full_and_shards(name: str, full: object, shards: object, world: int):
 
 
 # --------------------------------------------------------------------------- reduce-scatter
+def _prepare_reduce_scatter(g: Group, t, reg: "_Regions", plan, layout: ShardLayout, gptrs: tuple[int, ...],
+                            shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
+                            device: torch.device, scale: float | None, acc: bool):
+    """Everything a reduce-scatter enqueues that depends only on its addresses: one bound
+    reduction per chunk of this rank (sources in rank order: the peers' slots, and this
+    rank's own gradients read in place) and, per round, the copies that push this rank's
+    slices to its peers' slots.  The bindings hold stand-in tensors, not the caller's: a
+    cached entry keeps no gradient alive."""
+    W, me, S = g.world_size, g.rank, plan.stages
+    es = gdt.itemsize
+    Sp = layout.padded_shard_numels
+    src_stub = torch.empty(0, dtype=gdt, device=device)
+    dst_stub = (torch.empty(0, dtype=sdt, device=device),) * len(layout)
+    reducers = []
+    for j, pieces in enumerate(plan.chunks[me]):
+        s = j % S
+        ptrs: list[int] = []
+        for c in range(W):  # contributors in rank order: the sum's fixed order
+            if c == me:
+                ptrs += [gptrs[pc.param] + (me * Sp[pc.param] + pc.start) * es for pc in pieces]
+            else:
+                slot = t.address(me, reg.slot(s, c, me))
+                ptrs += [slot + pc.slot_off * es for pc in pieces]
+        b = Binding(_chunk_program(layout, g.options.ring_bytes, es, S, me, j), dst_stub,
+                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, tuple(ptrs)))
+        b.prepare(scale=scale, accumulate=acc)
+        reducers.append(b)
+    pushes = []
+    for j in range(plan.rounds):
+        s = j % S
+        dsts, srcs, sizes = [], [], []
+        for d in range(W):
+            if d == me or j >= len(plan.chunks[d]):
+                continue
+            dst0 = t.address(d, reg.slot(s, me, d))
+            for pc in plan.chunks[d][j]:
+                dsts.append(dst0 + pc.slot_off * es)
+                srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
+                sizes.append(pc.numel * es)
+        pushes.append((dsts, srcs, sizes))
+    return reducers, pushes
+
+
 def reduce_scatter(
     grads: Sequence[torch.Tensor],
     shards: Sequence[torch.Tensor],
@@ -160,66 +209,64 @@ def reduce_scatter(
 
     t = g.transport(device)
     es = gdt.itemsize
-    plan = ring_plan(layout, g.options.ring_bytes, es, g.options.stages)
-    slot_bytes = plan.chunk_elems * es
-    reg = _regions(g, _ring_slot_bytes(g), W)
-    if slot_bytes > reg.slot_bytes:
+    S, ring_bytes = g.options.stages, g.options.ring_bytes
+    plan = ring_plan(layout, ring_bytes, es, S)
+    reg = _regions(g)
+    if plan.chunk_elems * es > reg.slot_bytes:
         raise RuntimeError("internal error: ring plan and heap regions disagree")
     t.ensure_heap(reg.ag_off)
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
-    fm, S, timeout = g.flags, g.options.stages, g.options.timeout_s
-    Sp = layout.padded_shard_numels
-    gptrs = [x.data_ptr() for x in grads_l]
-    slots = [[t.heap_tensor(me, reg.slot(s, c, W), plan.chunk_elems, gdt) for c in range(W)] for s in range(S)]
-    # Prepare (tables, kernels, padding) before any flag wait is enqueued; see Binding.prepare.
-    shard_t = tuple(shards_l)
-    shard_ptrs = tuple(map(torch.Tensor.data_ptr, shard_t))  # read once, not once per chunk
-    slot_ptrs = [tuple(map(torch.Tensor.data_ptr, stage)) for stage in slots]
-    with st.kernels():
-        reducers = []
-        for j in range(len(plan.chunks[me])):
-            b = Binding(_chunk_program(layout, g.options.ring_bytes, es, S, me, j), shard_t,
-                        tuple(slots[j % S]), W, g.options.max_ctas,
-                        known_ptrs=(shard_ptrs, slot_ptrs[j % S]))
-            b.prepare(scale=scale, accumulate=bool(accumulate))
-            reducers.append(b)
-        if not accumulate:  # padding rows of padded shards become zero
+    fm, timeout = g.flags, g.options.timeout_s
+    gptrs = tuple(x.data_ptr() for x in grads_l)
+    peers = [c for c in range(W) if c != me]
+    acc = bool(accumulate)
+    shard_ptrs = tuple(x.data_ptr() for x in shards_l)
+    # Prepare (tables, kernels, copy lists) before any flag wait is enqueued (see
+    # Binding.prepare); cached by address, so a call on the same tensors prepares nothing.
+    key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, S, ring_bytes, scale, acc)
+    prep = g.cached(key)
+    if prep is None:
+        with st.kernels():
+            prep = g.cache(key, _prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
+                                                        gdt, sdt, device, scale, acc))
+    reducers, pushes = prep
+    if not accumulate:  # padding rows of padded shards become zero
+        with st.kernels():
             for x, n in zip(shards_l, layout.shard_numels(me)):
                 if x.numel() > n:
                     x.view(-1)[n:].zero_()
     g.heap_barrier()
-    t.fence_from(cs)  # grads are complete before the copy queue reads them
+    pace = g.pacer(device)
+    pace.start(max((len(p[0]) for p in pushes), default=0) + 4 * W)
     base = g.rs_count
-    for j in range(plan.rounds):
-        s = j % S
-        v = base + j + 1
-        # Push: for every destination, its slices of my gradients into its slot for me.
-        for d in range(W):
-            if j >= len(plan.chunks[d]):
-                continue
-            last = g.rs_last.get((d, s))
-            if last is not None:
-                t.wait(fm.rs_free(s, d), last, peer=d, timeout_s=timeout,
-                       what=f"rank {d} to free reduce-scatter slot (stage {s})")
-            dst0 = t.address(d, reg.slot(s, me, W))
-            pieces = plan.chunks[d][j]
-            t.copy([dst0 + pc.slot_off * es for pc in pieces],
-                   [gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es for pc in pieces],
-                   [pc.numel * es for pc in pieces])
-            t.signal(d, fm.rs_ready(s, me), v)
-            g.rs_last[(d, s)] = v
-        # Reduce: my chunk j from the W slots, in rank order, into my shards.
-        if j < len(reducers):
-            for c in range(W):
-                t.wait(fm.rs_ready(s, c), v, peer=c, timeout_s=timeout, stream=cs,
-                       what=f"rank {c}'s reduce-scatter contribution (chunk {j})")
-            with st.kernels():
-                reducers[j].launch(scale=scale, accumulate=bool(accumulate), check_addresses=False)
-            for c in range(W):
-                t.signal(c, fm.rs_free(s, me), v, stream=cs)
-    g.rs_count = base + plan.rounds
-    t.fence_to(cs)  # my grads may be reused once the copy queue has read them
+    with t.session(), st.kernels():
+        t.fence_from(cs)  # grads are complete before the copy queue reads them
+        for j in range(plan.rounds):
+            s = j % S
+            v = base + j + 1
+            pace.before(j, t, timeout)
+            # Push: for every peer with a chunk j, its slices of my gradients into its slot for
+            # me -- once the peer has consumed what the previous use of that slot held.
+            dests = [d for d in peers if j < len(plan.chunks[d])]
+            frees = [d for d in dests if (d, s) in g.rs_last]
+            t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
+                       timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
+            t.copy(*pushes[j])
+            t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
+            for d in dests:
+                g.rs_last[(d, s)] = v
+            # Reduce: my chunk j from my gradients and the peers' slots, in rank order.
+            if j < len(reducers):
+                t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers,
+                           timeout_s=timeout, stream=cs,
+                           what=f"rank {{peer}}'s reduce-scatter contribution (chunk {j})")
+                reducers[j].launch(scale=scale, accumulate=acc, check_addresses=False)
+                t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers), stream=cs)
+            if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
+                pace.after(j, cs if j < len(reducers) else t.copy_stream)
+        g.rs_count = base + plan.rounds
+        t.fence_to(cs)  # my grads may be reused once the copy queue has read them
     return st.finish()
 
 
@@ -270,7 +317,7 @@ def all_gather(
     # Ranks may pass full or padded params: the flat block (padded shards) is the same.
     t = g.transport(device)
     es = sdt.itemsize
-    reg = _regions(g, _ring_slot_bytes(g), W)
+    reg = _regions(g)
     block = layout.flat_shard_numel * es
     t.ensure_heap(reg.ag_off + _round_up(block, 16))
     st = _Streams(g, device, stream, async_op)
@@ -317,7 +364,16 @@ def all_gather(
                     dsts.append(pptrs[p] + r * S[p] * es)
                     srcs.append(rb + offs[p] * es)
                     sizes.append(n * es)
-        t.copy(dsts, srcs, sizes)
+        # In batches, the host at most two batches ahead of the copy engines: thousands of
+        # descriptors (a Qwen3 layer at W=8) queued behind the flag waits would fill the
+        # driver's queue and block this thread inside the driver (see group._Pacer).
+        pace = g.pacer(device)
+        pace.start(_AG_BATCH)
+        for b, i in enumerate(range(0, len(sizes), _AG_BATCH)):
+            pace.before(b, t, timeout)
+            t.copy(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
+            if st.cuda:
+                pace.after(b, t.copy_stream)
         for r in range(W):
             t.signal(r, fm.ag_done(me), e)
         t.fence_to(cs)  # the parameters are complete for later work on the stream

@@ -1,10 +1,10 @@
 """In what order: pure-Python schedules for the node-local collectives (no CUDA imports).
 
-Reduce-scatter moves rank ``d``'s segment of every gradient from every contributor into
-``d``'s receive ring, chunk by chunk.  The ring has ``stages`` stages of ``local_size``
-slots (one per contributor); a slot holds ``chunk_elems`` elements, chosen so the ring is a
-fixed number of bytes whatever the world size or the layout: more ranks, smaller chunks,
-same staging.  Chunk ``j`` of destination ``d`` is a list of :class:`Piece` -- contiguous
+Reduce-scatter moves rank ``d``'s segment of every gradient from every *other* contributor
+into ``d``'s receive ring, chunk by chunk (``d`` reads its own contribution in place, from
+its gradients).  The ring has ``stages`` stages of ``local_size - 1`` slots (one per peer);
+a slot holds ``chunk_elems`` elements, chosen so the ring is a fixed number of bytes
+whatever the world size or the layout: more ranks, smaller chunks, same staging.  Chunk ``j`` of destination ``d`` is a list of :class:`Piece` -- contiguous
 runs of ``d``'s real shard elements, packed back to back in the slot.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from .layout import ShardLayout
 
-__all__ = ["Piece", "RingPlan", "ring_plan", "FlagMap"]
+__all__ = ["Piece", "RingPlan", "ring_plan", "ring_slots", "peer_slot", "FlagMap"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,23 @@ class RingPlan:
         """Lock-step iterations: the most chunks any destination has."""
         return max((len(c) for c in self.chunks), default=0)
 
+    @property
+    def slots_per_stage(self) -> int:
+        return ring_slots(self.layout.world_size)
+
     def staging_elems(self) -> int:
-        """Receive staging per rank, in elements: stages x local ranks x chunk."""
-        return self.stages * self.layout.world_size * self.chunk_elems
+        """Receive staging per rank, in elements: stages x peers x chunk."""
+        return self.stages * self.slots_per_stage * self.chunk_elems
+
+
+def ring_slots(world_size: int) -> int:
+    """Slots per ring stage: one per peer (at least one, so a lone rank's plan still chunks)."""
+    return max(1, world_size - 1)
+
+
+def peer_slot(src: int, dest: int) -> int:
+    """Index, in ``dest``'s ring stage, of the slot that contributor ``src != dest`` fills."""
+    return src if src < dest else src - 1
 
 
 def _split(layout: ShardLayout, dest: int, chunk_elems: int) -> tuple[tuple[Piece, ...], ...]:
@@ -67,16 +81,16 @@ def _split(layout: ShardLayout, dest: int, chunk_elems: int) -> tuple[tuple[Piec
 
 @lru_cache(maxsize=64)
 def ring_plan(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int = 2) -> RingPlan:
-    """Chunks for a ring of ``ring_bytes`` per rank (``stages`` x ``world_size`` slots).
+    """Chunks for a ring of ``ring_bytes`` per rank (``stages`` x :func:`ring_slots` slots).
 
     Slots are rounded down to 16-byte multiples so every slot starts aligned."""
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
-    per_slot = ring_bytes // (stages * layout.world_size)
+    per_slot = ring_bytes // (stages * ring_slots(layout.world_size))
     chunk_elems = (per_slot // 16 * 16) // elem_bytes
     if chunk_elems < 1:
         raise ValueError(
-            f"ring_bytes={ring_bytes} is too small for {stages} stages x {layout.world_size} ranks "
+            f"ring_bytes={ring_bytes} is too small for {stages} stages x {ring_slots(layout.world_size)} peers "
             f"of {elem_bytes}-byte elements"
         )
     chunks = tuple(_split(layout, d, chunk_elems) for d in range(layout.world_size))
