@@ -10,18 +10,23 @@ every rank divided by ``iters`` (all ranks start together, end with a synchroniz
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import threading
 import time
 
-import torch
+# Ranks' streams must not share hardware queues (see tide_triton.group._enough_hardware_queues).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import torch  # noqa: E402
 
 import tide_triton as tt
 from tide_triton.bench import env_info
 from tide_triton.workloads import layer_shapes
 
 
-def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
+def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None) -> dict:
     dev = torch.device("cuda")
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
@@ -31,6 +36,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
     bshards = [[x.to(torch.bfloat16) for x in shards[r]] for r in range(W)]
     params = [[torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes] for _ in range(W)]
     barrier = threading.Barrier(W)
+    prof_ctx: list = [None]
     times: dict = {}
     errors: list = []
 
@@ -52,10 +58,23 @@ def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
             t0 = time.perf_counter()
             for _ in range(iters):
                 fn()
+            t1 = time.perf_counter()  # host time to enqueue (pacing included)
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
             if r == 0:
                 times[name] = (time.perf_counter() - t0) / iters * 1e3
+                times[name + "_host"] = (t1 - t0) / iters * 1e3
+            if profile and name == "reduce_scatter":
+                barrier.wait()
+                if r == 0:
+                    prof_ctx[0] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    prof_ctx[0].__enter__()
+                barrier.wait()
+                fn()
+                tt.synchronize(g, timeout_s=120)
+                barrier.wait()
+                if r == 0:
+                    prof_ctx[0].__exit__(None, None, None)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
     for t in threads:
@@ -67,9 +86,37 @@ def run(model: str, W: int, iters: int, ring_bytes: int) -> dict:
     if errors:
         raise RuntimeError(errors)
     numel = sum(layout.numels)
+    if prof_ctx[0] is not None:
+        _profile_summary(prof_ctx[0], profile, f"{model} W={W} ring={ring_bytes >> 20} MiB")
     return dict(model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
+                rs_host_ms=times["reduce_scatter_host"], ag_host_ms=times["all_gather_host"],
                 staging_bytes=ring_bytes, fsdp_rs_input_bytes=4 * sum(layout.padded_numels),
                 layer_numel=numel)
+
+
+def _profile_summary(prof, path: str, title: str) -> None:
+    """Busy time per kind of GPU activity in one reduce-scatter (all ranks): kernels, copies,
+    and the span from the first activity to the last."""
+    import collections
+
+    trace = os.path.join(path, "rs_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f).get("traceEvents", [])
+    busy = collections.Counter()
+    count = collections.Counter()
+    lo, hi = float("inf"), 0.0
+    for e in events:
+        cat = e.get("cat", "")
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
+            continue
+        kind = cat if cat != "kernel" else ("kernel:" + e.get("name", "")[:40])
+        busy[kind] += e["dur"]
+        count[kind] += 1
+        lo, hi = min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])
+    print(f"profile {title}: span {(hi - lo) / 1e3:.2f} ms")
+    for kind, us in busy.most_common(12):
+        print(f"  {kind}: {count[kind]} x, {us / 1e3:.3f} ms busy")
 
 
 def main() -> None:
@@ -82,23 +129,30 @@ def main() -> None:
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b"])
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--ring-bytes", type=int, default=64 << 20)
+    ap.add_argument("--ring-bytes", type=int, nargs="+", default=[64 << 20])
+    ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     info = env_info(torch.device("cuda"))
     print(f"{info['gpu']} | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | {info['date']}")
-    print("| model | W | reduce_scatter bf16->fp32 (ms) | all_gather bf16 (ms) | RS staging / rank | FSDP2 fp32 RS input / rank |")
-    print("|---|---|---|---|---|---|")
-    for model in args.models:
-        for W in args.world_sizes:
-            row = run(model, W, args.iters, args.ring_bytes)
-            print(f"| {model} | {W} | {row['rs_ms']:.2f} | {row['ag_ms']:.2f} | "
-                  f"{row['staging_bytes'] / 2**20:.0f} MiB | {row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps({**row, **info}) + "\n")
-            torch.cuda.empty_cache()
-
+    print("| model | W | ring | reduce_scatter bf16->fp32 (ms) | host enqueue (ms) | all_gather bf16 (ms) "
+          "| host enqueue (ms) | FSDP2 fp32 RS input / rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    first = True
+    for model, W, ring in itertools.product(args.models, args.world_sizes, args.ring_bytes):
+        try:
+            row = run(model, W, args.iters, ring, args.profile if first else None)
+        except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
+            print(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
+            continue
+        first = False
+        print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {row['rs_host_ms']:.2f} | "
+              f"{row['ag_ms']:.2f} | {row['ag_host_ms']:.2f} | {row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |",
+              flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({**row, **info}) + "\n")
+        torch.cuda.empty_cache()
 
 if __name__ == "__main__":
     main()
