@@ -94,7 +94,7 @@ class SimReport:
 
     def error(self, msg: str) -> None:
         if len(self.errors) < _MAX_ERRORS:
-            self.errors.append(msg)
+            self.errors.append(str(msg))
         else:
             self.truncated = True
 
@@ -116,6 +116,29 @@ class SimReport:
             r[t.dst] += b
             if step.link == "inter":
                 self.chunks[t.src] += len(t.chunks)
+
+
+class _Where:
+    """Where a run travels; formatted only when an error names it."""
+
+    __slots__ = ("label", "window", "src", "dst")
+
+    def __init__(self, label: str, window: int | None, src: int, dst: int) -> None:
+        self.label, self.window, self.src, self.dst = label, window, src, dst
+
+    def __format__(self, spec: str) -> str:
+        w = "" if self.window is None else f", window {self.window}"
+        return f"{self.label}{w}, rank {self.src} -> {self.dst}"
+
+
+def _check_link(step: Step, t, topo: Topology, rep: SimReport, where: _Where) -> None:
+    L, W = topo.local_size, topo.world_size
+    if not (0 <= t.src < W and 0 <= t.dst < W) or t.src == t.dst:
+        rep.error(f"{where}: transfer between ranks {t.src} and {t.dst} of a {W}-rank group")
+    elif step.link == "inter" and t.src % L != t.dst % L:
+        rep.error(f"{where}: inter-node transfer leaves its rail")
+    elif step.link == "intra" and t.src // L != t.dst // L:
+        rep.error(f"{where}: intra-node transfer crosses nodes")
 
 
 # --------------------------------------------------------------------------- run decoding
@@ -140,7 +163,7 @@ class _Decoder:
         last = min((self.dim0[p] - need) // self.rows[p], self.W - 1)
         return (1 << (last + 1)) - 1 if last >= 0 else 0
 
-    def decode(self, run: Run, rep: SimReport, where: str):
+    def decode(self, run: Run, rep: SimReport, where: object):
         """Yield ``(p, origins_mask, lo, hi)``: elements ``[lo, hi)`` of the shards of the
         ranks in ``origins_mask``.  Malformed runs are reported and skipped."""
         p = run.param
@@ -209,7 +232,7 @@ class _GatherState:
                         break
         return missing
 
-    def add(self, h: int, p: int, mask: int, lo: int, hi: int, rep: SimReport, where: str) -> None:
+    def add(self, h: int, p: int, mask: int, lo: int, hi: int, rep: SimReport, where: object) -> None:
         dup = mask & self.full[h][p]
         if dup:
             o = _low(dup)
@@ -220,6 +243,13 @@ class _GatherState:
         parts = self.part.get((h, p))
         real = self.dec.real
         whole = lo == 0
+        if whole:  # shards received whole (the common case): one bitset operation
+            fast = mask & ~self.dec.ge_mask(p, hi + 1)
+            if parts:
+                for o in parts:
+                    fast &= ~(1 << o)
+            self.full[h][p] |= fast
+            mask &= ~fast
         m = mask
         while m:
             o = _low(m)
@@ -268,11 +298,8 @@ def simulate_all_gather(plan: AllGatherPlan, *, check: bool = True) -> SimReport
             continue
         pending = []
         for t in step.transfers:
-            where = f"{step.label}, rank {t.src} -> {t.dst}"
-            if step.link == "inter" and topo.local_rank(t.src) != topo.local_rank(t.dst):
-                rep.error(f"{where}: inter-node transfer leaves its rail")
-            if step.link == "intra" and topo.node_of(t.src) != topo.node_of(t.dst):
-                rep.error(f"{where}: intra-node transfer crosses nodes")
+            where = _Where(step.label, None, t.src, t.dst)
+            _check_link(step, t, topo, rep, where)
             for j, chunk in enumerate(t.chunks):
                 if step.link == "inter" and sum(r.elems for r in chunk) > plan.chunk_elems:
                     rep.error(f"{where}: chunk {j} holds {sum(r.elems for r in chunk)} elements, "
@@ -378,11 +405,8 @@ def simulate_reduce_scatter(plan: ReduceScatterPlan, *, check: bool = True) -> S
             continue
         pending = []
         for t in step.transfers:
-            where = f"{step.label}, window {step.window}, rank {t.src} -> {t.dst}"
-            if step.link == "inter" and topo.local_rank(t.src) != topo.local_rank(t.dst):
-                rep.error(f"{where}: inter-node transfer leaves its rail")
-            if step.link == "intra" and topo.node_of(t.src) != topo.node_of(t.dst):
-                rep.error(f"{where}: intra-node transfer crosses nodes")
+            where = _Where(step.label, step.window, t.src, t.dst)
+            _check_link(step, t, topo, rep, where)
             for chunk in t.chunks:
                 for run in chunk:
                     rep.runs += 1
