@@ -519,8 +519,8 @@ def nccl_ring_bytes(layout: ShardLayout, local_size: int, elem_bytes: int) -> di
 
 
 # --------------------------------------------------------------------------- CLI
-def _mib(b: float) -> str:
-    return f"{b / 2**20:,.1f}"
+def _mib(b: float, digits: int = 1) -> str:
+    return f"{b / 2**20:,.{digits}f}"
 
 
 def _estimate_runs(ag: AllGatherPlan, rs: ReduceScatterPlan) -> int:
@@ -586,6 +586,9 @@ def _rows(model: str, ranks: Sequence[int], local_size: int, chunk_bytes: int, r
                 "rs_staging_bytes_fp32": rs[4].staging_bytes, "rs_staging_bytes_bf16": rs[2].staging_bytes,
                 "nccl_rs_bus_bytes": nrs["bus"], "nccl_rs_per_nic_bytes": nrs["per_nic"],
                 "fsdp2_rs_input_bytes": nrs["total"],
+                "ag_round_bytes": {k: max(v) for k, v in ag_sent.items()},
+                "rs_round_bytes_fp32": {k: max(v) for k, v in rs_sent.items()},
+                "rs_round_bytes_bf16": {k: max(v) for k, v in rs2_sent.items()},
             })
             rows.append(row)
     return rows
@@ -616,8 +619,8 @@ def _table(rows: list[dict]) -> str:
                 f"| {r['world_size']} | {r['topology']} | {r['rs_rounds_per_window']} x {r['rs_windows']} "
                 f"({r['rs_scheme']}) | {_mib(r['rs_inter_bytes_fp32'])} / {_mib(r['rs_inter_bytes_bf16'])} | "
                 f"{_mib(r['nccl_rs_bus_bytes'])} / {_mib(r['nccl_rs_per_nic_bytes'])} | "
-                f"{_mib(r['rs_intra_bytes'])} | {_mib(r['rs_staging_bytes_fp32'])} / "
-                f"{_mib(r['rs_staging_bytes_bf16'])} | {_mib(r['fsdp2_rs_input_bytes'])} | {_ok(r)} |")
+                f"{_mib(r['rs_intra_bytes'])} | {_mib(r['rs_staging_bytes_fp32'], 2)} / "
+                f"{_mib(r['rs_staging_bytes_bf16'], 2)} | {_mib(r['fsdp2_rs_input_bytes'])} | {_ok(r)} |")
     return "\n".join(out)
 
 
