@@ -12,13 +12,11 @@ import time
 import pytest
 
 from tide_triton.hier_schedule import (
-    AllGatherPlan, ReduceScatterPlan, Run, Step, Transfer, all_gather_node_rounds, chunk_runs,
+    AllGatherPlan, ReduceScatterPlan, Run, Transfer, all_gather_node_rounds, chunk_runs,
     reduce_scatter_node_rounds,
 )
 from tide_triton.layout import ShardLayout
-from tide_triton.simulate import (
-    fixed_shard_shapes, main, nccl_ring_bytes, simulate, simulate_all_gather, simulate_reduce_scatter,
-)
+from tide_triton.simulate import fixed_shard_shapes, main, nccl_ring_bytes, simulate
 from tide_triton.topology import Topology
 from tide_triton.workloads import layer_shapes
 

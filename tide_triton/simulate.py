@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan, Run, Step
 from .layout import ShardLayout
@@ -38,8 +37,6 @@ from .topology import Topology
 
 __all__ = ["SimReport", "simulate", "simulate_all_gather", "simulate_reduce_scatter",
            "fixed_shard_shapes", "nccl_ring_bytes", "main"]
-
-log = logging.getLogger("tide_triton")
 
 _MAX_ERRORS = 20
 
