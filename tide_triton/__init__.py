@@ -19,11 +19,13 @@ from .kernels import (
 from .collectives import Work, all_gather, reduce_scatter, synchronize
 from .group import Group, GroupOptions, init, local_groups
 from .layout import ShardLayout
+from .topology import Topology
+from .hier_schedule import AllGatherPlan, ReduceScatterPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ShardLayout",
+    "ShardLayout", "Topology", "AllGatherPlan", "ReduceScatterPlan",
     "init", "local_groups", "Group", "GroupOptions", "reduce_scatter", "all_gather", "synchronize", "Work",
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
