@@ -3,7 +3,7 @@
 Layout (:class:`ShardLayout`) -> schedule (:mod:`tide_triton.schedule`) -> transport
 (:mod:`tide_triton.transport`) -> kernels (:mod:`tide_triton.kernels`: placement,
 accumulation, packing, all Triton).  Collectives: :func:`init`, :func:`reduce_scatter`,
-:func:`all_gather`.
+:func:`all_gather`.  FSDP2 drop-in: :func:`tide_triton.fsdp.enable`.
 """
 from .kernels import (
     accumulate_shards,
@@ -19,6 +19,7 @@ from .kernels import (
 from .collectives import Work, all_gather, reduce_scatter, synchronize
 from .group import Group, GroupOptions, init, local_groups
 from .layout import ShardLayout
+from . import fsdp  # FSDP2 drop-in; imports no FSDP2 internals until enable()
 
 __version__ = "0.1.0"
 
@@ -28,5 +29,6 @@ __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
+    "fsdp",
     "__version__",
 ]
