@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["enable", "disable", "is_enabled", "supported_torch_version"]
+__all__ = ["enable", "disable", "is_enabled", "stats", "supported_torch_version"]
 
 log = logging.getLogger("tide_triton")
 
@@ -110,6 +110,7 @@ class _Api:
 
 _API: _Api | None = None
 _API_ERROR: str | None = None
+_ACTIVE: _Api | None = None  # the API the installed wrappers serve
 _ENABLED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -173,9 +174,11 @@ def _load_api() -> _Api:
 
 
 def _install(api: _Api) -> None:
+    global _ACTIVE
     fpg = api.fpg
     if getattr(fpg.foreach_reduce, "_tide_wrapper", False):
         return
+    _ACTIVE = api
     fpg.foreach_all_gather = _wrapped_all_gather
     fpg.foreach_all_gather_copy_out = _wrapped_copy_out
     fpg.foreach_reduce = _wrapped_reduce
@@ -199,6 +202,9 @@ class _GroupState:
     fqn: str
     sentinel: torch.Tensor
     reduce_fallback_logged: bool = False
+    all_gathers: int = 0             # calls served by tide_triton.all_gather
+    reduce_scatters: int = 0         # calls served by tide_triton.reduce_scatter
+    direct_accumulations: int = 0    # of those, summed straight into existing .grad
 
 
 def _state_of(fsdp_params: Any) -> _GroupState | None:
@@ -395,8 +401,8 @@ def disable(module: nn.Module) -> None:
     for _, m in _fsdp_modules(module):
         for pg in _param_groups(m._get_fsdp_state()):
             _drop(pg)
-    if not len(_ENABLED) and _API is not None:
-        _uninstall(_API)
+    if not len(_ENABLED) and _ACTIVE is not None:
+        _uninstall(_ACTIVE)
 
 
 def is_enabled(module: nn.Module) -> bool:
@@ -405,9 +411,24 @@ def is_enabled(module: nn.Module) -> bool:
     return bool(groups) and all(getattr(pg, "_tide_state", None) is not None for pg in groups)
 
 
+def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
+    """Per FSDP2 module inside ``module``: how many all-gathers and reduce-scatters
+    tide_triton has served since :func:`enable` (None for a module on the stock path)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    out: dict[str, dict[str, int] | None] = {}
+    for name, m in _fsdp_modules(module):
+        for i, pg in enumerate(groups := _param_groups(m._get_fsdp_state())):
+            st = getattr(pg, "_tide_state", None)
+            out[name if len(groups) == 1 else f"{name}[{i}]"] = None if st is None else {
+                "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
+                "direct_accumulations": st.direct_accumulations}
+    return out
+
+
 # --------------------------------------------------------------------------- all-gather
 def _wrapped_all_gather(*args: Any, **kwargs: Any):
-    api = _API
+    api = _ACTIVE
     a = api.sig_ag.bind(*args, **kwargs).arguments
     st = _state_of(a["fsdp_params"])
     if st is None or not _ag_ok(a["fsdp_params"]):
@@ -453,6 +474,7 @@ def _tide_all_gather(st: _GroupState, api: _Api, a: dict):
             dtypes.append([dt])
             numels.append([n])
         all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None)
+        st.all_gathers += 1
         event = ag_stream.record_event()
     if cuda and consumer is not ag_stream:
         for out in outs:  # freed on the consumer stream at reshard: not reusable before it is done
@@ -464,7 +486,7 @@ def _tide_all_gather(st: _GroupState, api: _Api, a: dict):
 
 
 def _wrapped_copy_out(*args: Any, **kwargs: Any):
-    api = _API
+    api = _ACTIVE
     a = api.sig_copy_out.bind(*args, **kwargs).arguments
     res = a["all_gather_result"]
     if not getattr(res.all_gather_output, "_tide_ag", False):
@@ -488,7 +510,7 @@ _wrapped_copy_out._tide_wrapper = True  # type: ignore[attr-defined]
 
 # --------------------------------------------------------------------------- reduce-scatter
 def _wrapped_reduce(*args: Any, **kwargs: Any):
-    api = _API
+    api = _ACTIVE
     ba = api.sig_reduce.bind(*args, **kwargs)
     ba.apply_defaults()
     a = ba.arguments
@@ -600,6 +622,8 @@ def _tide_reduce(st: _GroupState, api: _Api, a: dict, op: str | float, post: flo
                 off += n
         reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
                        stream=rs_stream if cuda else None)
+        st.reduce_scatters += 1
+        st.direct_accumulations += direct
         reduce_scatter_event = rs_stream.record_event()
     post_reduce_stream = rs_stream
     if hook is not None:
