@@ -272,15 +272,16 @@ def _child(rank: int, W: int, device: str, scenarios: tuple[str, ...]) -> dict:
 def _run_scenario(out: dict, s: str, rank: int, W: int, device: str) -> None:
     if True:
         if s == "bf16":
-            out[s] = {"stock": _train(W, rank, device, "bf16", False, 3),
-                      "tide": _train(W, rank, device, "bf16", True, 3)}
+            out[s] = {"stock": _train(W, rank, device, "bf16", False, 2),
+                      "tide": _train(W, rank, device, "bf16", True, 2)}
         elif s == "fp32":
             out[s] = {"stock": _train(W, rank, device, "fp32", False, 2),
                       "tide": _train(W, rank, device, "fp32", True, 2)}
         elif s == "accum":  # micro 0 unsynced (unsharded accumulation), 1 and 2 synced:
             micro = (False, True, True)  # the second synced one adds to the existing .grad
-            out[s] = {"stock": _train(W, rank, device, "bf16", False, 2, micro=micro),
-                      "tide": _train(W, rank, device, "bf16", True, 2, micro=micro)}
+            steps = 2 if W == 2 else 1
+            out[s] = {"stock": _train(W, rank, device, "bf16", False, steps, micro=micro),
+                      "tide": _train(W, rank, device, "bf16", True, steps, micro=micro)}
         elif s == "divide":
             out[s] = _scenario_divide(W, rank, device)
         elif s == "state_dict":
@@ -299,14 +300,20 @@ def _run_scenario(out: dict, s: str, rank: int, W: int, device: str) -> None:
 
 
 # --------------------------------------------------------------------------- parent side
-def _close(a, b, W: int, what: str, *, tol: float | None = None) -> None:
-    """Equal within fp32 reduction-order tolerance (bit for bit at W=2)."""
-    if tol is None:
-        tol = 0.0 if W == 2 else 2e-5
+def _base_tol(W: int, device: str) -> float:
+    """Bit for bit at W=2 on the CPU; fp32 reduction-order tolerance otherwise.  On a GPU even
+    stock runs are not bit-reproducible (atomics in some backward kernels), and a last-bit
+    difference of a master weight can become one bf16 ulp of the next forward."""
+    if device != "cpu":
+        return 1e-4
+    return 0.0 if W == 2 else 2e-5
+
+
+def _close(a, b, what: str, tol: float) -> None:
     if isinstance(a, dict):
         assert a.keys() == b.keys(), what
         for k in a:
-            _close(a[k], b[k], W, f"{what}[{k}]", tol=tol)
+            _close(a[k], b[k], f"{what}[{k}]", tol)
         return
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     if tol == 0.0:
@@ -339,45 +346,50 @@ def _check_tide_served(res: dict, *, direct: bool = False) -> None:
             assert st["direct_accumulations"] > 0, (name, st)
 
 
-def _check(out: list[dict], W: int) -> None:
+def _check(out: list[dict], W: int, device: str = "cpu") -> None:
+    base = _base_tol(W, device)
+
+    def close(a, b, what, tol=0.0):  # never tighter than the base tolerance
+        _close(a, b, what, max(base, tol))
+
     r0 = out[0]
     if "bf16" in r0:
         for rank, res in enumerate(out):
             _check_tide_served(res["bf16"]["tide"])
-            _close(res["bf16"]["tide"]["losses"], res["bf16"]["stock"]["losses"], W, f"bf16 losses rank {rank}")
-        _close(r0["bf16"]["tide"]["params"], r0["bf16"]["stock"]["params"], W, "bf16 params")
+            close(res["bf16"]["tide"]["losses"], res["bf16"]["stock"]["losses"], f"bf16 losses rank {rank}")
+        close(r0["bf16"]["tide"]["params"], r0["bf16"]["stock"]["params"], "bf16 params")
     if "fp32" in r0:
         ref = _reference(2, W)
         for rank, res in enumerate(out):
             _check_tide_served(res["fp32"]["tide"])
-            _close(res["fp32"]["tide"]["losses"], res["fp32"]["stock"]["losses"], W, f"fp32 losses rank {rank}")
-        _close(r0["fp32"]["tide"]["params"], r0["fp32"]["stock"]["params"], W, "fp32 params")
+            close(res["fp32"]["tide"]["losses"], res["fp32"]["stock"]["losses"], f"fp32 losses rank {rank}")
+        close(r0["fp32"]["tide"]["params"], r0["fp32"]["stock"]["params"], "fp32 params")
         mean_losses = [sum(res["fp32"]["tide"]["losses"][s] for res in out) / W for s in range(2)]
-        _close(mean_losses, ref["losses"], W, "fp32 losses vs unsharded reference", tol=2e-5)
-        _close(r0["fp32"]["tide"]["params"], ref["params"], W, "fp32 params vs unsharded reference", tol=2e-5)
+        close(mean_losses, ref["losses"], "fp32 losses vs unsharded reference", 2e-5)
+        close(r0["fp32"]["tide"]["params"], ref["params"], "fp32 params vs unsharded reference", 2e-5)
     if "accum" in r0:
         for rank, res in enumerate(out):
             _check_tide_served(res["accum"]["tide"], direct=True)
-            _close(res["accum"]["tide"]["losses"], res["accum"]["stock"]["losses"], W, f"accum losses rank {rank}")
-        _close(r0["accum"]["tide"]["params"], r0["accum"]["stock"]["params"], W, "accum params")
+            close(res["accum"]["tide"]["losses"], res["accum"]["stock"]["losses"], f"accum losses rank {rank}")
+        close(r0["accum"]["tide"]["params"], r0["accum"]["stock"]["params"], "accum params")
     if "divide" in r0:
         d = r0["divide"]
         scaled = {n: g * (W / d["factor"]) for n, g in d["avg_stock"].items()}
-        _close(d["premul_tide"], scaled, W, "divide factor grads vs AVG * W / factor", tol=1e-6)
-        _close(d["forcesum_tide"], d["forcesum_stock"], W, "force-sum grads")
-        _close(d["forcesum_factor_tide"], d["forcesum_factor_stock"], W, "force-sum + factor grads", tol=1e-6)
+        close(d["premul_tide"], scaled, "divide factor grads vs AVG * W / factor", 1e-6)
+        close(d["forcesum_tide"], d["forcesum_stock"], "force-sum grads")
+        close(d["forcesum_factor_tide"], d["forcesum_factor_stock"], "force-sum + factor grads", 1e-6)
     if "state_dict" in r0:
         for rank, res in enumerate(out):
             sd = res["state_dict"]
             assert sd["tide"]["after"] == sd["tide"]["before"], (rank, sd["tide"])  # the loaded weights are used
-            _close(sd["tide"]["losses"], sd["stock"]["losses"], W, f"state_dict losses rank {rank}")
-        _close(r0["state_dict"]["tide"]["params"], r0["state_dict"]["stock"]["params"], W, "state_dict params")
+            close(sd["tide"]["losses"], sd["stock"]["losses"], f"state_dict losses rank {rank}")
+        close(r0["state_dict"]["tide"]["params"], r0["state_dict"]["stock"]["params"], "state_dict params")
     if "disable" in r0:
         for rank, res in enumerate(out):
             m = res["disable"]["mixed"]
             assert m["patched"] and m["restored"] and not m["enabled_after"], (rank, m)
-            _close(m["losses"], res["disable"]["stock"]["losses"], W, f"enable->disable losses rank {rank}")
-        _close(r0["disable"]["mixed"]["params"], r0["disable"]["stock"]["params"], W, "enable->disable params")
+            close(m["losses"], res["disable"]["stock"]["losses"], f"enable->disable losses rank {rank}")
+        close(r0["disable"]["mixed"]["params"], r0["disable"]["stock"]["params"], "enable->disable params")
     if "fallbacks" in r0:
         fb = r0["fallbacks"]
         expect = {"shard1": ("layers.0", "Shard(1)"), "mixed_dtypes": ("layers.1", "mixed parameter dtypes"),
@@ -393,8 +405,8 @@ def _check(out: list[dict], W: int) -> None:
             assert len(tide["logged"]) == len(want) and all(words in line for line in tide["logged"]), (case, tide["logged"])
             for k, st in tide["stats"].items():
                 assert (st is None) == (k in want), (case, k, st)
-            _close(tide["losses"], stock["losses"], W, f"fallback {case} losses")
-            _close(tide["params"], stock["params"], W, f"fallback {case} params")
+            close(tide["losses"], stock["losses"], f"fallback {case} losses")
+            close(tide["params"], stock["params"], f"fallback {case} params")
         uv = fb["unknown_version"]["tide"]
         assert len(uv["logged"]) == 1 and "2.99.0" in uv["logged"][0], uv["logged"]
         assert all(v and "2.99.0" in v for v in uv["report"].values()), uv["report"]
@@ -415,12 +427,13 @@ def _check(out: list[dict], W: int) -> None:
 
 
 # W=2 carries every scenario (sums of two are exact: bit-for-bit checks); W=3 (1/3 is inexact,
-# 4-row shards) and W=4 (head gain padded on 3 ranks, HSDP mesh) the core ones, within the
-# CI budget.
+# 4-row shards) and W=4 (head gain padded on 3 ranks, HSDP mesh) the core ones, to stay within
+# the CI budget (~2 min for the three on 2 cores; bf16 steps cost most: the all-gather's
+# fp32 -> bf16 cast is a Triton kernel run by the interpreter).
 _PLAN = {
     2: ("bf16", "fp32", "accum", "divide", "state_dict", "disable", "fallbacks", "errors"),
-    3: ("bf16", "fp32", "accum", "divide"),
-    4: ("bf16", "fp32", "disable", "hsdp"),
+    3: ("bf16", "fp32", "accum"),
+    4: ("bf16", "fp32", "hsdp"),
 }
 
 
@@ -438,7 +451,8 @@ def test_fsdp_processes_sharing_one_gpu(world_size: int) -> None:
     plan = ("bf16", "fp32", "accum", "divide", "state_dict", "disable", "fallbacks") if world_size == 2 \
         else ("bf16", "fp32", "accum", "disable", "hsdp")
     out = run_multiprocess(_child, world_size, "cuda", plan, timeout=500, env=MULTICAST_OFF)
-    _check(out, world_size)
+    print(f"W={world_size} cuda scenario seconds (rank 0): {out[0]['_times']}")
+    _check(out, world_size, "cuda")
 
 
 def test_supported_torch_versions() -> None:

@@ -115,15 +115,16 @@ _ENABLED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _reduce_return_order(fn: Callable) -> tuple[str | None, ...]:
-    """The names in ``fn``'s last top-level ``return (a, b, ...)`` (None for a literal None):
+    """The names in ``fn``'s last ``return (a, b, ...)`` (None for a literal None):
     the result layout FSDPParamGroup.post_backward unpacks in this torch version."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     func = tree.body[0]
     if not isinstance(func, ast.FunctionDef):
         raise ValueError("foreach_reduce source is not a function definition")
-    ret = next((s for s in reversed(func.body) if isinstance(s, ast.Return)), None)
-    if ret is None or not isinstance(ret.value, ast.Tuple):
-        raise ValueError("foreach_reduce does not end with `return (...)`")
+    rets = [n for n in ast.walk(func) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
+    if not rets:
+        raise ValueError("foreach_reduce has no `return (...)`")
+    ret = max(rets, key=lambda n: n.lineno)  # the last one: the normal (non-HSDP-partial) exit
     out: list[str | None] = []
     for e in ret.value.elts:
         if isinstance(e, ast.Constant) and e.value is None:
