@@ -93,8 +93,18 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
-def _train(W, rank, device, mp, tide, steps, **kw):
+def _explicit_prefetch(model) -> None:
+    """Explicit forward/backward prefetch and a block kept unsharded after forward."""
+    a, b = model.layers
+    a.set_modules_to_forward_prefetch([b])
+    b.set_modules_to_backward_prefetch([a])
+    b.set_reshard_after_forward(False)
+
+
+def _train(W, rank, device, mp, tide, steps, setup=None, **kw):
     model, opt, report = _build(W, device, mp, tide)
+    if setup is not None:
+        setup(model)
     losses = [_step(model, opt, rank, s, device, **kw) for s in range(steps)]
     import tide_triton as tt
 
@@ -282,6 +292,9 @@ def _run_scenario(out: dict, s: str, rank: int, W: int, device: str) -> None:
             steps = 2 if W == 2 else 1
             out[s] = {"stock": _train(W, rank, device, "bf16", False, steps, micro=micro),
                       "tide": _train(W, rank, device, "bf16", True, steps, micro=micro)}
+        elif s == "prefetch":
+            out[s] = {"stock": _train(W, rank, device, "bf16", False, 2, setup=_explicit_prefetch),
+                      "tide": _train(W, rank, device, "bf16", True, 2, setup=_explicit_prefetch)}
         elif s == "divide":
             out[s] = _scenario_divide(W, rank, device)
         elif s == "state_dict":
@@ -372,6 +385,11 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             _check_tide_served(res["accum"]["tide"], direct=True)
             close(res["accum"]["tide"]["losses"], res["accum"]["stock"]["losses"], f"accum losses rank {rank}")
         close(r0["accum"]["tide"]["params"], r0["accum"]["stock"]["params"], "accum params")
+    if "prefetch" in r0:
+        for rank, res in enumerate(out):
+            _check_tide_served(res["prefetch"]["tide"])
+            close(res["prefetch"]["tide"]["losses"], res["prefetch"]["stock"]["losses"], f"prefetch losses rank {rank}")
+        close(r0["prefetch"]["tide"]["params"], r0["prefetch"]["stock"]["params"], "prefetch params")
     if "divide" in r0:
         d = r0["divide"]
         scaled = {n: g * (W / d["factor"]) for n, g in d["avg_stock"].items()}
@@ -431,7 +449,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
 # the CI budget (~2 min for the three on 2 cores; bf16 steps cost most: the all-gather's
 # fp32 -> bf16 cast is a Triton kernel run by the interpreter).
 _PLAN = {
-    2: ("bf16", "fp32", "accum", "divide", "state_dict", "disable", "fallbacks", "errors"),
+    2: ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "errors"),
     3: ("bf16", "fp32", "accum"),
     4: ("bf16", "fp32", "hsdp"),
 }
@@ -448,7 +466,7 @@ def test_fsdp_matches_stock_and_reference(world_size: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp_processes_sharing_one_gpu(world_size: int) -> None:
-    plan = ("bf16", "fp32", "accum", "divide", "state_dict", "disable", "fallbacks") if world_size == 2 \
+    plan = ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks") if world_size == 2 \
         else ("bf16", "fp32", "accum", "disable", "hsdp")
     out = run_multiprocess(_child, world_size, "cuda", plan, timeout=500, env=MULTICAST_OFF)
     print(f"W={world_size} cuda scenario seconds (rank 0): {out[0]['_times']}")

@@ -255,9 +255,9 @@ def _why_stock(pg: Any, api: _Api) -> str | None:
     ws = pg._all_gather_process_group.size()
     if ws == 1:
         return "world size 1 (nothing to communicate)"
-    if pg._reduce_scatter_process_group is not pg._all_gather_process_group and \
-            pg._reduce_scatter_process_group.size() != ws:
-        return "a separate reduce-scatter group"
+    rs_pg, ag_pg = pg._reduce_scatter_process_group, pg._all_gather_process_group
+    if rs_pg is not ag_pg and dist.get_process_group_ranks(rs_pg) != dist.get_process_group_ranks(ag_pg):
+        return "a reduce-scatter group with other ranks than the all-gather group"
     if type(pg._all_gather_comm) is not api.fc.DefaultAllGather:
         return f"custom all-gather comm {type(pg._all_gather_comm).__name__}"
     if type(pg._reduce_scatter_comm) is not api.fc.DefaultReduceScatter:
