@@ -76,14 +76,18 @@ def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mes
     return model, torch.optim.AdamW(model.parameters(), lr=LR), report
 
 
-def _step(model, opt, rank: int, step: int, device: str, micro: tuple[bool, ...] = (True,)) -> float:
-    """One optimizer step over len(micro) micro-batches; micro[i]: gradient sync on that one."""
+def _step(model, opt, rank: int, step: int, device: str, micro: tuple[bool, ...] = (True,),
+          grads: dict | None = None) -> float:
+    """One optimizer step over len(micro) micro-batches; micro[i]: gradient sync on that one.
+    ``grads`` receives the full gradients before the update (AdamW hides a wrong scale)."""
     total = 0.0
     for i, sync in enumerate(micro):
         model.set_requires_gradient_sync(sync)
         loss = loss_fn(model, batch(CFG, 10 * step + i, rank, BS, SEQ, device))
         loss.backward()
         total += loss.item()
+    if grads is not None:
+        grads.update({n: p.grad.full_tensor().float().cpu().clone() for n, p in model.named_parameters()})
     opt.step()
     opt.zero_grad()
     return total
@@ -105,10 +109,12 @@ def _train(W, rank, device, mp, tide, steps, setup=None, **kw):
     model, opt, report = _build(W, device, mp, tide)
     if setup is not None:
         setup(model)
-    losses = [_step(model, opt, rank, s, device, **kw) for s in range(steps)]
+    grads: dict = {}
+    losses = [_step(model, opt, rank, s, device, grads=grads if s == steps - 1 else None, **kw)
+              for s in range(steps)]
     import tide_triton as tt
 
-    return {"losses": losses, "params": _params(model), "report": report,
+    return {"losses": losses, "params": _params(model), "grads": grads, "report": report,
             "stats": tt.fsdp.stats(model) if tide else None}
 
 
@@ -345,10 +351,12 @@ def _reference(steps: int, W: int) -> dict:
         tokens = torch.cat([batch(CFG, 10 * s, r, BS, SEQ) for r in range(W)])
         loss = loss_fn(model, tokens)
         loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def _check_tide_served(res: dict, *, direct: bool = False) -> None:
@@ -370,25 +378,30 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         for rank, res in enumerate(out):
             _check_tide_served(res["bf16"]["tide"])
             close(res["bf16"]["tide"]["losses"], res["bf16"]["stock"]["losses"], f"bf16 losses rank {rank}")
+        close(r0["bf16"]["tide"]["grads"], r0["bf16"]["stock"]["grads"], "bf16 last-step grads")
         close(r0["bf16"]["tide"]["params"], r0["bf16"]["stock"]["params"], "bf16 params")
     if "fp32" in r0:
         ref = _reference(2, W)
         for rank, res in enumerate(out):
             _check_tide_served(res["fp32"]["tide"])
             close(res["fp32"]["tide"]["losses"], res["fp32"]["stock"]["losses"], f"fp32 losses rank {rank}")
+        close(r0["fp32"]["tide"]["grads"], r0["fp32"]["stock"]["grads"], "fp32 last-step grads")
         close(r0["fp32"]["tide"]["params"], r0["fp32"]["stock"]["params"], "fp32 params")
         mean_losses = [sum(res["fp32"]["tide"]["losses"][s] for res in out) / W for s in range(2)]
         close(mean_losses, ref["losses"], "fp32 losses vs unsharded reference", 2e-5)
         close(r0["fp32"]["tide"]["params"], ref["params"], "fp32 params vs unsharded reference", 2e-5)
+        close(r0["fp32"]["tide"]["grads"], ref["grads"], "fp32 last-step grads vs unsharded reference", 2e-5)
     if "accum" in r0:
         for rank, res in enumerate(out):
             _check_tide_served(res["accum"]["tide"], direct=True)
             close(res["accum"]["tide"]["losses"], res["accum"]["stock"]["losses"], f"accum losses rank {rank}")
+        close(r0["accum"]["tide"]["grads"], r0["accum"]["stock"]["grads"], "accum last-step grads")
         close(r0["accum"]["tide"]["params"], r0["accum"]["stock"]["params"], "accum params")
     if "prefetch" in r0:
         for rank, res in enumerate(out):
             _check_tide_served(res["prefetch"]["tide"])
             close(res["prefetch"]["tide"]["losses"], res["prefetch"]["stock"]["losses"], f"prefetch losses rank {rank}")
+        close(r0["prefetch"]["tide"]["grads"], r0["prefetch"]["stock"]["grads"], "prefetch last-step grads")
         close(r0["prefetch"]["tide"]["params"], r0["prefetch"]["stock"]["params"], "prefetch params")
     if "divide" in r0:
         d = r0["divide"]
