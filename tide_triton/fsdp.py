@@ -477,7 +477,7 @@ def _tide_all_gather(st: _GroupState, api: _Api, a: dict):
         all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None)
         st.all_gathers += 1
         event = ag_stream.record_event()
-    if cuda and consumer is not ag_stream:
+    if cuda and consumer != ag_stream:  # Stream objects compare by the stream, not identity
         for out in outs:  # freed on the consumer stream at reshard: not reusable before it is done
             out.record_stream(consumer)
     return api.fc.AllGatherResult(
@@ -537,6 +537,9 @@ def _reduce_plan(st: _GroupState, api: _Api, a: dict):
     grads, rs_group = a["unsharded_grads"], a["reduce_scatter_group"]
     if a["all_reduce_group"] is not None or a["partial_reduce_output"] is not None:
         return "HSDP all-reduce"
+    prep = a.get("prepare_reduce_scatter_inputs")  # torch 2.15: tide_triton lays out the inputs itself
+    if prep is not None and prep is not getattr(api.fc, "_default_reduce_scatter_input_fn", None):
+        return "a custom prepare_reduce_scatter_inputs callback"
     if rs_group is None or rs_group.size() == 1:
         return "world size 1"
     if len({g.dtype for g in grads}) != 1:
