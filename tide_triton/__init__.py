@@ -3,7 +3,7 @@
 Layout (:class:`ShardLayout`) -> schedule (:mod:`tide_triton.schedule`) -> transport
 (:mod:`tide_triton.transport`) -> kernels (:mod:`tide_triton.kernels`: placement,
 accumulation, packing, all Triton).  Collectives: :func:`init`, :func:`reduce_scatter`,
-:func:`all_gather`.
+:func:`all_gather`.  FSDP2 drop-in: :func:`tide_triton.fsdp.enable`.
 """
 from .kernels import (
     accumulate_shards,
@@ -21,6 +21,7 @@ from .group import Group, GroupOptions, init, local_groups
 from .layout import ShardLayout
 from .topology import Topology
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan
+from . import fsdp  # FSDP2 drop-in; imports no FSDP2 internals until enable()
 
 __version__ = "0.1.0"
 
@@ -30,5 +31,6 @@ __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
+    "fsdp",
     "__version__",
 ]
