@@ -225,7 +225,7 @@ def bench_host_overhead(model: str, shapes: Sequence[tuple[int, ...]], world_siz
     return rows
 
 
-def staging_table(models: Sequence[str], world_sizes: Sequence[int], ring_bytes: int = 64 << 20) -> str:
+def staging_table(models: Sequence[str], world_sizes: Sequence[int], ring_bytes: int = 256 << 20) -> str:
     """Reduce-scatter buffer bytes per rank, from the layout: FSDP2's fp32 input (the whole
     layer, W padded shards) vs tide_triton's receive ring (fixed) -- no GPU needed."""
     from . import ShardLayout
