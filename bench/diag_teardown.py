@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import tide_triton as tt  # noqa: E402
 
 
-def _one_cycle(W: int, shapes: list[tuple[int, ...]]) -> None:
+def _one_cycle(W: int, shapes: list[tuple[int, ...]], ops: str = "both") -> None:
     dev = torch.device("cuda")
     layout = tt.ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=60, ring_bytes=1 << 20)
@@ -32,8 +32,12 @@ def _one_cycle(W: int, shapes: list[tuple[int, ...]]) -> None:
     def body(r: int) -> None:
         try:
             with torch.cuda.stream(torch.cuda.Stream(dev)):
-                tt.reduce_scatter(grads[r], shards[r], group=groups[r], op="sum")
-                tt.all_gather(shards[r], params[r], group=groups[r])
+                if ops in ("rs", "both"):
+                    tt.reduce_scatter(grads[r], shards[r], group=groups[r], op="sum")
+                if ops in ("ag", "both"):
+                    tt.all_gather(shards[r], params[r], group=groups[r])
+                if ops == "none":  # the transport alone: created (heap, streams), then closed
+                    groups[r].transport(dev).ensure_heap(1 << 20)
                 tt.synchronize(groups[r], timeout_s=60)
         except BaseException as e:  # noqa: BLE001
             errors.append((r, repr(e)))
@@ -47,6 +51,8 @@ def _one_cycle(W: int, shapes: list[tuple[int, ...]]) -> None:
         g.close()
     if errors:
         raise RuntimeError(errors)
+    if ops != "both":
+        return
     for r in range(W):
         for x in params[r]:
             assert bool((x == W).all()), "all_gather of the reduce-scattered sums is wrong"
@@ -56,6 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--ops", choices=["rs", "ag", "both", "none"], default="both")
+    ap.add_argument("--no-saveall", action="store_true", help="collect normally (no DEBUG_SAVEALL)")
+    ap.add_argument("--find-bad", default=None, help="file: before collecting, log every tracked "
+                    "container's type and touch its referents (the last line names the container "
+                    "holding a dangling reference, if the scan crashes)")
     args = ap.parse_args()
     shapes = [(1000, 64), (7, 3, 5), (129,), (3,)]
     _one_cycle(args.world_size, shapes)  # warm: kernels compiled, caches filled
@@ -63,9 +74,18 @@ def main() -> None:
     torch.cuda.synchronize()
     fds0 = len(os.listdir("/proc/self/fd"))
     free0 = torch.cuda.mem_get_info()[0]
-    gc.set_debug(gc.DEBUG_SAVEALL)
+    if not args.no_saveall:
+        gc.set_debug(gc.DEBUG_SAVEALL)
     for _ in range(args.cycles):
-        _one_cycle(args.world_size, shapes)
+        _one_cycle(args.world_size, shapes, args.ops)
+    if args.find_bad:
+        fd = os.open(args.find_bad, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for o in gc.get_objects():
+            os.write(fd, f"{type(o).__module__}.{type(o).__qualname__} {id(o):#x}\n".encode())
+            for r in gc.get_referents(o):
+                type(r).__name__  # reads the referent's type: a freed one crashes here
+        os.write(fd, b"scan done\n")
+        os.close(fd)
     n = gc.collect()
     kinds = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
     print(f"cyclic garbage after {args.cycles} cycles: {n} objects")

@@ -36,6 +36,8 @@ _TL_DTYPES: dict[torch.dtype, str] = {
 # buffering and a handful of parameter groups sharing a layout.
 _POINTER_CACHE_SIZE = 16
 _INTERPRETER_LOCK = threading.Lock()
+_JIT_LAUNCH = os.environ.get("TIDE_TRITON_LAUNCH", "direct") == "jit"
+"""Diagnostics: ``TIDE_TRITON_LAUNCH=jit`` launches through Triton's JIT entry point."""
 _COMPILED: dict = {}  # specialisation -> loaded CompiledKernel (see Binding.prepare)
 _COMPILED_LOCK = threading.Lock()
 
@@ -327,6 +329,10 @@ class Binding:
             for t in self._tables:
                 t.record_stream(stream)
             self._streams_seen.add(stream)
+        if _JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
+            segmented_reduce_kernel[self._grid](
+                *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static)
+            return
         compiled = self._compiled.get(key)
         if compiled is None:  # first launch of this variant: compile or load, then run directly
             self.prepare(scale=scale, accumulate=accumulate)

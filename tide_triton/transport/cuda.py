@@ -237,6 +237,9 @@ class CudaTransport:
             raise ValueError(
                 f"segment_bytes and va_bytes must be > 0, got {segment_bytes} and {va_bytes}"
             )
+        # Diagnostics: the environment can pin the paths "auto" would choose.
+        if copy_mode == "auto":
+            copy_mode = os.environ.get("TIDE_TRITON_COPY_MODE", "auto")
         for name, value, allowed in (("signal_mode", signal_mode, _SIGNAL_MODES),
                                      ("copy_mode", copy_mode, _COPY_MODES),
                                      ("fd_passing", fd_passing, _FD_PASSING)):
@@ -1024,7 +1027,7 @@ class CudaTransport:
         self._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
         self._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
         self._memop_batch = False
-        if not hasattr(cu, "cuStreamBatchMemOp"):
+        if not hasattr(cu, "cuStreamBatchMemOp") or os.environ.get("TIDE_TRITON_MEMOP_BATCH", "1") == "0":
             return
         word = self._own_va + self._scratch_off
         try:
