@@ -30,6 +30,9 @@ _QUEUED_OPS = 512
 driver whose queue for a stream is full blocks the enqueuing thread, and a thread blocked
 while its stream waits on a peer is a deadlock waiting to happen."""
 
+_AGREED_KEEP = 4096
+"""Signatures remembered with ``agree="first"`` (a model's parameter groups x ops)."""
+
 _PREPARED_KEEP = 8
 """Prepared collectives kept per group: a training step's few (tensors, op) combinations."""
 
@@ -60,6 +63,14 @@ class GroupOptions:
     """Stages of the receive ring: chunk j+1's copies overlap chunk j's accumulation."""
     max_ctas: int | None = None
     """CTA budget of the collectives' kernels (None: as many as the work has tiles)."""
+    agree: str = "always"
+    """``"always"``: every collective exchanges its signature and errors over the bootstrap
+    group first, so bad arguments on one rank raise on every rank at once.  ``"first"``: only
+    the first call with a given signature does; later ones start at once (training loops,
+    where the same collectives repeat every step).  A rank whose arguments are bad then raises
+    alone, at once; its peers raise ``PeerTimeoutError`` naming it after ``timeout_s`` (or, in
+    a call whose signature is new to them, wait in the bootstrap exchange until the process
+    group's own timeout)."""
     max_inflight_chunks: int = 8
     """How many reduce-scatter chunks the host may enqueue ahead of the GPU."""
 
@@ -70,6 +81,8 @@ class GroupOptions:
             raise ValueError(f"ring_bytes must be an int >= 256, got {self.ring_bytes!r}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
+        if self.agree not in ("always", "first"):
+            raise ValueError(f'agree must be "always" or "first", got {self.agree!r}')
         if isinstance(self.max_inflight_chunks, bool) or not isinstance(self.max_inflight_chunks, int) \
                 or self.max_inflight_chunks < 1:
             raise ValueError(f"max_inflight_chunks must be an int >= 1, got {self.max_inflight_chunks!r}")
@@ -105,6 +118,7 @@ class Group:
         self._transports: dict[str, Any] = {}
         self._extras: dict[tuple, Any] = {}
         self._prepared: OrderedDict[tuple, Any] = OrderedDict()
+        self._agreed: set = set()
         self._lock = threading.Lock()
         self.ag_epoch = 0
         self.rs_last: dict[tuple[int, int], int] = {}
@@ -123,6 +137,14 @@ class Group:
     def agree(self, signature: object, error: BaseException | None) -> None:
         """Share this rank's (signature, error); raise on every rank if any rank failed or
         the signatures differ."""
+        if self.options.agree == "first":
+            # Signatures agreed before are trusted: no exchange (a host round trip over the
+            # bootstrap group per collective, which stalls a training loop's run-ahead).  A
+            # rank that fails raises alone; its peers then time out naming it.
+            if error is not None:
+                raise error
+            if signature in self._agreed:
+                return
         msg = None if error is None else f"{type(error).__name__}: {error}"
         got = self.exchange((signature, msg))
         if error is not None:
@@ -137,6 +159,8 @@ class Group:
                 f"ranks disagree on the collective's arguments: rank 0 has {first!r}, "
                 f"rank {bad[0]} has {got[bad[0]][0]!r}"
             )
+        if self.options.agree == "first" and len(self._agreed) < _AGREED_KEEP:
+            self._agreed.add(signature)
 
     # ---- transports ---------------------------------------------------------------------
     def transport(self, device: torch.device):

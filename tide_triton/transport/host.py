@@ -85,8 +85,12 @@ class HostTransport:
 
     # ---- heap -------------------------------------------------------------------------
     def ensure_heap(self, nbytes: int) -> None:
-        """Collective: every heap holds at least ``nbytes`` (whole segments); addresses stay."""
+        """Collective: every heap holds at least ``nbytes`` (whole segments); addresses stay.
+        A no-op (no communication) when the heap is large enough already: heaps grow
+        together and every rank asks for the same ``nbytes``, so all make the same decision."""
         self._check_open()
+        if 0 < nbytes <= self._size:
+            return
         want = _round_up(max(nbytes, 1), _SEGMENT)
         sizes = self._exchange(max(want, self._size))
         new = max(sizes)
