@@ -19,7 +19,7 @@ import torch
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
 from .group import Group, resolve
 from .kernels._segments import Binding, Run, SegmentProgram
-from .kernels.placement import bind_place_shards
+from .kernels.placement import _program as _place_program
 from .layout import ShardLayout
 from .schedule import peer_slot, ring_plan, ring_slots
 
@@ -286,6 +286,32 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
             raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got}")
 
 
+def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs: tuple[int, ...],
+                        sdt: torch.dtype, pdt: torch.dtype, device: torch.device):
+    """What an all-gather into parameters at ``pptrs`` pulls: with equal dtypes the
+    copy-engine descriptors (every rank's real rows of every parameter, from its heap block),
+    otherwise a bound placement kernel that casts while it places (stand-in tensors, the
+    addresses known: a cached entry keeps no parameter alive)."""
+    W, es = g.world_size, sdt.itemsize
+    offs, S = layout.flat_offsets, layout.padded_shard_numels
+    blocks = tuple(t.address(r, reg.ag_off) for r in range(W))
+    if pdt != sdt:
+        src_stub = torch.empty(0, dtype=sdt, device=device)
+        dst_stub = torch.empty(0, dtype=pdt, device=device)
+        placer = Binding(_place_program(layout, tuple(range(W)), True), (dst_stub,) * len(layout),
+                         (src_stub,) * W, 1, g.options.max_ctas, known_ptrs=(pptrs, blocks))
+        placer.prepare()
+        return placer
+    dsts, srcs, sizes = [], [], []
+    for r in range(W):
+        for p, n in enumerate(layout.shard_numels(r)):
+            if n:
+                dsts.append(pptrs[p] + r * S[p] * es)
+                srcs.append(blocks[r] + offs[p] * es)
+                sizes.append(n * es)
+    return dsts, srcs, sizes
+
+
 def all_gather(
     shards: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -323,15 +349,16 @@ def all_gather(
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
     offs, S = layout.flat_offsets, layout.padded_shard_numels
-    # Prepare (zeros, tables, kernels) before any flag wait is enqueued; see Binding.prepare.
+    # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
+    # Binding.prepare); cached by the parameters' addresses, so repeats prepare nothing.
     pads = [(p, x.numel()) for p, x in enumerate(shards_l) if x.numel() < S[p]]
     zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
-    placer = None
-    if pdt != sdt:
-        blocks = [t.heap_tensor(r, reg.ag_off, layout.flat_shard_numel, sdt) for r in range(W)]
+    pptrs = tuple(x.data_ptr() for x in params_l)
+    key = ("ag", layout, sdt, pdt, device, pptrs)
+    pulls = g.cached(key)
+    if pulls is None:
         with st.kernels():
-            placer = bind_place_shards(blocks, params_l, layout, max_ctas=g.options.max_ctas)
-            placer.prepare()
+            pulls = g.cache(key, _prepare_all_gather(g, t, reg, layout, pptrs, sdt, pdt, device))
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
     fm, timeout = g.flags, g.options.timeout_s
@@ -355,15 +382,7 @@ def all_gather(
         for r in range(W):
             t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
         # Straight copies: every rank's real rows into every parameter, no SMs.
-        dsts, srcs, sizes = [], [], []
-        pptrs = [x.data_ptr() for x in params_l]
-        for r in range(W):
-            rb = t.address(r, reg.ag_off)
-            for p, n in enumerate(layout.shard_numels(r)):
-                if n:
-                    dsts.append(pptrs[p] + r * S[p] * es)
-                    srcs.append(rb + offs[p] * es)
-                    sizes.append(n * es)
+        dsts, srcs, sizes = pulls
         # In batches, the host at most two batches ahead of the copy engines: thousands of
         # descriptors (a Qwen3 layer at W=8) queued behind the flag waits would fill the
         # driver's queue and block this thread inside the driver (see group._Pacer).
@@ -381,7 +400,7 @@ def all_gather(
         for r in range(W):  # the cast runs on SMs: the compute stream waits for the blocks
             t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, stream=cs, what=f"rank {r}'s all-gather block")
         with st.kernels():
-            placer.launch(check_addresses=False)
+            pulls.launch(check_addresses=False)
         for r in range(W):
             t.signal(r, fm.ag_done(me), e, stream=cs)
         t.fence_to(cs)
