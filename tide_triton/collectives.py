@@ -19,7 +19,6 @@ import torch
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
 from .group import Group, resolve
 from .kernels._segments import Binding, Run, SegmentProgram
-from .kernels.placement import _program as _place_program
 from .layout import ShardLayout
 from .schedule import peer_slot, ring_plan, ring_slots
 
@@ -287,29 +286,37 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
 
 
 def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs: tuple[int, ...],
-                        sdt: torch.dtype, pdt: torch.dtype, device: torch.device):
-    """What an all-gather into parameters at ``pptrs`` pulls: with equal dtypes the
-    copy-engine descriptors (every rank's real rows of every parameter, from its heap block),
-    otherwise a bound placement kernel that casts while it places (stand-in tensors, the
-    addresses known: a cached entry keeps no parameter alive)."""
-    W, es = g.world_size, sdt.itemsize
+                        es: int) -> tuple[list[int], list[int], list[int]]:
+    """The copy-engine descriptors of an all-gather into parameters at ``pptrs``: every
+    rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)."""
     offs, S = layout.flat_offsets, layout.padded_shard_numels
-    blocks = tuple(t.address(r, reg.ag_off) for r in range(W))
-    if pdt != sdt:
-        src_stub = torch.empty(0, dtype=sdt, device=device)
-        dst_stub = torch.empty(0, dtype=pdt, device=device)
-        placer = Binding(_place_program(layout, tuple(range(W)), True), (dst_stub,) * len(layout),
-                         (src_stub,) * W, 1, g.options.max_ctas, known_ptrs=(pptrs, blocks))
-        placer.prepare()
-        return placer
     dsts, srcs, sizes = [], [], []
-    for r in range(W):
+    for r in range(g.world_size):
+        block = t.address(r, reg.ag_off)
         for p, n in enumerate(layout.shard_numels(r)):
             if n:
                 dsts.append(pptrs[p] + r * S[p] * es)
-                srcs.append(blocks[r] + offs[p] * es)
+                srcs.append(block + offs[p] * es)
                 sizes.append(n * es)
     return dsts, srcs, sizes
+
+
+def _prepare_cast(g: Group, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
+                  block: int, sdt: torch.dtype, pdt: torch.dtype, device: torch.device) -> Binding:
+    """A bound kernel that casts this rank's shards (as they are: padded or not) into its
+    heap block in the parameters' dtype (stand-in tensors, addresses known)."""
+    runs = tuple(Run(0, layout.flat_offsets[p], p, 0, x.numel()) for p, x in enumerate(shards))
+    program = _cast_program(runs, len(layout))
+    b = Binding(program, (torch.empty(0, dtype=pdt, device=device),),
+                (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
+                known_ptrs=((block,), sptrs))
+    b.prepare()
+    return b
+
+
+@lru_cache(maxsize=64)
+def _cast_program(runs: tuple[Run, ...], n_src: int) -> SegmentProgram:
+    return SegmentProgram(runs, n_dst=1, n_src=n_src)
 
 
 def all_gather(
@@ -341,8 +348,12 @@ def all_gather(
         err = e
     g.agree(sig, err)
     # Ranks may pass full or padded params: the flat block (padded shards) is the same.
+    # The block holds the parameters' dtype: a cast (fp32 shards -> bf16 parameters) happens
+    # once, at the sender, on its own shard (1/W of the layer, on SMs), and every rank then
+    # pulls the cast bytes on copy engines -- half the bytes of pulling fp32, no SMs at the
+    # receivers.
     t = g.transport(device)
-    es = sdt.itemsize
+    es = pdt.itemsize
     reg = _regions(g)
     block = layout.flat_shard_numel * es
     t.ensure_heap(reg.ag_off + _round_up(block, 16))
@@ -350,15 +361,23 @@ def all_gather(
     cs = st.compute
     offs, S = layout.flat_offsets, layout.padded_shard_numels
     # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
-    # Binding.prepare); cached by the parameters' addresses, so repeats prepare nothing.
+    # Binding.prepare); cached by addresses, so repeats on the same storage prepare nothing.
     pads = [(p, x.numel()) for p, x in enumerate(shards_l) if x.numel() < S[p]]
     zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
     pptrs = tuple(x.data_ptr() for x in params_l)
-    key = ("ag", layout, sdt, pdt, device, pptrs)
+    key = ("ag", layout, pdt, device, pptrs)
     pulls = g.cached(key)
     if pulls is None:
-        with st.kernels():
-            pulls = g.cache(key, _prepare_all_gather(g, t, reg, layout, pptrs, sdt, pdt, device))
+        pulls = g.cache(key, _prepare_all_gather(g, t, reg, layout, pptrs, es))
+    my_block = t.address(me, reg.ag_off)
+    sptrs = tuple(x.data_ptr() for x in shards_l)
+    caster = None
+    if pdt != sdt:
+        ckey = ("ag-cast", layout, sdt, pdt, device, sptrs, tuple(x.numel() for x in shards_l))
+        caster = g.cached(ckey)
+        if caster is None:
+            with st.kernels():
+                caster = g.cache(ckey, _prepare_cast(g, layout, shards_l, sptrs, my_block, sdt, pdt, device))
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
     fm, timeout = g.flags, g.options.timeout_s
@@ -366,44 +385,38 @@ def all_gather(
     e = g.ag_epoch
     if e > 1:  # my block is free once every reader has finished the previous epoch
         for r in range(W):
-            t.wait(fm.ag_done(r), e - 1, peer=r, timeout_s=timeout,
+            t.wait(fm.ag_done(r), e - 1, peer=r, timeout_s=timeout, stream=cs if caster else None,
                    what=f"rank {r} to finish reading my all-gather block")
     # Stage my shards into my block (padded positions of an unpadded shard become zero).
-    my_block = t.address(me, reg.ag_off)
-    t.copy([my_block + offs[p] * es for p in range(len(layout))],
-           [x.data_ptr() for x in shards_l],
-           [x.numel() * es for x in shards_l])
+    if caster is not None:  # cast into the block on SMs, then the copy queue goes on from there
+        with st.kernels():
+            caster.launch(check_addresses=False)
+        t.fence_from(cs)
+    else:
+        t.copy([my_block + offs[p] * es for p in range(len(layout))], list(sptrs),
+               [x.numel() * es for x in shards_l])
     if zeros is not None:  # padding of unpadded shards: zeros from a buffer, on the copy queue
         t.copy([my_block + (offs[p] + n) * es for p, n in pads], [zeros.data_ptr()] * len(pads),
                [(S[p] - n) * es for p, n in pads])
     for r in range(W):
         t.signal(r, fm.ag_ready(me), e)
-    if pdt == sdt:
-        for r in range(W):
-            t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
-        # Straight copies: every rank's real rows into every parameter, no SMs.
-        dsts, srcs, sizes = pulls
-        # In batches, the host at most two batches ahead of the copy engines: thousands of
-        # descriptors (a Qwen3 layer at W=8) queued behind the flag waits would fill the
-        # driver's queue and block this thread inside the driver (see group._Pacer).
-        pace = g.pacer(device)
-        pace.start(_AG_BATCH)
-        for b, i in enumerate(range(0, len(sizes), _AG_BATCH)):
-            pace.before(b, t, timeout)
-            t.copy(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
-            if st.cuda:
-                pace.after(b, t.copy_stream)
-        for r in range(W):
-            t.signal(r, fm.ag_done(me), e)
-        t.fence_to(cs)  # the parameters are complete for later work on the stream
-    else:
-        for r in range(W):  # the cast runs on SMs: the compute stream waits for the blocks
-            t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, stream=cs, what=f"rank {r}'s all-gather block")
-        with st.kernels():
-            pulls.launch(check_addresses=False)
-        for r in range(W):
-            t.signal(r, fm.ag_done(me), e, stream=cs)
-        t.fence_to(cs)
+    for r in range(W):
+        t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
+    # Every rank's real rows into every parameter, on copy engines.  In batches, the host at
+    # most two batches ahead of the copy engines: thousands of descriptors (a Qwen3 layer at
+    # W=8) queued behind the flag waits would fill the driver's queue and block this thread
+    # inside the driver (see group._Pacer).
+    dsts, srcs, sizes = pulls
+    pace = g.pacer(device)
+    pace.start(_AG_BATCH)
+    for b, i in enumerate(range(0, len(sizes), _AG_BATCH)):
+        pace.before(b, t, timeout)
+        t.copy(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
+        if st.cuda:
+            pace.after(b, t.copy_stream)
+    for r in range(W):
+        t.signal(r, fm.ag_done(me), e)
+    t.fence_to(cs)  # the parameters are complete for later work on the stream
     return st.finish()
 
 
