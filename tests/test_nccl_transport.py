@@ -1,0 +1,135 @@
+"""The NCCL host-API table (tide_triton.transport.nccl) without a GPU: library discovery and
+its precedence, version and feature detection, required vs optional symbols, errors -- against
+stub libraries compiled here (skipped without a C compiler), and against a real libnccl when
+one is at hand ($TIDE_TRITON_NCCL_LIBRARY or the nvidia-nccl wheel)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tide_triton.transport import nccl
+
+STUB = r"""
+#include <stdlib.h>
+#include <string.h>
+typedef struct { char internal[128]; } ncclUniqueId;
+int ncclGetVersion(int* v) { *v = atoi(getenv("STUB_NCCL_VERSION")); return 0; }
+int ncclGetUniqueId(ncclUniqueId* u) {
+  if (getenv("STUB_NCCL_FAIL")) return 3;
+  for (int i = 0; i < 128; i++) u->internal[i] = (char)i; return 0; }
+const char* ncclGetErrorString(int r) { return r == 3 ? "internal error - please report this issue" : "no error"; }
+int ncclCommInitRank(void** c, int n, ncclUniqueId id, int r) { return 0; }
+int ncclCommDestroy(void* c) { return 0; }
+int ncclCommAbort(void* c) { return 0; }
+#ifndef NO_SEND
+int ncclSend(const void* b, size_t n, int t, int p, void* c, void* s) { return 0; }
+#endif
+int ncclRecv(void* b, size_t n, int t, int p, void* c, void* s) { return 0; }
+int ncclGroupStart(void) { return 0; }
+int ncclGroupEnd(void) { return 0; }
+#ifdef ONE_SIDED
+int ncclCommWindowRegister(void* c, void* b, size_t n, void** w, int f) { return 0; }
+int ncclCommWindowDeregister(void* c, void* w) { return 0; }
+int ncclPutSignal(const void* b, size_t n, int t, int p, void* w, size_t o, int s, int x, unsigned f, void* c, void* st) { return 0; }
+int ncclWaitSignal(int n, void* d, void* c, void* s) { return 0; }
+#endif
+"""
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory) -> dict[str, Path]:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build stub NCCL libraries")
+    d = tmp_path_factory.mktemp("stub_nccl")
+    src = d / "stub.c"
+    src.write_text(STUB)
+    out = {}
+    for name, flags in {"plain": [], "one_sided": ["-DONE_SIDED"], "broken": ["-DNO_SEND"]}.items():
+        lib = d / f"libnccl_{name}.so"
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", *flags, "-o", str(lib), str(src)], check=True)
+        out[name] = lib
+    return out
+
+
+def test_discovery_precedence(tmp_path, monkeypatch) -> None:
+    a, b, w = tmp_path / "a.so", tmp_path / "b.so", tmp_path / "wheel.so"
+    for f in (a, b, w):
+        f.write_bytes(b"")
+    monkeypatch.setattr(nccl, "_wheel_library", lambda: w)
+    monkeypatch.setenv(nccl.ENV_LIBRARY, str(b))
+    assert nccl.find_library(a) == (str(a), "path argument")
+    assert nccl.find_library() == (str(b), f"${nccl.ENV_LIBRARY}")
+    monkeypatch.delenv(nccl.ENV_LIBRARY)
+    assert nccl.find_library() == (str(w), "nvidia-nccl wheel")
+    monkeypatch.setattr(nccl, "_wheel_library", lambda: None)
+    assert nccl.find_library() == ("libnccl.so.2", "system loader")
+
+
+def test_explicit_path_that_does_not_exist_is_an_error(tmp_path, monkeypatch) -> None:
+    with pytest.raises(FileNotFoundError, match="from the path argument does not exist"):
+        nccl.find_library(tmp_path / "nope.so")
+    monkeypatch.setenv(nccl.ENV_LIBRARY, str(tmp_path / "nope.so"))
+    with pytest.raises(FileNotFoundError, match=r"from the \$TIDE_TRITON_NCCL_LIBRARY does not exist"):
+        nccl.find_library()
+
+
+@pytest.mark.parametrize("lib, version, one_sided, windows, multi", [
+    ("plain", 22809, False, False, False),       # torch 2.11's NCCL: send/recv fallback
+    ("one_sided", 22809, False, True, False),    # symbols may exist before the version supports RMA
+    ("one_sided", 22902, True, True, False),
+    ("one_sided", 23203, True, True, True),
+    ("plain", 23203, False, False, True),        # new version, optional symbols missing
+])
+def test_features_follow_version_and_symbols(stubs, monkeypatch, lib, version, one_sided, windows, multi) -> None:
+    monkeypatch.setenv("STUB_NCCL_VERSION", str(version))
+    got = nccl.NcclLibrary(stubs[lib])
+    assert got.version == (version // 10000, version // 100 % 100, version % 100)
+    assert (got.features.one_sided, got.features.windows, got.features.multi_rank_per_gpu) == (one_sided, windows, multi)
+    assert got.found_by == "path argument"
+    if lib == "plain":  # the optional entry point is absent: asking for it names it
+        with pytest.raises(RuntimeError, match="has no ncclPutSignal"):
+            got.fn("ncclPutSignal")
+
+
+def test_unique_id_and_errors(stubs, monkeypatch) -> None:
+    monkeypatch.setenv("STUB_NCCL_VERSION", "23203")
+    lib = nccl.NcclLibrary(stubs["plain"])
+    uid = lib.unique_id()
+    assert len(uid) == 128 and uid[:4] == bytes([0, 1, 2, 3])
+    monkeypatch.setenv("STUB_NCCL_FAIL", "1")
+    with pytest.raises(nccl.NcclError, match=r"ncclGetUniqueId failed: internal error .* \(ncclResult 3\)"):
+        lib.unique_id()
+
+
+def test_a_library_without_the_required_api_is_refused(stubs, monkeypatch) -> None:
+    monkeypatch.setenv("STUB_NCCL_VERSION", "23203")
+    with pytest.raises(OSError, match="is not a usable NCCL: missing ncclSend"):
+        nccl.NcclLibrary(stubs["broken"])
+
+
+def test_version_encodings() -> None:
+    assert nccl._version_tuple(23203) == (2, 32, 3)
+    assert nccl._version_tuple(22809) == (2, 28, 9)
+    assert nccl._version_tuple(2708) == (2, 7, 8)  # before 2.9: major*1000 + minor*100 + patch
+
+
+def _real_library() -> str | None:
+    env = os.environ.get(nccl.ENV_LIBRARY)
+    if env and Path(env).is_file():
+        return env
+    wheel = nccl._wheel_library()
+    return str(wheel) if wheel else None
+
+
+@pytest.mark.skipif(_real_library() is None, reason="no real libnccl at hand (set $TIDE_TRITON_NCCL_LIBRARY)")
+def test_real_library_loads_and_makes_unique_ids() -> None:
+    lib = nccl.load(_real_library())
+    assert lib.version >= (2, 18, 0)
+    assert len(lib.unique_id()) == 128
+    if lib.version >= (2, 29, 2):
+        assert lib.features.one_sided and lib.features.windows
