@@ -268,7 +268,11 @@ class CudaTransport:
         self.copy_path = "loop"
         self.signal_path = "direct"
         self._pending: dict[int, tuple[int, int, int, str]] = {}  # slot -> value, peer, stream, what
-        self._streams_used: dict[int, Any] = {}  # handle -> weakref to the torch stream
+        # Handles of the caller's streams that got waits/signals (drained at close).  Handles,
+        # not weak references: torch <= 2.12's Stream/Event deallocs leave weak references
+        # dangling (pytorch/pytorch#183403), which corrupted the heap and crashed the cyclic
+        # GC later (the segfaults seen on torch 2.11).
+        self._streams_used: set[int] = set()
         self._generation = 0
         self._mapped = 0
         self._segments: list[tuple[int, int, Any]] = []  # own (offset, size, handle)
@@ -841,11 +845,7 @@ class CudaTransport:
             return self._copy_stream_int
         if isinstance(stream, torch.cuda.Stream):
             h = int(stream.cuda_stream)
-            if h not in self._streams_used:
-                try:
-                    self._streams_used[h] = weakref.ref(stream)
-                except TypeError:
-                    pass
+            self._streams_used.add(h)
             return h
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
 
@@ -1188,10 +1188,9 @@ class CudaTransport:
 
     def _drain(self, timeout_s: float) -> bool:
         """Wait (polling, bounded) until every stream that may touch the heaps is idle."""
-        def live(t: CudaTransport) -> list[int]:  # user streams whose objects still exist
-            return [h for h, ref in t._streams_used.items() if ref() is not None]
-
-        handles = {self._copy_stream_int, self._host_stream_int, *live(self)}
+        # torch's streams come from its pool and are never destroyed, so their handles stay
+        # valid to query; a handle that errors is taken as idle.
+        handles = {self._copy_stream_int, self._host_stream_int, *self._streams_used}
         if self._peers is not None:
             for ref in self._peers:
                 t = ref()
@@ -1199,7 +1198,7 @@ class CudaTransport:
                     continue
                 if not t._closed:
                     handles.add(t._copy_stream_int)
-                    handles.update(live(t))
+                    handles.update(t._streams_used)
         deadline = time.monotonic() + timeout_s
         with self._guard:
             for h in handles:
