@@ -28,6 +28,18 @@ why: Shard(dim > 0), HSDP / replicate meshes, a post-forward reshard mesh, CPU o
 mixed parameter dtypes, an fp16 reduction (FSDP2 pre/post-divides it), DTensor (TP/EP)
 parameters, all-gather extensions, custom comms, world size 1, an unknown torch version.
 
+Slot-Reuse (``enable(..., slot_reuse=True)``): every group's unsharded storage
+(``all_gather_outputs``) is a view of a heap region -- :data:`SLOT_POOL` slots shared
+round-robin by the groups that reshard after forward, a private slot for the outermost module
+(FSDP2 keeps the root unsharded after forward) and any group without a reshard after
+forward.  FSDP2's ``free_storage`` / ``alloc_storage`` (``resize_``) pass through except for
+these views, where they do nothing (a free records a CUDA event instead).  After backward's
+reshard the post-backward reduce-scatter vacates the slot (``HeapRegion.vacate`` on the
+reduce-scatter stream) and stages the peers' contributions in it
+(``reduce_scatter(..., staging=slot)``) -- only when every group of the slot is resharded,
+otherwise through the ring.  The next all-gather into a slot waits for the frees and the
+last staged reduce-scatter (CUDA events), and raises if another group still holds it.
+
 Streams (CUDA): the all-gather allocates the unsharded storage on FSDP2's all-gather stream
 (after it waits for the copy-in stream), writes it there and records the event FSDP2's
 copy-out waits on; the storage is marked used by the consumer stream so that freeing it at
@@ -221,9 +233,13 @@ class _GroupState:
     staged_reduce_scatters: int = 0  # reduce-scatters staged in the vacated slot (Slot-Reuse)
 
 
-SLOT_POOL = 3
-"""Heap slots shared by the parameter groups that reshard after forward (Slot-Reuse): the
-group computing, the one prefetched, and the one whose reduce-scatter stages in its slot."""
+SLOT_POOL = 2
+"""Heap slots shared by the parameter groups that reshard after forward (Slot-Reuse), set
+before :func:`enable`.  Two hold the group computing and the one prefetched (one ahead, as
+FSDP2 prefetches by default); the slot of the group whose reduce-scatter stages in it is the
+next prefetch's, so on a GPU that all-gather waits for the reduce-scatter.  3 lets them
+overlap at the cost of one more unsharded group; deeper prefetching needs more (an
+all-gather into a slot another group still holds raises, naming both)."""
 
 _SLOT_REUSE_RING = 4 << 20
 """Receive ring of a tide_triton group created for Slot-Reuse (only reduce-scatters that
@@ -367,7 +383,8 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
     each group that does not, e.g. the root), and its reduce-scatter stages the peers'
     contributions in that slot once backward has vacated it, instead of in a receive ring.
     A tide_triton group created here then gets a 4 MiB ring (for reduce-scatters that
-    cannot stage: no reshard after backward).  Call it before the first step.
+    cannot stage: no reshard after backward).  Call it before the first step;
+    the heap slots are never freed (a later enable makes new ones).
 
     Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
     stock module's reason is also logged once (logger ``"tide_triton"``).
