@@ -146,6 +146,12 @@ def _scenario_slot(W, rank, device):
                             ptr = fp.all_gather_outputs[0].data_ptr()
                             assert view.data_ptr() <= ptr < view.data_ptr() + view.numel(), st.fqn
                 res["slots"] = slots
+            if slot:
+                try:  # switching a slotted group's mode in place would leave it on heap storage
+                    tt.fsdp.enable(model)
+                    res["reenable"] = "no error"
+                except RuntimeError as e:
+                    res["reenable"] = str(e)
             if tide:
                 tt.fsdp.disable(model)  # stock storage again: one more step trains the same
                 res["after_disable"] = _step(model, opt, rank, 2, device)
@@ -496,6 +502,8 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             close(sl["slot"]["losses"], sl["stock"]["losses"], f"slot-reuse losses rank {rank}")
             close(sl["slot"]["losses"], sl["tide"]["losses"], f"slot-reuse vs tide losses rank {rank}")
             close(sl["slot"]["after_disable"], sl["stock"]["after_disable"], f"slot-reuse then disable, rank {rank}")
+            assert sl["slot"]["reenable"].startswith("enable(slot_reuse=False): <root> is enabled already with "
+                                                     "Slot-Reuse; disable it first"), sl["slot"]["reenable"]
             keys = {k: v[0].split(":")[1] for k, v in sl["slot"]["slots"].items()}
             assert keys == {"<root>": "<root>", "layers.0": "slot0", "layers.1": "slot1", "layers.2": "slot0"}, keys
         sl = r0["slot"]

@@ -410,8 +410,10 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
         for pg in _param_groups(m._get_fsdp_state()):
             if pg._training_state.name != "IDLE" or pg._all_gather_result is not None:
                 raise RuntimeError(f"enable: {name} is in {pg._training_state.name}; call enable between steps")
-            if slot_reuse and getattr(pg, "_tide_state", None) is not None:
-                raise RuntimeError(f"enable(slot_reuse=True): {name} is enabled already; disable it first")
+            have = getattr(pg, "_tide_state", None)
+            if have is not None and (slot_reuse or have.slot is not None):
+                raise RuntimeError(f"enable(slot_reuse={slot_reuse}): {name} is enabled already"
+                                   f"{' with Slot-Reuse' if have.slot is not None else ''}; disable it first")
     result: dict[str, str | None] = {}
     for name, m in mods:
         groups = _param_groups(m._get_fsdp_state())
