@@ -65,14 +65,14 @@ def _mp(kind: str):
     return MixedPrecisionPolicy()
 
 
-def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mesh=None, **shard_kw):
+def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mesh=None, slot_reuse=False, **shard_kw):
     import tide_triton as tt
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
     model = Llama(cfg).to(device)
     shard(model, mesh if mesh is not None else init_device_mesh(device, (W,)), _mp(mp), **shard_kw)
-    report = tt.fsdp.enable(model) if tide else None
+    report = tt.fsdp.enable(model, slot_reuse=slot_reuse) if tide else None
     return model, torch.optim.AdamW(model.parameters(), lr=LR), report
 
 
@@ -116,6 +116,51 @@ def _train(W, rank, device, mp, tide, steps, setup=None, **kw):
 
     return {"losses": losses, "params": _params(model), "grads": grads, "report": report,
             "stats": tt.fsdp.stats(model) if tide else None}
+
+
+def _scenario_slot(W, rank, device):
+    """Slot-Reuse: three blocks sharing two heap slots (blocks 0 and 2 in one), the root in
+    its own; stock vs tide_triton vs tide_triton + Slot-Reuse, two bf16 steps, then one more
+    after disable()."""
+    import tide_triton as tt
+
+    cfg = LlamaConfig(vocab=13, dim=8, n_layers=3, n_heads=2, hidden=12, tied=True, bias=True, head_gain=True)
+    pool, tt.fsdp.SLOT_POOL = tt.fsdp.SLOT_POOL, 2
+    out = {}
+    try:
+        for name, tide, slot in (("stock", False, False), ("tide", True, False), ("slot", True, True)):
+            model, _, report = _build(W, device, "bf16", tide, cfg=cfg, slot_reuse=slot)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            grads: dict = {}
+            losses = [_step(model, opt, rank, s, device, grads=grads if s == 1 else None) for s in range(2)]
+            res = {"losses": losses, "grads": grads, "params": _params(model), "report": report,
+                   "stats": tt.fsdp.stats(model) if tide else None}
+            if slot:
+                slots = {}
+                for m in [model, *model.layers]:
+                    for pg in m._get_fsdp_state()._fsdp_param_groups:
+                        st = pg._tide_state
+                        slots[st.fqn] = (st.slot.region.key, st.slot.region.offset, st.slot.private)
+                        view = st.slot.region.tensor(torch.uint8)
+                        for fp in pg.fsdp_params:  # the unsharded storage is the slot
+                            ptr = fp.all_gather_outputs[0].data_ptr()
+                            assert view.data_ptr() <= ptr < view.data_ptr() + view.numel(), st.fqn
+                res["slots"] = slots
+            if slot:
+                try:  # switching a slotted group's mode in place would leave it on heap storage
+                    tt.fsdp.enable(model)
+                    res["reenable"] = "no error"
+                except RuntimeError as e:
+                    res["reenable"] = str(e)
+            if tide:
+                tt.fsdp.disable(model)  # stock storage again: one more step trains the same
+                res["after_disable"] = _step(model, opt, rank, 2, device)
+            else:
+                res["after_disable"] = _step(model, opt, rank, 2, device)
+            out[name] = res
+    finally:
+        tt.fsdp.SLOT_POOL = pool
+    return out
 
 
 def _scenario_divide(W, rank, device):
@@ -258,7 +303,6 @@ def _scenario_errors(W, rank, device):
     for name, call in [
         ("module", lambda: tt.fsdp.enable("model")),
         ("slot_reuse_type", lambda: tt.fsdp.enable(model, slot_reuse=1)),
-        ("slot_reuse", lambda: tt.fsdp.enable(model, slot_reuse=True)),
         ("group", lambda: tt.fsdp.enable(model, group=3)),
         ("no_fsdp", lambda: tt.fsdp.enable(torch.nn.Linear(2, 2))),
         ("disable_module", lambda: tt.fsdp.disable(None)),
@@ -312,6 +356,8 @@ def _run_scenario(out: dict, s: str, rank: int, W: int, device: str) -> None:
             out[s] = _scenario_fallbacks(W, rank, device)
         elif s == "hsdp":
             out[s] = _scenario_hsdp(W, rank, device)
+        elif s == "slot":
+            out[s] = _scenario_slot(W, rank, device)
         elif s == "errors":
             out[s] = _scenario_errors(W, rank, device)
         else:
@@ -446,11 +492,29 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         h = r0["hsdp"]
         assert all(v and "HSDP" in v for v in h["report"].values()), h["report"]
         assert len(h["logged"]) == len(h["report"]), h["logged"]
+    if "slot" in r0:
+        for rank, res in enumerate(out):
+            sl = res["slot"]
+            _check_tide_served(sl["slot"])
+            for name, st in sl["slot"]["stats"].items():
+                assert st["staged_reduce_scatters"] == st["reduce_scatters"] > 0, (name, st)
+            assert all(st["staged_reduce_scatters"] == 0 for st in sl["tide"]["stats"].values())
+            close(sl["slot"]["losses"], sl["stock"]["losses"], f"slot-reuse losses rank {rank}")
+            close(sl["slot"]["losses"], sl["tide"]["losses"], f"slot-reuse vs tide losses rank {rank}")
+            close(sl["slot"]["after_disable"], sl["stock"]["after_disable"], f"slot-reuse then disable, rank {rank}")
+            assert sl["slot"]["reenable"].startswith("enable(slot_reuse=False): <root> is enabled already with "
+                                                     "Slot-Reuse; disable it first"), sl["slot"]["reenable"]
+            keys = {k: v[0].split(":")[1] for k, v in sl["slot"]["slots"].items()}
+            assert keys == {"<root>": "<root>", "layers.0": "slot0", "layers.1": "slot1", "layers.2": "slot0"}, keys
+        sl = r0["slot"]
+        close(sl["slot"]["grads"], sl["stock"]["grads"], "slot-reuse last-step grads")
+        close(sl["slot"]["params"], sl["stock"]["params"], "slot-reuse params")
+        assert len({tuple(sorted(res["slot"]["slots"].items())) for res in (r["slot"] for r in out)}) == 1, \
+            "slot offsets differ between ranks"
     if "errors" in r0:
         e = r0["errors"]
         assert e["module"].startswith("TypeError: module must be a torch.nn.Module"), e
         assert e["slot_reuse_type"].startswith("TypeError: slot_reuse must be a bool"), e
-        assert e["slot_reuse"].startswith("NotImplementedError: slot_reuse=True"), e
         assert e["group"].startswith("TypeError: group must be"), e
         assert e["no_fsdp"].startswith("ValueError: module must contain a fully_shard-ed module"), e
         assert e["disable_module"].startswith("TypeError: module must be"), e
@@ -462,7 +526,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
 # the CI budget (~2 min for the three on 2 cores; bf16 steps cost most: the all-gather's
 # fp32 -> bf16 cast is a Triton kernel run by the interpreter).
 _PLAN = {
-    2: ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "errors"),
+    2: ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "errors", "slot"),
     3: ("bf16", "fp32", "accum"),
     4: ("bf16", "fp32", "hsdp"),
 }

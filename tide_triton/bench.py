@@ -243,6 +243,34 @@ def staging_table(models: Sequence[str], world_sizes: Sequence[int], ring_bytes:
     return "\n".join(lines)
 
 
+def slot_reuse_table(models: Sequence[str], world_sizes: Sequence[int], ring_bytes: int = 256 << 20,
+                     pool: int = 2) -> str:
+    """Per rank, backward of a stack of identical layers (bf16 params, fp32 reduce, one
+    layer prefetched): the unsharded-parameter and reduce-scatter staging bytes, from the
+    layout -- stock FSDP2 (2 unsharded layers + the fp32 RS input), tide_triton with its ring,
+    tide_triton with Slot-Reuse (``pool`` heap slots of one unsharded layer, no staging of its
+    own; the 4 MiB fallback ring counted).  No GPU needed."""
+    from . import ShardLayout
+    from .schedule import ring_plan
+    from .workloads import layer_shapes
+
+    mib = 2 ** 20
+    lines = ["| model | W | unsharded layer (bf16) | stock FSDP2: 2 layers + fp32 RS input | "
+             "tide ring: 2 layers + ring | tide Slot-Reuse: slots + 4 MiB ring | chunks per staged RS |",
+             "|---|---|---|---|---|---|---|"]
+    for model in models:
+        for W in world_sizes:
+            layout = ShardLayout(layer_shapes(model), W)
+            layer = 2 * sum(layout.padded_numels)
+            stock = 2 * layer + 2 * layer
+            ring = 2 * layer + ring_bytes
+            slot = pool * layer + (4 << 20)
+            plan = ring_plan(layout, layer, 2, 2)
+            lines.append(f"| {model} | {W} | {layer / mib:.0f} MiB | {stock / mib:.0f} MiB | {ring / mib:.0f} MiB | "
+                         f"{slot / mib:.0f} MiB | {plan.rounds} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- CLI
 def _table(rows: list[BenchRow], ceiling: BenchRow) -> str:
     cgbps = ceiling.gbps()

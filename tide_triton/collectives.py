@@ -5,7 +5,8 @@ Layers: validate (this rank) -> agree (all ranks: same signature, no errors) -> 
 (layout, ring schedule, flag map) -> run over the group's transport (heap slots, copies,
 flags) with the Triton kernels doing the SM work (accumulation, casts).
 
-Heap layout of every rank: ``[flags | reduce-scatter ring | all-gather block]``.
+Heap layout of every rank: ``[flags | reduce-scatter ring | named regions | all-gather block]``
+(regions: :meth:`Group.heap_region`, the staging of ``reduce_scatter(..., staging=...)``).
 """
 from __future__ import annotations
 
@@ -95,7 +96,27 @@ def _regions(g: Group) -> _Regions:
     n = ring_slots(g.world_size)
     slot_bytes = (g.options.ring_bytes // (g.options.stages * n)) // 16 * 16
     ring = _round_up(g.options.stages * n * slot_bytes)
-    return _Regions(flags, slot_bytes, n, flags + ring)
+    return _Regions(flags, slot_bytes, n, max(flags + ring, g.heap_regions_end))
+
+
+def _staging_regions(g: Group, staging, ag_off: int) -> _Regions:
+    """The receive slots of a reduce-scatter that stages in heap region ``staging``: a ring
+    of ``staging.nbytes`` at the region's offset (the same on every rank)."""
+    n = ring_slots(g.world_size)
+    slot_bytes = (staging.nbytes // (g.options.stages * n)) // 16 * 16
+    return _Regions(staging.offset, slot_bytes, n, ag_off)
+
+
+def _check_staging(g: Group, staging: object, device: torch.device) -> None:
+    from .regions import HeapRegion
+
+    if not isinstance(staging, HeapRegion):
+        raise TypeError(f"staging must be None or a HeapRegion (Group.heap_region), got {type(staging).__name__}")
+    if staging.group is not g:
+        raise ValueError(f"staging region {staging.key!r} belongs to another tide_triton group")
+    if staging.device.type != device.type:
+        raise ValueError(f"staging region {staging.key!r} is in the {staging.device.type} heap, "
+                         f"the gradients are on {device.type}")
 
 
 def _scale(op: object, world: int) -> float | None:
@@ -133,7 +154,7 @@ def _full_and_shards(name: str, full: object, shards: object, world: int):
 # --------------------------------------------------------------------------- reduce-scatter
 def _prepare_reduce_scatter(g: Group, t, reg: "_Regions", plan, layout: ShardLayout, gptrs: tuple[int, ...],
                             shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
-                            device: torch.device, scale: float | None, acc: bool):
+                            device: torch.device, scale: float | None, acc: bool, ring_bytes: int | None = None):
     """Everything a reduce-scatter enqueues that depends only on its addresses: one bound
     reduction per chunk of this rank (sources in rank order: the peers' slots, and this
     rank's own gradients read in place) and, per round, the copies that push this rank's
@@ -154,7 +175,7 @@ def _prepare_reduce_scatter(g: Group, t, reg: "_Regions", plan, layout: ShardLay
             else:
                 slot = t.address(me, reg.slot(s, c, me))
                 ptrs += [slot + pc.slot_off * es for pc in pieces]
-        b = Binding(_chunk_program(layout, g.options.ring_bytes, es, S, me, j), dst_stub,
+        b = Binding(_chunk_program(layout, ring_bytes or g.options.ring_bytes, es, S, me, j), dst_stub,
                     (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, tuple(ptrs)))
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
@@ -183,6 +204,7 @@ def reduce_scatter(
     accumulate: bool = False,
     stream: object = None,
     async_op: bool = False,
+    staging: object = None,
 ) -> Work:
     """``shards[i][:rows_r] = f(sum over ranks of grads[i][r*c : r*c + rows_r])``.
 
@@ -191,6 +213,13 @@ def reduce_scatter(
     fp32 (bf16 and fp16 allowed).  ``op``: ``"sum"``, ``"avg"`` or a float ``s`` (the sum
     times ``s``).  With ``accumulate`` the previous shard value is added; otherwise padding
     rows become zero.  Sums are fp32 in rank order 0..W-1: repeated runs are bit-identical.
+
+    ``staging``: a :class:`~tide_triton.regions.HeapRegion` of this group (Slot-Reuse) --
+    the peers' contributions land in it instead of the group's receive ring, in chunks of
+    ``staging.nbytes / (stages * (W-1))`` bytes.  Before its first write into rank ``d``'s
+    copy this rank waits until ``d`` has called ``staging.vacate()`` once per use so far
+    (``PeerTimeoutError`` naming ``d`` after the group's timeout); every rank must vacate
+    its own copy, before or during this call, or its peers wait for it.
     """
     g = resolve(group)
     W, me = g.world_size, g.rank
@@ -202,6 +231,10 @@ def reduce_scatter(
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         scale = _scale(op, W)
         sig = ("reduce_scatter", layout.shapes, dtype_name(gdt), dtype_name(sdt), repr(op), bool(accumulate), device.type)
+        if staging is not None:
+            _check_staging(g, staging, device)
+            ring_plan(layout, staging.nbytes, gdt.itemsize, g.options.stages)  # too small: ValueError
+            sig += ((staging.key, staging.index, staging.offset, staging.nbytes),)
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
@@ -209,8 +242,11 @@ def reduce_scatter(
     t = g.transport(device)
     es = gdt.itemsize
     S, ring_bytes = g.options.stages, g.options.ring_bytes
-    plan = ring_plan(layout, ring_bytes, es, S)
     reg = _regions(g)
+    if staging is not None:  # Slot-Reuse: the caller's region is the ring
+        ring_bytes = staging.nbytes
+        reg = _staging_regions(g, staging, reg.ag_off)
+    plan = ring_plan(layout, ring_bytes, es, S)
     if plan.chunk_elems * es > reg.slot_bytes:
         raise RuntimeError("internal error: ring plan and heap regions disagree")
     t.ensure_heap(reg.ag_off)
@@ -223,12 +259,12 @@ def reduce_scatter(
     shard_ptrs = tuple(x.data_ptr() for x in shards_l)
     # Prepare (tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by address, so a call on the same tensors prepares nothing.
-    key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, S, ring_bytes, scale, acc)
+    key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, S, ring_bytes, reg.ring_off, scale, acc)
     prep = g.cached(key)
     if prep is None:
         with st.kernels():
             prep = g.cache(key, _prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
-                                                        gdt, sdt, device, scale, acc))
+                                                        gdt, sdt, device, scale, acc, ring_bytes))
     reducers, pushes = prep
     if not accumulate:  # padding rows of padded shards become zero
         with st.kernels():
@@ -241,6 +277,12 @@ def reduce_scatter(
     base = g.rs_count
     with t.session(), st.kernels():
         t.fence_from(cs)  # grads are complete before the copy queue reads them
+        if staging is not None:  # nobody writes into a peer's region before the peer vacated it
+            e = staging._begin_staging()
+            dests = [d for d in peers if plan.chunks[d]]
+            t.wait_all([fm.vacated(staging.index, d) for d in dests], [e] * len(dests), peers=dests,
+                       timeout_s=timeout, what=f"rank {{peer}} to vacate staging region {staging.key!r} "
+                       f"(use {e}: its staging.vacate())")
         for j in range(plan.rounds):
             s = j % S
             v = base + j + 1
@@ -265,6 +307,8 @@ def reduce_scatter(
             if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
                 pace.after(j, cs if j < len(reducers) else t.copy_stream)
         g.rs_count = base + plan.rounds
+        if staging is not None:
+            staging._staged(cs)
         t.fence_to(cs)  # my grads may be reused once the copy queue has read them
     return st.finish()
 

@@ -28,6 +28,18 @@ why: Shard(dim > 0), HSDP / replicate meshes, a post-forward reshard mesh, CPU o
 mixed parameter dtypes, an fp16 reduction (FSDP2 pre/post-divides it), DTensor (TP/EP)
 parameters, all-gather extensions, custom comms, world size 1, an unknown torch version.
 
+Slot-Reuse (``enable(..., slot_reuse=True)``): every group's unsharded storage
+(``all_gather_outputs``) is a view of a heap region -- :data:`SLOT_POOL` slots shared
+round-robin by the groups that reshard after forward, a private slot for the outermost module
+(FSDP2 keeps the root unsharded after forward) and any group without a reshard after
+forward.  FSDP2's ``free_storage`` / ``alloc_storage`` (``resize_``) pass through except for
+these views, where they do nothing (a free records a CUDA event instead).  After backward's
+reshard the post-backward reduce-scatter vacates the slot (``HeapRegion.vacate`` on the
+reduce-scatter stream) and stages the peers' contributions in it
+(``reduce_scatter(..., staging=slot)``) -- only when every group of the slot is resharded,
+otherwise through the ring.  The next all-gather into a slot waits for the frees and the
+last staged reduce-scatter (CUDA events), and raises if another group still holds it.
+
 Streams (CUDA): the all-gather allocates the unsharded storage on FSDP2's all-gather stream
 (after it waits for the copy-in stream), writes it there and records the event FSDP2's
 copy-out waits on; the storage is marked used by the consumer stream so that freeing it at
@@ -180,6 +192,11 @@ def _install(api: _Api) -> None:
     if getattr(fpg.foreach_reduce, "_tide_wrapper", False):
         return
     _ACTIVE = api
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam
+
+    if not getattr(fparam.free_storage, "_tide_wrapper", False):  # pass-through but for heap slots
+        _ORIG_STORAGE[:] = [fparam.alloc_storage, fparam.free_storage]
+        fparam.alloc_storage, fparam.free_storage = _alloc_storage, _free_storage
     fpg.foreach_all_gather = _wrapped_all_gather
     fpg.foreach_all_gather_copy_out = _wrapped_copy_out
     fpg.foreach_reduce = _wrapped_reduce
@@ -187,6 +204,11 @@ def _install(api: _Api) -> None:
 
 def _uninstall(api: _Api) -> None:
     fpg = api.fpg
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam
+
+    if _ORIG_STORAGE and fparam.free_storage is _free_storage and fparam.alloc_storage is _alloc_storage:
+        fparam.alloc_storage, fparam.free_storage = _ORIG_STORAGE
+        _ORIG_STORAGE.clear()
     for name, ours, orig in (("foreach_all_gather", _wrapped_all_gather, api.orig_ag),
                              ("foreach_all_gather_copy_out", _wrapped_copy_out, api.orig_copy_out),
                              ("foreach_reduce", _wrapped_reduce, api.orig_reduce)):
@@ -206,6 +228,42 @@ class _GroupState:
     all_gathers: int = 0             # calls served by tide_triton.all_gather
     reduce_scatters: int = 0         # calls served by tide_triton.reduce_scatter
     direct_accumulations: int = 0    # of those, summed straight into existing .grad
+    slot: "_Slot | None" = None      # Slot-Reuse: the heap slot holding the unsharded params
+    pg: Any = None                   # the FSDPParamGroup (Slot-Reuse checks its state)
+    staged_reduce_scatters: int = 0  # reduce-scatters staged in the vacated slot (Slot-Reuse)
+
+
+SLOT_POOL = 2
+"""Heap slots shared by the parameter groups that reshard after forward (Slot-Reuse), set
+before :func:`enable`.  Two hold the group computing and the one prefetched (one ahead, as
+FSDP2 prefetches by default); the slot of the group whose reduce-scatter stages in it is the
+next prefetch's, so on a GPU that all-gather waits for the reduce-scatter.  3 lets them
+overlap at the cost of one more unsharded group; deeper prefetching needs more (an
+all-gather into a slot another group still holds raises, naming both)."""
+
+_SLOT_REUSE_RING = 4 << 20
+"""Receive ring of a tide_triton group created for Slot-Reuse (only reduce-scatters that
+cannot stage in their slot, e.g. without a reshard after backward, use it)."""
+
+_ALIGN = 64
+_HEAP_STORAGES: dict[tuple[str, int], "_Slot"] = {}  # (device type, storage data_ptr) -> slot
+
+
+class _Slot:
+    """A heap region holding the unsharded parameters of one or more parameter groups
+    (never two at once: checked at every all-gather and reduce-scatter)."""
+
+    def __init__(self, region: Any, private: bool) -> None:
+        self.region = region
+        self.private = private
+        self.members: "weakref.WeakSet[Any]" = weakref.WeakSet()   # FSDPParamGroups
+        self.freed: list = []  # CUDA events: a member's reshard (its compute is done with it)
+
+    def live_others(self, pg: Any) -> list:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        return [m for m in self.members if m is not pg
+                and any(fp.sharded_state != ShardedState.SHARDED for fp in m.fsdp_params)]
 
 
 def _state_of(fsdp_params: Any) -> _GroupState | None:
@@ -289,11 +347,14 @@ def _why_stock(pg: Any, api: _Api) -> str | None:
     return None
 
 
-def _resolve_group(group: Any, pg: dist.ProcessGroup) -> Any:
+def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) -> Any:
     """The tide_triton group for FSDP2's shard process group ``pg``."""
-    from .group import Group, init
+    from .group import _GROUPS, Group, init
 
     if group is None:
+        have = _GROUPS.get(id(pg))
+        if slot_reuse and (have is None or have._closed):  # staging lives in the slots: a small ring
+            return init(pg, ring_bytes=_SLOT_REUSE_RING)
         return init(pg)
     if isinstance(group, dist.ProcessGroup):
         g = init(group)
@@ -317,8 +378,13 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
 
     ``group``: the tide_triton group (or the process group to build it on) for the
     collectives; default: one per FSDP2 shard process group.  It must span the same ranks.
-    ``slot_reuse``: stage reduce-scatter contributions in the vacated all-gather slots --
-    not available yet (raises NotImplementedError, see below).
+    ``slot_reuse``: Slot-Reuse -- every group's unsharded parameters live in a heap slot
+    (:data:`SLOT_POOL` slots shared by the groups that reshard after forward, a private one for
+    each group that does not, e.g. the root), and its reduce-scatter stages the peers'
+    contributions in that slot once backward has vacated it, instead of in a receive ring.
+    A tide_triton group created here then gets a 4 MiB ring (for reduce-scatters that
+    cannot stage: no reshard after backward).  Call it before the first step;
+    the heap slots are never freed (a later enable makes new ones).
 
     Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
     stock module's reason is also logged once (logger ``"tide_triton"``).
@@ -332,12 +398,6 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
 
         if not isinstance(group, (Group, dist.ProcessGroup)):
             raise TypeError(f"group must be None, a ProcessGroup or a tide_triton Group, got {type(group).__name__}")
-    if slot_reuse:
-        raise NotImplementedError(
-            "slot_reuse=True: staging the reduce-scatter in the vacated all-gather slots needs "
-            "tide_triton.reduce_scatter to accept caller-provided staging memory in the transport "
-            "heap (it stages through its own fixed receive ring today) and the unsharded "
-            "parameters to be allocated in that heap; neither exists yet. Use slot_reuse=False.")
     mods = _fsdp_modules(module)
     if not mods:
         raise ValueError("module must contain a fully_shard-ed module (an FSDPModule), found none")
@@ -350,6 +410,10 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
         for pg in _param_groups(m._get_fsdp_state()):
             if pg._training_state.name != "IDLE" or pg._all_gather_result is not None:
                 raise RuntimeError(f"enable: {name} is in {pg._training_state.name}; call enable between steps")
+            have = getattr(pg, "_tide_state", None)
+            if have is not None and (slot_reuse or have.slot is not None):
+                raise RuntimeError(f"enable(slot_reuse={slot_reuse}): {name} is enabled already"
+                                   f"{' with Slot-Reuse' if have.slot is not None else ''}; disable it first")
     result: dict[str, str | None] = {}
     for name, m in mods:
         groups = _param_groups(m._get_fsdp_state())
@@ -357,9 +421,11 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
         for i, pg in enumerate(groups):
             label = name if len(groups) == 1 else f"{name}[{i}]"
             why = _why_stock(pg, api)
+            if why is None and slot_reuse:
+                why = _why_no_slot(pg)
             if why is None:
-                g = _resolve_group(group, pg._all_gather_process_group)
-                st = _GroupState(g, label, _sentinel(pg.device))
+                g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
+                st = _GroupState(g, label, _sentinel(pg.device), pg=pg)
                 pg._tide_state = st
                 for fp in pg.fsdp_params:
                     fp._tide_state = st
@@ -370,9 +436,120 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
                 reasons.append(why)
         if groups:
             result[name] = "; ".join(reasons) if reasons else None
+    if slot_reuse:
+        _assign_slots(module, mods)
     if len(_ENABLED):
         _install(api)
     return result
+
+
+def _why_no_slot(pg: Any) -> str | None:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    if any(fp.sharded_state != ShardedState.SHARDED for fp in pg.fsdp_params):
+        return "slot_reuse: its parameters are unsharded now (call enable before the first step)"
+    return None
+
+
+def _group_layout(pg: Any, W: int) -> tuple[torch.dtype, list[tuple[int, int]], int]:
+    """Unsharded storage of a group in one heap slot: (dtype, [(byte offset, numel)], bytes)."""
+    dt = None
+    out, off = [], 0
+    for fp in pg.fsdp_params:
+        dt = pg.mp_policy.param_dtype or fp.sharded_param.dtype  # what FSDP2 all-gathers into
+        n = W * fp.padded_sharded_param_size.numel()
+        off = -(-off // _ALIGN) * _ALIGN
+        out.append((off, n))
+        off += n * dt.itemsize
+    return dt, out, off
+
+
+def _assign_slots(module: nn.Module, mods: list) -> None:
+    """Slot-Reuse: heap slots for the enabled groups' unsharded parameters (collective: every
+    rank walks the same modules in the same order).  Groups that may stay unsharded across
+    other groups' work (the outermost FSDP module -- FSDP2 keeps the root unsharded after
+    forward -- and any group without a reshard after forward) get a private slot; the
+    others share :data:`SLOT_POOL` slots round-robin."""
+    names = [n for n, _ in mods]
+    pools: dict[int, list] = {}  # id(tide group) -> [(pg, st)]
+    private: list = []
+    for name, m in mods:
+        outer = name == "<root>" or not any(o == "<root>" or name.startswith(o + ".") for o in names if o != name)
+        for pg in _param_groups(m._get_fsdp_state()):
+            st = getattr(pg, "_tide_state", None)
+            if st is None:
+                continue
+            if outer or pg.post_forward_mesh_info is None:
+                private.append((pg, st))
+            else:
+                pools.setdefault(id(st.group), []).append((pg, st))
+    for pg, st in private + [x for v in pools.values() for x in v]:
+        st.group._tide_fsdp_enables = getattr(st.group, "_tide_fsdp_enables", 0)
+    tag = {}
+    for pg, st in private + [x for v in pools.values() for x in v]:
+        g = st.group
+        if id(g) not in tag:
+            g._tide_fsdp_enables += 1
+            tag[id(g)] = f"fsdp{g._tide_fsdp_enables}"
+
+    def floor(g: Any) -> int:  # a staged reduce-scatter needs >= 16 bytes per slot and peer
+        return 16 * g.options.stages * max(1, g.world_size - 1)
+
+    for pg, st in private:
+        g = st.group
+        nbytes = max(_group_layout(pg, g.world_size)[2], floor(g))
+        _bind_slot(pg, st, _Slot(g.heap_region(f"{tag[id(g)]}:{st.fqn}", nbytes, pg.device), True))
+    for members in pools.values():
+        g = members[0][1].group
+        need = max(max(_group_layout(pg, g.world_size)[2] for pg, _ in members), floor(g))
+        slots = [_Slot(g.heap_region(f"{tag[id(g)]}:slot{k}", need, members[0][0].device), False)
+                 for k in range(min(SLOT_POOL, len(members)))]
+        for i, (pg, st) in enumerate(members):
+            _bind_slot(pg, st, slots[i % len(slots)])
+
+
+def _bind_slot(pg: Any, st: _GroupState, slot: _Slot) -> None:
+    """The group's unsharded parameters become views of ``slot`` (FSDP2's
+    ``all_gather_outputs``; its ``init_all_gather_outputs`` keeps existing ones)."""
+    dt, offs, _ = _group_layout(pg, st.group.world_size)
+    for fp, (off, n) in zip(pg.fsdp_params, offs):
+        view = slot.region.tensor(dt, n, off)
+        _HEAP_STORAGES[(view.device.type, view.untyped_storage().data_ptr())] = slot
+        fp.all_gather_outputs = [view]
+        if hasattr(fp, "_unsharded_param"):  # a stock-allocated one from before: made anew
+            del fp._unsharded_param
+    slot.members.add(pg)
+    st.slot = slot
+
+
+def _heap_slot(tensor: torch.Tensor) -> "_Slot | None":
+    if not _HEAP_STORAGES:
+        return None
+    return _HEAP_STORAGES.get((tensor.device.type, tensor.untyped_storage().data_ptr()))
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    """FSDP2's reshard frees unsharded storage with ``resize_(0)``; a heap slot stays (it is
+    not resizable): the compute that used it is recorded so the next writer waits for it."""
+    slot = _heap_slot(tensor)
+    if slot is None:
+        return _ORIG_STORAGE[1](tensor)
+    if tensor.device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(tensor.device))
+        slot.freed.append(ev)
+    return None
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    if _heap_slot(tensor) is None:
+        return _ORIG_STORAGE[0](tensor)
+    return None
+
+
+_free_storage._tide_wrapper = True  # type: ignore[attr-defined]
+_alloc_storage._tide_wrapper = True  # type: ignore[attr-defined]
+_ORIG_STORAGE: list = []  # FSDP2's (alloc_storage, free_storage), once patched
 
 
 def _sentinel(device: torch.device) -> torch.Tensor:
@@ -382,6 +559,13 @@ def _sentinel(device: torch.device) -> torch.Tensor:
 
 
 def _drop(pg: Any) -> None:
+    st = getattr(pg, "_tide_state", None)
+    if st is not None and st.slot is not None:  # stock allocates its own storage again
+        for fp in pg.fsdp_params:
+            fp.all_gather_outputs = []
+            if hasattr(fp, "_unsharded_param"):
+                del fp._unsharded_param
+        st.slot.members.discard(pg)
     if getattr(pg, "_tide_state", None) is not None:
         del pg._tide_state
     for fp in pg.fsdp_params:
@@ -397,8 +581,12 @@ def disable(module: nn.Module) -> None:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     for name, m in _fsdp_modules(module):
         for pg in _param_groups(m._get_fsdp_state()):
-            if getattr(pg, "_tide_state", None) is not None and pg._all_gather_result is not None:
+            st = getattr(pg, "_tide_state", None)
+            if st is not None and pg._all_gather_result is not None:
                 raise RuntimeError(f"disable: {name} has an all-gather in flight; call disable between steps")
+            if st is not None and st.slot is not None and _why_no_slot(pg) is not None:
+                raise RuntimeError(f"disable: {name} holds unsharded parameters in a heap slot; "
+                                   "call disable between steps")
     for _, m in _fsdp_modules(module):
         for pg in _param_groups(m._get_fsdp_state()):
             _drop(pg)
@@ -423,7 +611,8 @@ def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
             st = getattr(pg, "_tide_state", None)
             out[name if len(groups) == 1 else f"{name}[{i}]"] = None if st is None else {
                 "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
-                "direct_accumulations": st.direct_accumulations}
+                "direct_accumulations": st.direct_accumulations,
+                "staged_reduce_scatters": st.staged_reduce_scatters}
     return out
 
 
@@ -459,6 +648,20 @@ def _tide_all_gather(st: _GroupState, api: _Api, a: dict):
     consumer = handle.current_stream()
     cuda = device.type == "cuda"
     ag_stream.wait_stream(copy_in_stream)  # inherits FSDP2's waits (copy-out, reshard events)
+    slot = st.slot
+    if slot is not None:  # Slot-Reuse: the slot must be free of other groups' parameters
+        live = slot.live_others(st.pg)
+        if live:
+            raise RuntimeError(
+                f"tide_triton.fsdp slot_reuse: all-gather of {st.fqn} into heap slot "
+                f"{slot.region.key!r}, which {_state_of(live[0].fsdp_params).fqn} still uses (unsharded); "
+                f"more groups are unsharded at once than tide_triton.fsdp.SLOT_POOL={SLOT_POOL} slots "
+                "allow -- raise it before enable()")
+        if cuda:  # after the previous occupants' compute and the last staged reduce-scatter
+            for ev in slot.freed:
+                ag_stream.wait_event(ev)
+            slot.freed.clear()
+            slot.region.wait_consumed(ag_stream)
     shards, outs, dtypes, numels = [], [], [], []
     with handle.stream(ag_stream):
         for fp in fsdp_params:
@@ -477,7 +680,7 @@ def _tide_all_gather(st: _GroupState, api: _Api, a: dict):
         all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None)
         st.all_gathers += 1
         event = ag_stream.record_event()
-    if cuda and consumer != ag_stream:  # Stream objects compare by the stream, not identity
+    if cuda and consumer != ag_stream and slot is None:  # Stream objects compare by the stream, not identity
         for out in outs:  # freed on the consumer stream at reshard: not reusable before it is done
             out.record_stream(consumer)
     return api.fc.AllGatherResult(
@@ -624,9 +827,16 @@ def _tide_reduce(st: _GroupState, api: _Api, a: dict, op: str | float, post: flo
             for s, n in zip(sizes, numels):
                 shards.append(flat[off:off + n].view(s))
                 off += n
+        staging = None
+        if st.slot is not None and not st.slot.live_others(None):
+            # Slot-Reuse: every group of the slot is resharded, so backward has vacated it
+            # (on a GPU: once the work the reduce-scatter stream waited for is done).
+            staging = st.slot.region
+            staging.vacate(stream=rs_stream if cuda else None)
         reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
-                       stream=rs_stream if cuda else None)
+                       stream=rs_stream if cuda else None, staging=staging)
         st.reduce_scatters += 1
+        st.staged_reduce_scatters += staging is not None
         st.direct_accumulations += direct
         reduce_scatter_event = rs_stream.record_event()
     post_reduce_stream = rs_stream

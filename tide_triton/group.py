@@ -123,6 +123,9 @@ class Group:
         self.ag_epoch = 0
         self.rs_last: dict[tuple[int, int], int] = {}
         self.rs_count = 0
+        self._heap_regions: dict[tuple[str, str], Any] = {}
+        self.heap_regions_end = 0
+        """Heap bytes below which named regions lie (0: none); the all-gather block starts past it."""
         self._closed = False
 
     # ---- bootstrap ----------------------------------------------------------------------
@@ -186,6 +189,16 @@ class Group:
                     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
                 self._transports[key] = t
         return t
+
+    def heap_region(self, key: str, nbytes: int, device: object):
+        """Collective: a persistent region of ``nbytes`` bytes named ``key`` at the same
+        offset of every rank's heap on ``device`` -- memory peers can write into, e.g. the
+        staging of ``reduce_scatter(..., staging=region)`` (Slot-Reuse).  Calling it again
+        with the same key returns the same region.  See :mod:`tide_triton.regions`."""
+        from .regions import heap_region
+
+        self._check_open()
+        return heap_region(self, key, nbytes, device)
 
     def heap_barrier(self) -> None:
         """After ``ensure_heap``: in the single-process mode each rank grows its own heap,

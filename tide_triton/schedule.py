@@ -103,6 +103,9 @@ class FlagMap:
 
     local_size: int
     stages: int = 2
+    regions: int = 64
+    """Named heap regions (:meth:`tide_triton.group.Group.heap_region`) a group can hold:
+    each has one "vacated" flag per owner in every heap."""
 
     def ag_ready(self, src: int) -> int:
         """On a reader: rank ``src``'s all-gather block holds this epoch's shards."""
@@ -120,6 +123,13 @@ class FlagMap:
         """On a contributor: destination ``dest`` has consumed this contributor's slot."""
         return (2 + self.stages) * self.local_size + stage * self.local_size + dest
 
+    def vacated(self, region: int, owner: int) -> int:
+        """On a writer: ``owner`` has handed over its copy of heap region ``region`` (the
+        value is the number of hand-overs so far: an epoch)."""
+        if not 0 <= region < self.regions:
+            raise ValueError(f"region must be in [0, {self.regions}), got {region}")
+        return (2 + 2 * self.stages) * self.local_size + region * self.local_size + owner
+
     @property
     def n_flags(self) -> int:
-        return (2 + 2 * self.stages) * self.local_size
+        return (2 + 2 * self.stages + self.regions) * self.local_size

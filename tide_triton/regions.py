@@ -1,0 +1,160 @@
+"""Named heap regions: persistent byte ranges at the same offset in every rank's heap.
+
+A region is memory the caller owns (the FSDP2 drop-in keeps unsharded parameters in one)
+and that peers may write into once the owner hands it over.  That is Slot-Reuse: a
+reduce-scatter can stage its peers' contributions in a region whose contents the owner no
+longer needs (``reduce_scatter(..., staging=region)``) instead of in the group's receive ring.
+
+Hand-over protocol, per region and rank (an epoch counts the uses):
+
+* the owner calls :meth:`HeapRegion.vacate` once its last use of its copy of the region is
+  enqueued (on a GPU the signal is ordered on ``stream`` after that work): every peer's flag
+  ``vacated(region, owner)`` becomes the number of hand-overs so far;
+* a reduce-scatter staging in the region for the ``e``-th time waits, before its first
+  write into rank ``d``'s copy, until ``d`` has handed it over ``e`` times -- with the
+  group's timeout, naming ``d`` (a stream-side wait on a GPU, surfaced by
+  :func:`tide_triton.synchronize` or the pacing);
+* when a reduce-scatter is done with a region (its reduction has read every contribution),
+  :meth:`HeapRegion.wait_consumed` orders later writes of the owner's own (an all-gather
+  into the region) after it.  On the host transport everything is synchronous.
+
+Heap layout of every rank: ``[flags | reduce-scatter ring | regions... | all-gather block]``.
+A region is placed past everything the heap holds when it is created, and the all-gather
+block moves past the regions, so no byte that a collective may still be using is handed out.
+Create regions before the first all-gather (a block that moved leaves its old bytes unused).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["HeapRegion", "heap_region"]
+
+_ALIGN = 4096
+
+
+def _round_up(n: int, m: int = _ALIGN) -> int:
+    return -(-n // m) * m
+
+
+class HeapRegion:
+    """``nbytes`` bytes at byte ``offset`` of every rank's heap on ``device`` (one device
+    type per group transport).  Made by :meth:`tide_triton.Group.heap_region`; lives as
+    long as the group."""
+
+    def __init__(self, group: Any, device: torch.device, key: str, index: int, offset: int, nbytes: int) -> None:
+        self.group = group
+        self.device = device
+        self.key = key
+        self.index = index
+        self.offset = offset
+        self.nbytes = nbytes
+        self.vacated = 0
+        """Hand-overs this rank has signalled."""
+        self.uses = 0
+        """Reduce-scatters that staged in this region (every rank counts the same)."""
+        self._consumed: list = []  # CUDA events: the last staging's reduction has read it
+
+    def __repr__(self) -> str:
+        return (f"HeapRegion({self.key!r}, index={self.index}, offset={self.offset}, "
+                f"nbytes={self.nbytes}, device={self.device.type})")
+
+    def tensor(self, dtype: torch.dtype, numel: int | None = None, offset: int = 0) -> torch.Tensor:
+        """A 1-D ``dtype`` view of this rank's copy, ``offset`` bytes in (no copy; its
+        storage is not resizable and must not be freed)."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        item = dtype.itemsize
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % item:
+            raise ValueError(f"offset must be a non-negative multiple of {item}, got {offset!r}")
+        if numel is None:
+            numel = (self.nbytes - offset) // item
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if offset + numel * item > self.nbytes:
+            raise ValueError(f"offset + numel * {item} = {offset + numel * item} exceeds region "
+                             f"{self.key!r} of {self.nbytes} bytes")
+        t = self.group.transport(self.device)
+        return t.heap_tensor(self.group.rank, self.offset + offset, numel, dtype)
+
+    def vacate(self, stream: object = None) -> int:
+        """Hand this rank's copy over to the peers' writes: every later use by this rank is
+        done (on a GPU: enqueued before this point on ``stream``, default the current
+        stream).  Returns the epoch signalled.  Not collective."""
+        g = self.group
+        t = g.transport(self.device)
+        self.vacated += 1
+        peers = [r for r in range(g.world_size) if r != g.rank]
+        slot = g.flags.vacated(self.index, g.rank)
+        kw = {}
+        if self.device.type == "cuda":
+            kw["stream"] = stream if stream is not None else torch.cuda.current_stream(self.device)
+        with t.session():
+            t.signal_all(peers, [slot] * len(peers), [self.vacated] * len(peers), **kw)
+        return self.vacated
+
+    # ---- used by reduce_scatter ---------------------------------------------------------
+    def _begin_staging(self) -> int:
+        self.uses += 1
+        return self.uses
+
+    def _staged(self, stream: object) -> None:
+        """The reduction that read this region's contributions is enqueued on ``stream``."""
+        if self.device.type == "cuda" and stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self._consumed = [ev]
+
+    def wait_consumed(self, stream: object = None) -> None:
+        """``stream`` (default: the current stream) waits until the last reduce-scatter
+        that staged here has read its contributions: before the owner writes the region
+        again.  A no-op on the host transport (its reduce-scatter is synchronous)."""
+        if self.device.type != "cuda":
+            return
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        for ev in self._consumed:
+            s.wait_event(ev)
+
+
+def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
+    """Implementation of :meth:`tide_triton.Group.heap_region` (collective)."""
+    from .collectives import _regions  # the ring's place in the heap
+
+    err: BaseException | None = None
+    sig: object = None
+    dev = None
+    try:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"key must be a non-empty str, got {key!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+        have = g._heap_regions.get((dev.type, key))
+        if have is not None and have.nbytes < nbytes:
+            raise ValueError(f"heap region {key!r} exists with {have.nbytes} bytes, fewer than "
+                             f"nbytes={nbytes}")
+        if have is None and len(g._heap_regions) >= g.flags.regions:
+            raise ValueError(f"this group holds {g.flags.regions} heap regions already (the most it can)")
+        sig = ("heap_region", key, nbytes, dev.type)
+    except (TypeError, ValueError) as e:
+        err = e
+    g.agree(sig, err)
+    have = g._heap_regions.get((dev.type, key))
+    if have is not None:
+        return have
+    t = g.transport(dev)
+    reg = _regions(g)
+    # Past the ring, past every region, past whatever the heap holds now (an all-gather
+    # block that a peer may still be reading): agreed, so every rank picks the same offset.
+    here = max(reg.ag_off, g.heap_regions_end, t.heap_nbytes())
+    offset = _round_up(max(g.exchange(here)))
+    end = _round_up(offset + nbytes)
+    t.ensure_heap(end)
+    g.heap_barrier()
+    r = HeapRegion(g, dev, key, len(g._heap_regions), offset, nbytes)
+    g._heap_regions[(dev.type, key)] = r
+    g.heap_regions_end = max(g.heap_regions_end, end)
+    return r
