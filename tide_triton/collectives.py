@@ -206,6 +206,10 @@ def reduce_scatter(
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
+    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
+        from . import hier_collectives
+        return hier_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
+                                               bool(accumulate), stream, async_op)
 
     t = g.transport(device)
     es = gdt.itemsize
@@ -314,6 +318,9 @@ def all_gather(
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
+    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
+        from . import hier_collectives
+        return hier_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op)
     # Ranks may pass full or padded params: the flat block (padded shards) is the same.
     t = g.transport(device)
     es = sdt.itemsize
