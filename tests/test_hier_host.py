@@ -34,7 +34,7 @@ _CHUNK = 48  # wire chunk: not a multiple of 4-byte partial sums, so elements st
 def _shapes(W: int, seed: int) -> list[tuple[int, ...]]:
     """dim0 < W (ranks with empty shards), 1-D and 3-D, primes, a random extra."""
     rng = random.Random(seed)
-    shapes = [(W - 1, 3), (13,), (2, 2, 3), (W + 1, 2), (2 * W + 1,)]
+    shapes = [(W - 1, 3), (13,), (2, 2, 5), (W + 1, 2)]
     shapes.append((rng.choice([1, 3, 5, 7, 11, W, 3 * W + 2]), *rng.choice([(), (1,), (3,)])))
     return shapes
 
@@ -60,17 +60,18 @@ def _expected(grads_all, p, rank, layout, scale=None, prev=None):
     return want if prev is None else want + prev
 
 
-def _hier(rank: int, W: int, L: int, seed: int) -> dict:
+def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
     import tide_triton as tt
     from tide_triton import hier_collectives as hc
 
-    g = tt.init(local_size=L, timeout_s=60, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK)
+    g = tt.init(pg, local_size=L, timeout_s=30, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK)
     assert (g.local_size, g.nodes) == (L, W // L)
     topo = g.topology
     shapes = _shapes(W, seed)
     layout = ShardLayout(shapes, W)
     gen = torch.Generator().manual_seed(seed)
     grads_all = [[_int(s, gen) for s in shapes] for _ in range(W)]  # the same on every rank
+    mine_gen = torch.Generator().manual_seed(1000 + rank)  # draws that differ between ranks
     rs_plan = ReduceScatterPlan(layout, topo, ring_bytes=g.options.ring_bytes, grad_bytes=2)
     rs_bytes = rs_plan.sent_bytes()
     assert len(rs_plan.windows) >= 3, "the test wants several windows"
@@ -82,34 +83,31 @@ def _hier(rank: int, W: int, L: int, seed: int) -> dict:
         assert any(v[rank] for k, v in rs_bytes.items() if "inter" in k) or sum(layout.shard_numels(rank)) == 0
 
     calls = 0
-    # ops x padded/unpadded shards
-    for op, scale, padded in [("sum", None, False), ("avg", 1.0 / W, True), (0.5, 0.5, False)]:
-        shards = [torch.full(s, -5.0) for s in layout.shard_shapes(rank, padded=padded)]
-        tt.reduce_scatter(grads_all[rank], shards, op=op)
-        calls += 1
-        for p, x in enumerate(shards):
-            rows = layout.shard_rows(rank)[p]
-            assert torch.equal(x[:rows], _expected(grads_all, p, rank, layout, scale)), (op, padded, p)
-            assert bool((x[rows:] == 0).all()), f"padding not zeroed: param {p}"
-        check_rs_bytes(op)
-    # accumulate into existing fp32 / bf16 shards: padding rows kept
-    for sdt in (torch.float32, torch.bfloat16):
-        prev = [_int(s, gen, sdt) for s in layout.shard_shapes(rank, padded=True)]
+    # ops x padded/unpadded x fp32/bf16 shards x accumulate (fresh shards: padding zeroed;
+    # accumulate: the old value added, padding rows kept)
+    for op, scale, padded, sdt, acc in [("sum", None, False, torch.float32, False),
+                                        ("avg", 1.0 / W, True, torch.float32, False),
+                                        (0.5, 0.5, True, torch.bfloat16, True)]:
+        prev = [_int(s, mine_gen, sdt) for s in layout.shard_shapes(rank, padded=padded)]
         shards = [x.clone() for x in prev]
-        tt.reduce_scatter(grads_all[rank], shards, op="sum", accumulate=True)
+        tt.reduce_scatter(grads_all[rank], shards, op=op, accumulate=acc, group=g)
         calls += 1
         for p, x in enumerate(shards):
             rows = layout.shard_rows(rank)[p]
-            want = _expected(grads_all, p, rank, layout, None, prev[p][:rows].float())
-            assert torch.equal(x[:rows].float(), want.to(sdt).float()), ("accumulate", sdt, p)
-            assert torch.equal(x[rows:], prev[p][rows:]), "accumulate must keep padding rows"
+            want = _expected(grads_all, p, rank, layout, scale, prev[p][:rows].float() if acc else None)
+            assert torch.equal(x[:rows].float(), want.to(sdt).float()), (op, padded, sdt, acc, p)
+            if acc:
+                assert torch.equal(x[rows:], prev[p][rows:]), "accumulate must keep padding rows"
+            else:
+                assert bool((x[rows:] == 0).all()), f"padding not zeroed: param {p}"
+        check_rs_bytes(op)
     # non-integer gradients: repeated runs bit-identical, and (two nodes) the documented
     # order: node partial sums in local-rank order, then own node + other node
     rg_all = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes] for _ in range(W)]
     a = [torch.empty(s) for s in layout.shard_shapes(rank)]
     b = [torch.empty(s) for s in layout.shard_shapes(rank)]
-    tt.reduce_scatter(rg_all[rank], a, op="sum")
-    tt.reduce_scatter(rg_all[rank], b, op="sum")
+    tt.reduce_scatter(rg_all[rank], a, op="sum", group=g)
+    tt.reduce_scatter(rg_all[rank], b, op="sum", group=g)
     calls += 2
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "repeated runs differ"
     if topo.nodes == 2:
@@ -134,7 +132,7 @@ def _hier(rank: int, W: int, L: int, seed: int) -> dict:
             mine.append(x)
         pshapes = layout.padded_shapes if padded_params else layout.shapes
         params = [torch.full(s, -9.0, dtype=pdt) for s in pshapes]
-        tt.all_gather(mine, params)
+        tt.all_gather(mine, params, group=g)
         ag_calls += 1
         for p, (x, f) in enumerate(zip(params, full)):
             assert torch.equal(x[: f.shape[0]], f.to(pdt)), (padded_shards, pdt, padded_params, p)
@@ -160,18 +158,6 @@ def _hier(rank: int, W: int, L: int, seed: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("nodes, local", [(2, 2), (3, 2), (4, 2), (2, 3)], ids=["2x2", "3x2", "4x2", "2x3"])
-def test_declared_topology_exact(nodes: int, local: int) -> None:
-    W = nodes * local
-    out = run_multiprocess(_hier, W, local, 11 + W, timeout=240)
-    # what crossed "nodes" was received exactly once: totals agree over the ranks
-    assert sum(o["bytes_sent"] for o in out) == sum(o["bytes_received"] for o in out) > 0
-    assert len({o["rs_count"] for o in out}) == 1
-    for r, o in enumerate(out):
-        assert o["chunks"] > 1, "tiny wire chunks must split the messages"
-        assert o["shm_left"] == [], f"rank {r} left shared memory behind: {o['shm_left']}"
-
-
 # ----------------------------------------------------------------------- bad topologies
 def _bad_topologies(rank: int, W: int) -> dict:
     import tide_triton as tt
@@ -183,6 +169,8 @@ def _bad_topologies(rank: int, W: int) -> dict:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
+    import torch.distributed as dist
+
     out = {
         "not a multiple": attempt(local_size=3),
         "zero": attempt(local_size=0),
@@ -193,30 +181,83 @@ def _bad_topologies(rank: int, W: int) -> dict:
     for case, env in [("env not a multiple", "3"), ("env not an int", "two"), ("env zero", "0")]:
         os.environ["LOCAL_WORLD_SIZE"] = env
         out[case] = attempt()
-    os.environ["LOCAL_WORLD_SIZE"] = "2"  # a good one: 2 nodes of 2, from the environment
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # a good one: 4 nodes of 2, from the environment
     g = tt.init(timeout_s=30)
     out["from env"] = (g.local_size, g.nodes)
     g.close()
+    # sub-groups: nodes from LOCAL_WORLD_SIZE and the global ranks
+    for name, ranks in [("sub consecutive", [0, 1, 2, 3]), ("sub one per node", [0, 2, 4, 6])]:
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            g = tt.init(pg, timeout_s=30)
+            out[name] = (g.local_size, g.nodes)
+            g.close()
+    os.environ["LOCAL_WORLD_SIZE"] = str(W)
     return out
 
 
-def test_bad_topologies_rejected_on_every_rank() -> None:
-    out = run_multiprocess(_bad_topologies, 4, timeout=120)
+# ----------------------------------------------------------------------- one spawn for all
+TOPOLOGIES = [(2, 2), (3, 2), (4, 2), (2, 3)]  # nodes x local
+
+
+def _all(rank: int, W: int) -> dict:
+    """Every declared topology on a sub-group of the first ``nodes * local`` ranks (spawning
+    processes costs seconds per topology; the CI budget is tight), then the bad ones."""
+    import traceback
+
+    import torch.distributed as dist
+
+    out: dict = {}
+    for nodes, local in TOPOLOGIES:
+        n = nodes * local
+        pg = dist.new_group(list(range(n)))  # every rank takes part in creating it
+        if rank < n:
+            try:
+                out[(nodes, local)] = _hier(pg, rank, n, local, 11 + n)
+            except Exception:  # reported per topology; peers time out (timeout_s) and go on
+                out[(nodes, local)] = traceback.format_exc()
+        dist.barrier()
+    out["bad"] = _bad_topologies(rank, W)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_multiprocess(_all, 8, timeout=400)
+
+
+@pytest.mark.parametrize("nodes, local", TOPOLOGIES, ids=[f"{n}x{l}" for n, l in TOPOLOGIES])
+def test_declared_topology_exact(results: list[dict], nodes: int, local: int) -> None:
+    out = [res[(nodes, local)] for res in results[: nodes * local]]
     for r, o in enumerate(out):
-        assert o["not a multiple"] == "ValueError: world_size must be a multiple of local_size=3, got 4", o
+        assert isinstance(o, dict), f"rank {r}:\n{o}"
+    # what crossed "nodes" was received exactly once: totals agree over the ranks
+    assert sum(o["bytes_sent"] for o in out) == sum(o["bytes_received"] for o in out) > 0
+    assert len({o["rs_count"] for o in out}) == 1
+    for r, o in enumerate(out):
+        assert o["chunks"] > 1, "tiny wire chunks must split the messages"
+        assert o["shm_left"] == [], f"rank {r} left shared memory behind: {o['shm_left']}"
+
+
+def test_bad_topologies_rejected_on_every_rank(results: list[dict]) -> None:
+    for r, res in enumerate(results):
+        o = res["bad"]
+        assert o["not a multiple"] == "ValueError: world_size must be a multiple of local_size=3, got 8", o
         assert o["zero"] == "ValueError: local_size must be >= 1, got 0", o
         assert o["not an int"] == "TypeError: local_size must be an int, got str", o
         assert o["one rank differs"].startswith("ValueError: ranks disagree on the topology"), o
         assert "pass the same local_size" in o["one rank differs"]
         if r == 1:
-            assert o["one rank bad"] == "ValueError: world_size must be a multiple of local_size=3, got 4", o
+            assert o["one rank bad"] == "ValueError: world_size must be a multiple of local_size=3, got 8", o
         else:
             assert o["one rank bad"] == ("ValueError: rank 1 rejected the topology: ValueError: world_size must "
-                                         "be a multiple of local_size=3, got 4"), o
-        assert o["env not a multiple"] == "ValueError: world_size=4 must be a multiple of LOCAL_WORLD_SIZE, got '3'"
+                                         "be a multiple of local_size=3, got 8"), o
+        assert o["env not a multiple"] == "ValueError: world_size=8 must be a multiple of LOCAL_WORLD_SIZE, got '3'"
         assert o["env not an int"] == "ValueError: LOCAL_WORLD_SIZE must be an int, got 'two'"
         assert o["env zero"] == "ValueError: LOCAL_WORLD_SIZE must be >= 1, got '0'"
-        assert o["from env"] == (2, 2)
+        assert o["from env"] == (2, 4)
+        assert o.get("sub consecutive", (2, 2)) == (2, 2) and o.get("sub one per node", (1, 4)) == (1, 4), o
+        assert ("sub consecutive" in o) == (r < 4) and ("sub one per node" in o) == (r % 2 == 0), o
 
 
 def test_options_and_local_groups_validation() -> None:

@@ -27,7 +27,8 @@ windows, so the staging is at most ``ring_bytes`` per rank whatever the number o
        fp32 partial sums for half of the destinations still held and adds the partial sums
        received (Triton kernel: ``held + received``, in that order);
     3. the full fp32 sum of this rank's window, scaled (``op``), into its shard (Triton
-       kernel, ``accumulate`` adds the old value).
+       kernel, ``accumulate`` adds the old value); the last round's addition (which only
+       concerns this rank's own shard) is done in this same kernel: ``(held + received)``.
 
 Summation order (fixed, so repeated runs are bit-identical): within a node, local ranks
 0..L-1; across nodes, the order the plan's rounds combine node partial sums (for 2 nodes:
@@ -381,7 +382,9 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
         local = _binding(torch.float32, gdt, (P,), pcs, L, mx)
         # 2. rounds along the rail: send partial sums for `dests`, add what arrives
         rounds = []
-        for rnd in plan.node_rounds:
+        fuse: dict = {}  # last round: what arrives is this rank's own window; added in `final`
+        for k, rnd in enumerate(plan.node_rounds):
+            last_round = k == len(plan.node_rounds) - 1
             sends, recvs, adds = [], [], []
             for sn, dn, dests in rnd:
                 if sn == n:
@@ -398,15 +401,19 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
                             _, x, _ = where(e, p)
                             rpos, ppos = j * win + x - lo, m * win + x - lo
                             iov.append((R + rpos * 4, k * 4))
-                            adds.append((0, ppos, (P + ppos * 4, R + rpos * 4), k))
+                            if last_round and m == n:
+                                fuse[ppos] = R + rpos * 4
+                            else:
+                                adds.append((0, ppos, (P + ppos * 4, R + rpos * 4), k))
                     recvs.append((sn * L + l, iov))
             rounds.append((sends, recvs, _binding(torch.float32, torch.float32, (P,), adds, 2, mx)))
-        # 3. my window's full sums into my shards
+        # 3. my window's full sums into my shards: held + received (the last round), scaled
         fin = []
         for p, e, k in _pieces(rr.window_runs(lo, hi, l, [n])):
             _, x, a = where(e, p)
-            fin.append((p, a, (P + (n * win + x - lo) * 4,), k))
-        final = _binding(sdt, torch.float32, shard_ptrs, fin, 1, mx)
+            ppos = n * win + x - lo
+            fin.append((p, a, (P + ppos * 4, fuse[ppos]) if fuse else (P + ppos * 4,), k))
+        final = _binding(sdt, torch.float32, shard_ptrs, fin, 2 if fuse else 1, mx)
         windows.append((pushes, local, rounds, final))
     return windows
 
