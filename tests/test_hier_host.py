@@ -273,3 +273,48 @@ def test_options_and_local_groups_validation() -> None:
     assert [(g.local_size, g.nodes) for g in groups] == [(2, 1), (2, 1)]
     for g in groups:
         g.close()
+
+
+def test_single_process_mode_with_declared_nodes() -> None:
+    # local_groups(local_size=...): the same cross-node executor, ranks as threads.
+    import threading
+
+    import tide_triton as tt
+    from tide_triton import hier_collectives as hc
+
+    W, L = 4, 2
+    groups = tt.local_groups(W, local_size=L, timeout_s=30, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK)
+    shapes = _shapes(W, 5)
+    layout = ShardLayout(shapes, W)
+    gen = torch.Generator().manual_seed(5)
+    grads = [[_int(s, gen) for s in shapes] for _ in range(W)]
+    full = [torch.randn(s, generator=gen) for s in shapes]
+    out: dict[int, object] = {}
+
+    def body(r: int) -> None:
+        try:
+            shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+            tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
+            mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
+            params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+            tt.all_gather(mine, params, group=groups[r])
+            out[r] = (shards, params, hc.stats(groups[r]))
+        except BaseException as e:  # reported below, not lost in the thread
+            out[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in range(W):
+        assert not isinstance(out[r], BaseException), out[r]
+        shards, params, st = out[r]
+        assert (st["reduce_scatter"], st["all_gather"]) == (1, 1) and st["bytes_sent"] > 0, st
+        for p in range(len(shapes)):
+            rows = layout.shard_rows(r)[p]
+            assert torch.equal(shards[p][:rows], _expected(grads, p, r, layout, 1.0 / W))
+            assert bool((shards[p][rows:] == 0).all())
+            assert torch.equal(params[p], full[p].to(torch.bfloat16))
+    for g in groups:
+        g.close()
