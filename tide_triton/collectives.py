@@ -238,6 +238,10 @@ def reduce_scatter(
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
+    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
+        from . import hier_collectives
+        return hier_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
+                                               bool(accumulate), stream, async_op)
 
     t = g.transport(device)
     es = gdt.itemsize
@@ -391,6 +395,9 @@ def all_gather(
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
+    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
+        from . import hier_collectives
+        return hier_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op)
     # Ranks may pass full or padded params: the flat block (padded shards) is the same.
     # The block holds the parameters' dtype: a cast (fp32 shards -> bf16 parameters) happens
     # once, at the sender, on its own shard (1/W of the layer, on SMs), and every rank then

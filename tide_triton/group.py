@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .schedule import FlagMap
+from .topology import Topology
 
 __all__ = ["GroupOptions", "Group", "init", "local_groups", "ArgumentMismatchError", "PeerArgumentError"]
 
@@ -73,6 +74,11 @@ class GroupOptions:
     group's own timeout)."""
     max_inflight_chunks: int = 8
     """How many reduce-scatter chunks the host may enqueue ahead of the GPU."""
+    chunk_bytes: int = 4 << 20
+    """Across nodes: largest chunk on the inter-node wire (one send, gated on its signal)."""
+    inflight_chunks: int = 2
+    """Across nodes: chunks a rank may have on the inter-node wire at once; the wire's
+    buffers are ``inflight_chunks * chunk_bytes`` per rank, whatever the number of nodes."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -86,15 +92,26 @@ class GroupOptions:
         if isinstance(self.max_inflight_chunks, bool) or not isinstance(self.max_inflight_chunks, int) \
                 or self.max_inflight_chunks < 1:
             raise ValueError(f"max_inflight_chunks must be an int >= 1, got {self.max_inflight_chunks!r}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 16:
+            raise ValueError(f"chunk_bytes must be an int >= 16, got {self.chunk_bytes!r}")
+        if isinstance(self.inflight_chunks, bool) or not isinstance(self.inflight_chunks, int) \
+                or self.inflight_chunks < 1:
+            raise ValueError(f"inflight_chunks must be an int >= 1, got {self.inflight_chunks!r}")
         if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
                                           or self.max_ctas < 1):
             raise ValueError(f"max_ctas must be None or an int >= 1, got {self.max_ctas!r}")
 
 
 class Group:
-    """Collective state over one torch.distributed process group (all ranks on one node)."""
+    """Collective state over one torch.distributed process group.
+
+    ``topology``: the group's ranks in nodes of ``local_size`` consecutive ranks (see
+    :func:`init`).  With one node the collectives run node-locally
+    (:mod:`tide_triton.collectives`); with several, across nodes
+    (:mod:`tide_triton.hier_collectives`)."""
 
     def __init__(self, pg: dist.ProcessGroup | None = None, options: GroupOptions | None = None, *,
+                 local_size: int | None = None,
                  _local: "_LocalExchange | None" = None, _rank: int = 0) -> None:
         self.options = options or GroupOptions()
         if _local is not None:  # single-process multi-rank mode (see local_groups)
@@ -113,8 +130,17 @@ class Group:
                 self._bootstrap = self.pg
             else:  # object exchange needs a CPU-capable group
                 self._bootstrap = dist.new_group(dist.get_process_group_ranks(self.pg), backend="gloo")
-        self.local_size = self.world_size
-        self.flags = FlagMap(self.local_size, self.options.stages)
+        self.topology = self._agree_topology(local_size)
+        self.local_size = self.topology.local_size
+        self.nodes = self.topology.nodes
+        # Flags are indexed by group rank: the host transport maps every rank's heap (one
+        # host), and the cross-node executor keeps its own flags after these.
+        self.flags = FlagMap(self.world_size, self.options.stages)
+        self.n_flags = self.flags.n_flags
+        if self.nodes > 1:
+            from .hier_collectives import extra_flags
+
+            self.n_flags += extra_flags(self)
         self._transports: dict[str, Any] = {}
         self._extras: dict[tuple, Any] = {}
         self._prepared: OrderedDict[tuple, Any] = OrderedDict()
@@ -127,6 +153,45 @@ class Group:
         self.heap_regions_end = 0
         """Heap bytes below which named regions lie (0: none); the all-gather block starts past it."""
         self._closed = False
+
+    # ---- topology -----------------------------------------------------------------------
+    def _topology_here(self, local_size: int | None) -> Topology:
+        """This rank's reading of the topology (may raise ValueError / TypeError)."""
+        if local_size is not None:
+            return Topology(self.world_size, local_size)
+        if self._local is not None:  # one process: one node unless declared
+            return Topology(self.world_size, self.world_size)
+        if self.world_size == dist.get_world_size():
+            return Topology.from_env(self.world_size)
+        # A sub-group: nodes from LOCAL_WORLD_SIZE and global ranks (torchrun numbers ranks
+        # node by node); _agree_topology checks the group holds whole blocks of one size.
+        lws = Topology.from_env(dist.get_world_size()).local_size
+        node = dist.get_rank() // lws
+        mine = sum(1 for r in dist.get_process_group_ranks(self.pg) if r // lws == node)
+        return Topology(self.world_size, mine)
+
+    def _agree_topology(self, local_size: int | None) -> Topology:
+        """Every rank's topology, agreed: an error on any rank raises on every rank."""
+        err: BaseException | None = None
+        topo: Topology | None = None
+        try:
+            topo = self._topology_here(local_size)
+        except (TypeError, ValueError) as e:
+            err = e
+        got = self.exchange((None if topo is None else (topo.world_size, topo.local_size),
+                             None if err is None else f"{type(err).__name__}: {err}"))
+        if err is not None:
+            raise err
+        for r, (_, m) in enumerate(got):
+            if m is not None:
+                raise ValueError(f"rank {r} rejected the topology: {m}")
+        bad = [r for r, (t, _) in enumerate(got) if t != got[0][0]]
+        if bad:
+            raise ValueError(f"ranks disagree on the topology (world_size, local_size): rank 0 has "
+                             f"{got[0][0]}, rank {bad[0]} has {got[bad[0]][0]}; pass the same local_size "
+                             f"(or LOCAL_WORLD_SIZE) on every rank")
+        assert topo is not None
+        return topo
 
     # ---- bootstrap ----------------------------------------------------------------------
     def exchange(self, obj: object) -> list:
@@ -175,16 +240,20 @@ class Group:
                 if key == "cpu":
                     from .transport.host import HostTransport
 
-                    t = HostTransport(self.rank, self.local_size, self.exchange, n_flags=self.flags.n_flags)
+                    t = HostTransport(self.rank, self.world_size, self.exchange, n_flags=self.n_flags)
                 elif key == "cuda":
                     from .transport.cuda import CudaTransport
 
+                    if self.nodes > 1:
+                        raise NotImplementedError(
+                            f"a {self.topology} topology on CUDA needs the NCCL inter-node transport, "
+                            "which is not built yet; declared topologies run on CPU tensors (host transport)")
                     if self._local is not None:  # one process: the ranks' transports are made together
                         t = self._local.shared(("cuda", device.index), lambda: CudaTransport.create_local_group(
-                            self.local_size, device=device, n_flags=self.flags.n_flags))[self.rank]
+                            self.world_size, device=device, n_flags=self.n_flags))[self.rank]
                     else:
-                        t = CudaTransport(self.rank, self.local_size, self.exchange, device=device,
-                                          n_flags=self.flags.n_flags, timeout_s=self.options.timeout_s)
+                        t = CudaTransport(self.rank, self.world_size, self.exchange, device=device,
+                                          n_flags=self.n_flags, timeout_s=self.options.timeout_s)
                 else:
                     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
                 self._transports[key] = t
@@ -358,32 +427,54 @@ def _enough_hardware_queues(streams: int) -> None:
                 "is initialised", streams, _MAX_CONNECTIONS, have or "unset", _MAX_CONNECTIONS)
 
 
-def local_groups(world_size: int, **options: Any) -> list[Group]:
+def local_groups(world_size: int, *, local_size: int | None = None, **options: Any) -> list[Group]:
     """Single-process multi-rank mode: ``world_size`` groups whose ranks are driven by
     threads of this process (one thread per rank calls the collectives with its group).
     Each rank has its own heap and streams, so on one GPU their work overlaps the way it
-    does on a real node (processes sharing a GPU time-slice instead)."""
+    does on a real node (processes sharing a GPU time-slice instead).  ``local_size``
+    declares nodes (default: one node; ``LOCAL_WORLD_SIZE`` is not read here)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     opts = GroupOptions(**options)
+    Topology(world_size, world_size if local_size is None else local_size)  # errors before threads
     _enough_hardware_queues(2 * world_size + 2)
     ex = _LocalExchange(world_size)
-    return [Group(None, opts, _local=ex, _rank=r) for r in range(world_size)]
+    groups: list[Group | None] = [None] * world_size
+
+    def make(r: int) -> None:  # Group() agrees on the topology: every rank at once
+        groups[r] = Group(None, opts, local_size=local_size, _local=ex, _rank=r)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(g is None for g in groups):
+        raise RuntimeError("local_groups: a rank failed to create its group")
+    return groups  # type: ignore[return-value]
 
 
 _GROUPS: dict[int, Group] = {}
 
 
-def init(pg: dist.ProcessGroup | None = None, **options: Any) -> Group:
+def init(pg: dist.ProcessGroup | None = None, *, local_size: int | None = None, **options: Any) -> Group:
     """The tide_triton group for ``pg`` (default: the world group), created on first use
-    (collective: every rank of ``pg`` calls it) and cached."""
+    (collective: every rank of ``pg`` calls it) and cached.
+
+    ``local_size``: ranks per node -- ``local_size`` consecutive ranks of ``pg`` form a node
+    (rails: ranks with the same local index).  Default: ``LOCAL_WORLD_SIZE`` as torchrun
+    sets it (for a sub-group: its ranks' nodes under it), else every rank on one node.  The
+    group size must be a multiple of it; a bad value raises ValueError on every rank."""
     key_pg = pg if pg is not None else dist.group.WORLD
     g = _GROUPS.get(id(key_pg))
     if g is not None and not g._closed:
         if options and GroupOptions(**options) != g.options:
             raise ValueError(f"init: a group for this process group exists with options {g.options}")
+        if local_size is not None and local_size != g.local_size:
+            raise ValueError(f"init: a group for this process group exists with local_size={g.local_size}, "
+                             f"got local_size={local_size!r}")
         return g
-    g = Group(pg, GroupOptions(**options))
+    g = Group(pg, GroupOptions(**options), local_size=local_size)
     _GROUPS[id(key_pg)] = g
     return g
 
