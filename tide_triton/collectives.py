@@ -212,7 +212,9 @@ def reduce_scatter(
     ``shards[i]``: this rank's shard, padded ``(c, *rest)`` or unpadded ``(rows_r, *rest)``;
     fp32 (bf16 and fp16 allowed).  ``op``: ``"sum"``, ``"avg"`` or a float ``s`` (the sum
     times ``s``).  With ``accumulate`` the previous shard value is added; otherwise padding
-    rows become zero.  Sums are fp32 in rank order 0..W-1: repeated runs are bit-identical.
+    rows become zero.  Sums are fp32 in a fixed order -- rank order 0..W-1 on one node; across
+    nodes, local ranks first, then nodes as the rounds combine them (see
+    :mod:`tide_triton.hier_collectives`) -- so repeated runs are bit-identical.
 
     ``staging``: a :class:`~tide_triton.regions.HeapRegion` of this group (Slot-Reuse) --
     the peers' contributions land in it instead of the group's receive ring, in chunks of

@@ -246,8 +246,9 @@ class Group:
 
                     if self.nodes > 1:
                         raise NotImplementedError(
-                            f"a {self.topology} topology on CUDA needs the NCCL inter-node transport, "
-                            "which is not built yet; declared topologies run on CPU tensors (host transport)")
+                            f"a {self.topology} topology on CUDA needs the inter-node hop on NCCL: "
+                            "tide_triton.transport.nccl has the NCCL table, the GPU executor over it is "
+                            "not built yet; declared topologies run on CPU tensors (host transport)")
                     if self._local is not None:  # one process: the ranks' transports are made together
                         t = self._local.shared(("cuda", device.index), lambda: CudaTransport.create_local_group(
                             self.world_size, device=device, n_flags=self.n_flags))[self.rank]
