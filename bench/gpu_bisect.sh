@@ -2,9 +2,8 @@
 # Which path does the intermittent GC-time segfault of the single-process mode follow?
 # Runs bench/diag_teardown.py N times under each diagnostic switch and counts crashes.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; N=${N:-4}
+source "$(dirname "$0")/gpu_env.sh"
+N=${N:-4}
 for v in base TIDE_TRITON_COPY_MODE=loop TIDE_TRITON_MEMOP_BATCH=0 TIDE_TRITON_LAUNCH=jit; do
   crashes=0
   for i in $(seq $N); do

@@ -2,10 +2,7 @@
 # One device call: FSDP2 drop-in on the GPU (processes sharing it), GEMM interference,
 # memory, and a host backtrace of the teardown crash under cuda-gdb.  Logs land in $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/gpu_env.sh"
 RING=${RING:-268435456}
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -E "^\||passed|failed|FAIL|rror|Timeout|Fatal|slowdown|SM time|#[0-9]+ " "$OUT/$name.log" | head -${LINES_MAX:-40}; }
 run fsdp_gpu 170 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:hypothesispytest tests/test_fsdp.py -k gpu -s

@@ -2,10 +2,7 @@
 # One device call for the benchmark tables: NCCL baseline (needs the NCCL >= 2.30 library in
 # place, see README), tide_triton collectives, interference, memory.  Logs/rows land in $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/gpu_env.sh"
 RING=${RING:-268435456}
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -E "^\||NCCL|nccl|rror|Timeout|Fatal|slowdown|SM" | head -80; }
 run collectives 150 python3 -X faulthandler bench/collectives_gpu.py --world-sizes 2 4 8 --models llama-3.1-70b qwen3-30b-a3b --ring-bytes $RING --iters 5 --json "$OUT/collectives.jsonl"
