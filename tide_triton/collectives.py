@@ -191,7 +191,7 @@ def _prepare_reduce_scatter(g: Group, t, reg: "_Regions", plan, layout: ShardLay
                 dsts.append(dst0 + pc.slot_off * es)
                 srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
                 sizes.append(pc.numel * es)
-        pushes.append((dsts, srcs, sizes))
+        pushes.append((t.prepare_copies(dsts, srcs, sizes), len(sizes)))
     return reducers, pushes
 
 
@@ -279,7 +279,7 @@ def reduce_scatter(
                     x.view(-1)[n:].zero_()
     g.heap_barrier()
     pace = g.pacer(device)
-    pace.start(max((len(p[0]) for p in pushes), default=0) + 4 * W)
+    pace.start(max((n for _, n in pushes), default=0) + 4 * W)
     base = g.rs_count
     with t.session(), st.kernels():
         t.fence_from(cs)  # grads are complete before the copy queue reads them
@@ -299,7 +299,7 @@ def reduce_scatter(
             frees = [d for d in dests if (d, s) in g.rs_last]
             t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
                        timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
-            t.copy(*pushes[j])
+            t.copy_prepared(pushes[j][0])
             t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
             for d in dests:
                 g.rs_last[(d, s)] = v
@@ -336,9 +336,10 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
 
 
 def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs: tuple[int, ...],
-                        es: int) -> tuple[list[int], list[int], list[int]]:
-    """The copy-engine descriptors of an all-gather into parameters at ``pptrs``: every
-    rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)."""
+                        es: int) -> list:
+    """The copy-engine descriptors of an all-gather into parameters at ``pptrs`` -- every
+    rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)
+    -- prepared for the transport in batches of :data:`_AG_BATCH`."""
     offs, S = layout.flat_offsets, layout.padded_shard_numels
     dsts, srcs, sizes = [], [], []
     for r in range(g.world_size):
@@ -348,7 +349,8 @@ def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs
                 dsts.append(pptrs[p] + r * S[p] * es)
                 srcs.append(block + offs[p] * es)
                 sizes.append(n * es)
-    return dsts, srcs, sizes
+    return [t.prepare_copies(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
+            for i in range(0, len(sizes), _AG_BATCH)]
 
 
 def _prepare_cast(g: Group, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
@@ -459,12 +461,11 @@ def all_gather(
     # most two batches ahead of the copy engines: thousands of descriptors (a Qwen3 layer at
     # W=8) queued behind the flag waits would fill the driver's queue and block this thread
     # inside the driver (see group._Pacer).
-    dsts, srcs, sizes = pulls
     pace = g.pacer(device)
     pace.start(_AG_BATCH)
-    for b, i in enumerate(range(0, len(sizes), _AG_BATCH)):
+    for b, batch in enumerate(pulls):
         pace.before(b, t, timeout)
-        t.copy(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
+        t.copy_prepared(batch)
         if st.cuda:
             pace.after(b, t.copy_stream)
     for r in range(W):

@@ -129,6 +129,16 @@ class HostTransport:
             if n:
                 ctypes.memmove(d, s, n)
 
+    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]):
+        """The copies as a tuple of lists (nothing to convert on the host)."""
+        if not len(dsts) == len(srcs) == len(nbytes):
+            raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got "
+                             f"{len(dsts)}, {len(srcs)} and {len(nbytes)}")
+        return list(dsts), list(srcs), list(nbytes)
+
+    def copy_prepared(self, prepared, *, stream: object = None) -> None:
+        self.copy(*prepared)
+
     def _flag(self, rank: int, slot: int) -> ctypes.c_int64:
         if not 0 <= slot < self.n_flags:
             raise ValueError(f"flag slot must be in [0, {self.n_flags}), got {slot}")

@@ -1,0 +1,90 @@
+"""The CUDA transport's hot-path driver calls, in the exact forms it makes them, accepted by
+cuda-python -- without a GPU.  A stub ``libcuda.so.1`` (compiled here; every entry point
+returns CUDA_SUCCESS) stands in for the driver, so cuda-python parses and converts every
+argument (lists of CUdeviceptr, memop structs, stream handles) as it would on a GPU; a wrong
+type or count fails here instead of on the first GPU run.  Runs in a subprocess: the loader
+reads LD_LIBRARY_PATH at process start."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.bindings.driver")
+
+STUB = r"""
+#include <string.h>
+typedef int CUresult;
+static CUresult generic(void) { return 0; }
+static CUresult drvver(int* v) { if (v) *v = 13000; return 0; }
+static CUresult errname(int e, const char** s) { if (s) *s = "CUDA_SUCCESS"; return 0; }
+static void* pick(const char* s) {
+  if (!strcmp(s, "cuDriverGetVersion")) return (void*)drvver;
+  if (!strcmp(s, "cuGetErrorName") || !strcmp(s, "cuGetErrorString")) return (void*)errname;
+  return (void*)generic;
+}
+CUresult cuGetProcAddress_v2(const char* s, void** f, int v, unsigned long long fl, int* st) { *f = pick(s); if (st) *st = 0; return 0; }
+CUresult cuGetProcAddress(const char* s, void** f, int v, unsigned long long fl) { *f = pick(s); return 0; }
+CUresult cuDriverGetVersion(int* v) { return drvver(v); }
+CUresult cuInit(unsigned f) { return 0; }
+CUresult cuGetErrorName(int e, const char** s) { return errname(e, s); }
+CUresult cuGetErrorString(int e, const char** s) { return errname(e, s); }
+"""
+
+SCRIPT = r"""
+import contextlib, sys, threading
+from cuda.bindings import driver as cu
+from tide_triton.transport.cuda import CudaTransport
+
+t = object.__new__(CudaTransport)          # no constructor: no torch.cuda on this machine
+t._cu, t._guard, t._closed, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), False, 0, 4, 64
+t._copy_stream_int, t._streams_used, t._pending, t._tls = 0x5000, set(), {}, threading.local()
+t._own_va, t._user_off, t._bases = 0x7f0000000000, 4096, [0x7f0000000000 + r * (1 << 36) for r in range(4)]
+t._WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+t._GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+t._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+t._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
+a = cu.CUmemcpyAttributes()
+a.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+a.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+t._attrs = [a]
+t.signal_path = "direct"
+base = 0x7f0000100000
+dsts, srcs, sizes = [base + 4096 * i for i in range(300)], [base + (1 << 30) + 8 * i for i in range(300)], [8] * 300
+sizes[7] = 0                               # dropped, as copy() drops empty pieces
+for path in ("batch", "loop"):
+    t.copy_path = path
+    p = t.prepare_copies(dsts, srcs, sizes)
+    assert len(p.nbytes) == 299 and len(p.dst_ptrs) == 299 and isinstance(p.dst_ptrs[0], cu.CUdeviceptr)
+    t.copy_prepared(p)
+    t.copy(dsts[:3], srcs[:3], sizes[:3])
+for batch in (True, False):
+    t._memop_batch = batch
+    t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, what="rank {peer}")
+    t.signal_all([1, 2, 3], [4, 4, 4], [9, 9, 9])
+    t.signal(2, 3, 1 << 40)
+    t.wait(3, 1 << 40, peer=1, timeout_s=1.0)
+t._memops(t._copy_stream_int, [(t._WRITE_OP, base, 7, t._WRITE)] * 300, "write")  # > 255: two calls
+assert set(t._pending) == {1, 2, 3}, t._pending
+print("call forms ok")
+"""
+
+
+def test_hot_path_driver_call_forms_are_accepted(tmp_path: Path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stub driver")
+    (tmp_path / "stub.c").write_text(STUB)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "stub.c")],
+                   check=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = f"{root}:{env.get('PYTHONPATH', '')}"
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "call forms ok" in out.stdout, out.stdout + out.stderr
