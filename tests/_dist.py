@@ -76,12 +76,12 @@ def _child(
     pg_timeout_s: float,
     results: Any,
 ) -> None:
-    if env:
-        os.environ.update({k: str(v) for k, v in env.items()})
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    if env:  # after the defaults, so a test can declare LOCAL_WORLD_SIZE (nodes) through env
+        os.environ.update({k: str(v) for k, v in env.items()})
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
