@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--no-tide", action="store_true", help="stock FSDP2 collectives")
+    ap.add_argument("--agree-first", action="store_true",
+                    help="agree each collective's arguments once, not on every call (init(agree='first'))")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
@@ -202,7 +204,8 @@ def main() -> None:
                                                                         reduce_dtype=torch.float32)
     shard(model, mesh, mp)
     if not args.no_tide:
-        report = tide_triton.fsdp.enable(model)
+        group = tide_triton.init(agree="first") if args.agree_first else None
+        report = tide_triton.fsdp.enable(model, group=group)
         stock = {k: v for k, v in report.items() if v is not None}
         if rank == 0:
             print(f"tide_triton on {len(report) - len(stock)}/{len(report)} FSDP modules"
