@@ -22,7 +22,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 import torch  # noqa: E402
 
 import tide_triton as tt
-from tide_triton.bench import env_info
+from tide_triton.bench import copy_ceiling, env_info
 from tide_triton.workloads import layer_shapes
 
 
@@ -86,12 +86,18 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     if errors:
         raise RuntimeError(errors)
     numel = sum(layout.numels)
+    # Bytes every rank moves (read + written), all ranks together since they share the GPU:
+    # RS: copies of the (W-1)/W of the bf16 grads that go to peers, then the reduction reads
+    # W bf16 contributions of the shard and writes it in fp32; AG (bf16): the own shard into
+    # the heap block, then every rank's rows into every parameter.
+    rs_bytes = W * (2 * (W - 1) * 2 * numel // W + 2 * numel + 4 * numel // W)
+    ag_bytes = W * (2 * 2 * numel // W + 2 * 2 * numel)
     if prof_ctx[0] is not None:
         _profile_summary(prof_ctx[0], profile, f"{model} W={W} ring={ring_bytes >> 20} MiB")
     return dict(model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
                 rs_host_ms=times["reduce_scatter_host"], ag_host_ms=times["all_gather_host"],
                 staging_bytes=ring_bytes, fsdp_rs_input_bytes=4 * sum(layout.padded_numels),
-                layer_numel=numel)
+                layer_numel=numel, rs_bytes=rs_bytes, ag_bytes=ag_bytes)
 
 
 def _profile_summary(prof, path: str, title: str) -> None:
@@ -133,11 +139,15 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    info = env_info(torch.device("cuda"))
-    print(f"{info['gpu']} | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | {info['date']}")
-    print("| model | W | ring | reduce_scatter bf16->fp32 (ms) | host enqueue (ms) | all_gather bf16 (ms) "
-          "| host enqueue (ms) | FSDP2 fp32 RS input / rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    dev = torch.device("cuda")
+    info = env_info(dev)
+    ceiling = copy_ceiling(dev, 4 << 30).gbps()  # device copy, read + write, this run
+    torch.cuda.empty_cache()
+    print(f"{info['gpu']} | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
+          f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, this run)")
+    print("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue (ms) | "
+          "all_gather bf16 (ms) | of ceiling | host enqueue (ms) | FSDP2 fp32 RS input / rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     first = True
     for model, W, ring in itertools.product(args.models, args.world_sizes, args.ring_bytes):
         try:
@@ -146,13 +156,17 @@ def main() -> None:
             print(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
             continue
         first = False
-        print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {row['rs_host_ms']:.2f} | "
-              f"{row['ag_ms']:.2f} | {row['ag_host_ms']:.2f} | {row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |",
-              flush=True)
+        row["ceiling_gbps"] = ceiling
+        rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
+        ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
+        print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | {row['rs_host_ms']:.2f} | "
+              f"{row['ag_ms']:.2f} | {ag_frac:.1%} | {row['ag_host_ms']:.2f} | "
+              f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({**row, **info}) + "\n")
         torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main()

@@ -353,17 +353,31 @@ def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs
             for i in range(0, len(sizes), _AG_BATCH)]
 
 
-def _prepare_cast(g: Group, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
-                  block: int, sdt: torch.dtype, pdt: torch.dtype, device: torch.device) -> Binding:
-    """A bound kernel that casts this rank's shards (as they are: padded or not) into its
-    heap block in the parameters' dtype (stand-in tensors, addresses known)."""
-    runs = tuple(Run(0, layout.flat_offsets[p], p, 0, x.numel()) for p, x in enumerate(shards))
-    program = _cast_program(runs, len(layout))
-    b = Binding(program, (torch.empty(0, dtype=pdt, device=device),),
-                (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
-                known_ptrs=((block,), sptrs))
-    b.prepare()
-    return b
+def _prepare_stage(g: Group, t, reg: "_Regions", layout: ShardLayout, shards: list[torch.Tensor],
+                   sptrs: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device):
+    """How this rank's shards (as they are: padded or not) reach its heap block in the
+    parameters' dtype: ``(caster, copies, pad_copies, zeros)`` -- a bound cast kernel when
+    the dtypes differ (stand-in tensors, addresses known), else prepared copies; then the
+    zero-fill of the padding of unpadded shards, from ``zeros`` (kept alive here)."""
+    es = pdt.itemsize
+    block = t.address(g.rank, reg.ag_off)
+    offs, S = layout.flat_offsets, layout.padded_shard_numels
+    numels = [x.numel() for x in shards]
+    caster = copies = None
+    if pdt != sdt:
+        runs = tuple(Run(0, offs[p], p, 0, n) for p, n in enumerate(numels))
+        caster = Binding(_cast_program(runs, len(layout)), (torch.empty(0, dtype=pdt, device=device),),
+                         (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
+                         known_ptrs=((block,), sptrs))
+        caster.prepare()
+    else:
+        copies = t.prepare_copies([block + o * es for o in offs], list(sptrs), [n * es for n in numels])
+    pads = [(p, n) for p, n in enumerate(numels) if n < S[p]]
+    zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
+    pad_copies = t.prepare_copies([block + (offs[p] + n) * es for p, n in pads],
+                                  [zeros.data_ptr()] * len(pads) if pads else [],
+                                  [(S[p] - n) * es for p, n in pads])
+    return caster, copies, pad_copies, zeros
 
 
 @lru_cache(maxsize=64)
@@ -383,7 +397,8 @@ def all_gather(
 
     ``shards[i]``: this rank's shard, padded ``(c, *rest)`` or unpadded ``(rows_r, *rest)``.
     ``params[i]``: the full parameter ``(d0, *rest)`` or padded ``(W*c, *rest)``; its dtype
-    may differ from the shards' (fp32 -> bf16 rounds to nearest even, in the same pass).
+    may differ from the shards' (each rank casts its own shard once, fp32 -> bf16 rounding to
+    nearest even, and every rank pulls the cast bytes on copy engines).
     """
     g = resolve(group)
     W, me = g.world_size, g.rank
@@ -414,49 +429,40 @@ def all_gather(
     t.ensure_heap(reg.ag_off + _round_up(block, 16))
     st = _Streams(g, device, stream, async_op)
     cs = st.compute
-    offs, S = layout.flat_offsets, layout.padded_shard_numels
     # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by addresses, so repeats on the same storage prepare nothing.
-    pads = [(p, x.numel()) for p, x in enumerate(shards_l) if x.numel() < S[p]]
-    zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
     pptrs = tuple(x.data_ptr() for x in params_l)
-    key = ("ag", layout, pdt, device, pptrs)
+    key = ("ag", layout, pdt, device, pptrs, reg.ag_off)  # the block moves when regions are added
     pulls = g.cached(key)
     if pulls is None:
         pulls = g.cache(key, _prepare_all_gather(g, t, reg, layout, pptrs, es))
-    my_block = t.address(me, reg.ag_off)
     sptrs = tuple(x.data_ptr() for x in shards_l)
-    caster = None
-    if pdt != sdt:
-        ckey = ("ag-cast", layout, sdt, pdt, device, sptrs, tuple(x.numel() for x in shards_l))
-        caster = g.cached(ckey)
-        if caster is None:
-            with st.kernels():
-                caster = g.cache(ckey, _prepare_cast(g, layout, shards_l, sptrs, my_block, sdt, pdt, device))
+    skey = ("ag-stage", layout, sdt, pdt, device, sptrs, tuple(x.numel() for x in shards_l), reg.ag_off)
+    stage = g.cached(skey)
+    if stage is None:
+        with st.kernels():
+            stage = g.cache(skey, _prepare_stage(g, t, reg, layout, shards_l, sptrs, sdt, pdt, device))
+    caster, stage_copies, pad_copies, _zeros = stage
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
     fm, timeout = g.flags, g.options.timeout_s
     g.ag_epoch += 1
     e = g.ag_epoch
+    ranks = list(range(W))
     if e > 1:  # my block is free once every reader has finished the previous epoch
-        for r in range(W):
-            t.wait(fm.ag_done(r), e - 1, peer=r, timeout_s=timeout, stream=cs if caster else None,
-                   what=f"rank {r} to finish reading my all-gather block")
+        t.wait_all([fm.ag_done(r) for r in ranks], [e - 1] * W, peers=ranks, timeout_s=timeout,
+                   stream=cs if caster else None, what="rank {peer} to finish reading my all-gather block")
     # Stage my shards into my block (padded positions of an unpadded shard become zero).
     if caster is not None:  # cast into the block on SMs, then the copy queue goes on from there
         with st.kernels():
             caster.launch(check_addresses=False)
         t.fence_from(cs)
     else:
-        t.copy([my_block + offs[p] * es for p in range(len(layout))], list(sptrs),
-               [x.numel() * es for x in shards_l])
-    if zeros is not None:  # padding of unpadded shards: zeros from a buffer, on the copy queue
-        t.copy([my_block + (offs[p] + n) * es for p, n in pads], [zeros.data_ptr()] * len(pads),
-               [(S[p] - n) * es for p, n in pads])
-    for r in range(W):
-        t.signal(r, fm.ag_ready(me), e)
-    for r in range(W):
-        t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather block")
+        t.copy_prepared(stage_copies)
+    t.copy_prepared(pad_copies)  # zeros from a buffer, on the copy queue
+    t.signal_all(ranks, [fm.ag_ready(me)] * W, [e] * W)
+    t.wait_all([fm.ag_ready(r) for r in ranks], [e] * W, peers=ranks, timeout_s=timeout,
+               what="rank {peer}'s all-gather block")
     # Every rank's real rows into every parameter, on copy engines.  In batches, the host at
     # most two batches ahead of the copy engines: thousands of descriptors (a Qwen3 layer at
     # W=8) queued behind the flag waits would fill the driver's queue and block this thread
@@ -468,8 +474,7 @@ def all_gather(
         t.copy_prepared(batch)
         if st.cuda:
             pace.after(b, t.copy_stream)
-    for r in range(W):
-        t.signal(r, fm.ag_done(me), e)
+    t.signal_all(ranks, [fm.ag_done(me)] * W, [e] * W)
     t.fence_to(cs)  # the parameters are complete for later work on the stream
     return st.finish()
 

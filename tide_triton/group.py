@@ -14,7 +14,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -190,8 +190,7 @@ class Group:
             raise ValueError(f"ranks disagree on the topology (world_size, local_size): rank 0 has "
                              f"{got[0][0]}, rank {bad[0]} has {got[bad[0]][0]}; pass the same local_size "
                              f"(or LOCAL_WORLD_SIZE) on every rank")
-        assert topo is not None
-        return topo
+        return cast(Topology, topo)  # set: this rank raised above otherwise
 
     # ---- bootstrap ----------------------------------------------------------------------
     def exchange(self, obj: object) -> list:

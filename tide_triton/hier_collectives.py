@@ -305,7 +305,7 @@ def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int
     writes ``numel`` elements at ``dst_ptrs[dst_idx] + dst_off`` from the ``k`` source
     addresses ``srcs`` (summed in that order, fp32).  Pieces that continue the previous
     one in the destination and in every source merge: fewer tiles."""
-    de, se = dst_dtype.itemsize, src_dtype.itemsize
+    se = src_dtype.itemsize
     merged: list[tuple[int, int, tuple[int, ...], int]] = []
     for d, off, srcs, n in pieces:
         if merged:
@@ -334,7 +334,7 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
     addition, and the final reduction into the shards -- everything that depends only on
     addresses (cached by the caller)."""
     topo = plan.topology
-    L, N, W, me = topo.local_size, topo.nodes, topo.world_size, g.rank
+    L, N, me = topo.local_size, topo.nodes, g.rank
     n, l = divmod(me, L)
     gb = gdt.itemsize
     win = plan.window_elems
@@ -490,7 +490,7 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
                          f"padded): rank 0 has {shapes[0]}, rank {bad[0]} has {shapes[bad[0]]}")
     t = g.transport(device)
     topo = g.topology
-    L, N, W, me = topo.local_size, topo.nodes, topo.world_size, g.rank
+    L, N, me = topo.local_size, topo.nodes, g.rank
     n, l = divmod(me, L)
     es = pdt.itemsize
     reg = _regions(g)

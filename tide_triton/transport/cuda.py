@@ -600,7 +600,7 @@ class CudaTransport:
                 if failed:
                     _raise_if_failed(infos, "CudaTransport heap growth")
                     raise ValueError(
-                        f"ensure_heap disagrees across ranks: (size, offset, generation) = "
+                        "ensure_heap disagrees across ranks: (size, offset, generation) = "
                         + ", ".join(f"rank {r}: {(infos[r]['size'], infos[r]['offset'], infos[r]['gen'])}"
                                     for r in bad)
                     )
