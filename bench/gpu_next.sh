@@ -20,3 +20,5 @@ timeout 120 python3 bench/collectives_gpu.py --world-sizes 2 4 8 --models llama-
 timeout 120 python3 bench/interference.py --gemm-iters 50 --ring-bytes 268435456 --json "$OUT/interference.jsonl" \
   > "$OUT/interference.log" 2>&1; grep "^|\|SM time" "$OUT/interference.log"
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py -k gpu 2>&1 | tail -3
+timeout 100 python3 -X faulthandler bench/memory.py --models llama-3.1-70b qwen3-30b-a3b --world-sizes 2 4 8 \
+  --ring-bytes 268435456 --json "$OUT/memory.jsonl" > "$OUT/memory.log" 2>&1; echo "memory rc=$?"; grep "^|" "$OUT/memory.log" | head -30
