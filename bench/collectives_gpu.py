@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b"])
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--ring-bytes", type=int, nargs="+", default=[64 << 20])
+    ap.add_argument("--ring-bytes", type=int, nargs="+", default=[256 << 20])
     ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

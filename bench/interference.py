@@ -9,7 +9,9 @@ is timed with its own pair of CUDA events; ``gemm-iters`` (>= 50) GEMMs are enqu
 gate (``cuStreamWaitValue32`` on a device word, opened by ``cuStreamWriteValue32`` from another
 stream once all are enqueued: no host gaps between GEMMs, no kernel), so the timed window is
 one back-to-back run.  Reported: median / p90 / mean per GEMM, and the slowdown of the median
-against the GEMM alone.
+and of the mean against the GEMM alone (the mean is the throughput loss: a background that holds
+every SM for a while stalls a few GEMMs a lot and leaves the median alone).  ``--tide-max-ctas``
+sweeps the accumulation kernel's grid bound: fewer CTAs hold fewer SMs for longer.
 
 Backgrounds (each looped on W ranks, one thread and one stream per rank, as in
 bench/collectives_gpu.py):
@@ -268,9 +270,10 @@ class Background:
 
 
 def make_tide(tt: Any, shapes: Sequence[tuple[int, ...]], W: int, device: torch.device, ring_bytes: int,
-              timeout_s: float) -> tuple[list, Callable[[int], None], Callable[[int], None], Callable[[], None]]:
+              timeout_s: float, max_ctas: int | None = None,
+              ) -> tuple[list, Callable[[int], None], Callable[[int], None], Callable[[], None]]:
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=timeout_s, ring_bytes=ring_bytes)
+    groups = tt.local_groups(W, timeout_s=timeout_s, ring_bytes=ring_bytes, max_ctas=max_ctas)
     grads = [[torch.randn(s, device=device).to(torch.bfloat16) for s in shapes] for _ in range(W)]
     shards = [[torch.empty(s, device=device) for s in layout.shard_shapes(r)] for r in range(W)]
 
@@ -332,8 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gemm", nargs=3, type=int, default=[1024, 16896, 8192], metavar=("M", "N", "K"))
     ap.add_argument("--gemm-iters", type=int, default=200, help="GEMMs per timed window (>= 50)")
     ap.add_argument("--backgrounds", nargs="+", default=["tide", "sm"], choices=["tide", "sm"])
+    ap.add_argument("--tide-max-ctas", nargs="+", type=int, default=[0],
+                    help="accumulation grid bounds to sweep for the tide background (0: one CTA per tile)")
     ap.add_argument("--bg-warmup", type=int, default=4, help="background iterations before the window")
-    ap.add_argument("--ring-bytes", type=int, default=64 << 20)
+    ap.add_argument("--ring-bytes", type=int, default=256 << 20)
     ap.add_argument("--no-profile", action="store_true", help="skip the SM time of one tide reduce_scatter")
     ap.add_argument("--timeout", type=float, default=120.0, help="per wait on a background (s)")
     ap.add_argument("--dry-run", action="store_true",
@@ -379,8 +384,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = dict(script="interference", model=args.model, world_size=W, gemm=[M, N, K],
                 gemm_iters=args.gemm_iters, gated=gate.ok, device=str(device), **info)
 
-    # GEMM alone (a warm-up window first)
+    # GEMM alone (a warm-up window first).  The first GEMMs run ungated: with lazy module loading
+    # (CUDA's default) loading cuBLAS's kernel can need a context synchronisation, which would
+    # wait forever on a stream held by the gate that only opens after the enqueue.
     try:
+        if device.type == "cuda":
+            with torch.cuda.stream(gstream):
+                for _ in range(3):
+                    torch.mm(a, b, out=c)
+            torch.cuda.synchronize(device)
         time_gemms(a, b, c, 10, clock, gate, gstream)
         alone = time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream)
         rows.append({**base, "background": "none", **{k: v for k, v in alone.items() if k != "window"}})
@@ -389,13 +401,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         return 1
 
-    for kind in args.backgrounds:
+    plan = [(k, m) for k in args.backgrounds for m in (args.tide_max_ctas if k == "tide" else [0])]
+    for kind, max_ctas in plan:
         bg = None
         close: Callable[[], None] = lambda: None  # noqa: E731
         try:
             if kind == "tide":
-                _, step, done, close = make_tide(tt, shapes, W, device, args.ring_bytes, args.timeout)
-                impl = "tide_triton.reduce_scatter bf16 -> fp32 avg (copy engines + Triton sums)"
+                _, step, done, close = make_tide(tt, shapes, W, device, args.ring_bytes, args.timeout,
+                                                 max_ctas or None)
+                impl = ("tide_triton.reduce_scatter bf16 -> fp32 avg (copy engines + Triton sums, "
+                        f"{f'max_ctas={max_ctas}' if max_ctas else 'one CTA per tile'})")
             else:
                 step, done, impl = make_sm(shapes, W, device)
             bg = Background(kind, W, device, clock, step, done, args.timeout)
@@ -412,9 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bg.errors:
                 raise RuntimeError("; ".join(bg.errors))
             st = bg.stats(res["window"], before)
-            row = {**base, "background": kind, "background_impl": impl,
+            row = {**base, "background": kind, "background_impl": impl, "max_ctas": max_ctas or None,
                    **{k: v for k, v in res.items() if k != "window"},
                    "slowdown_pct": 100.0 * (res["median_ms"] / alone["median_ms"] - 1.0),
+                   "slowdown_mean_pct": 100.0 * (res["mean_ms"] / alone["mean_ms"] - 1.0),
                    "bg_iter_alone_ms": st["iter_alone_ms"], "bg_coverage_min": st["coverage_min"],
                    "bg_iters_in_window": st["iters_in_window"], "bg_iters_alone_in_window": st["iters_alone_in_window"],
                    "bg_progress": st["progress"], "bg_completed_host": [y - x for x, y in zip(marks["c0"], marks["c1"])]}
@@ -422,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"ERROR background {kind}: {type(e).__name__}: {e}")
             traceback.print_exc()
-            rows.append({**base, "background": kind, "error": f"{type(e).__name__}: {e}"})
+            rows.append({**base, "background": kind, "max_ctas": max_ctas or None,
+                         "error": f"{type(e).__name__}: {e}"})
             if bg is not None:
                 try:
                     bg.stop()
@@ -480,21 +497,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print()
     print("| background | implementation | GEMM median (ms) | p90 (ms) | mean (ms) | slowdown (median) | "
-          "bg coverage of window (min rank) | bg iters in window (per rank) | bg iters alone in that time | "
+          "slowdown (mean) | bg coverage of window (min rank) | bg iters in window (per rank) | bg iters alone in that time | "
           "bg progress vs alone | bg iter alone (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["background"] == "sm_time":
             continue
         if "error" in r:
-            print(f"| {r['background']} | ERROR: {r['error']} | | | | | | | | | |")
+            print(f"| {r['background']} | ERROR: {r['error']} | | | | | | | | | | |")
             continue
         if r["background"] == "none":
-            print(f"| none | GEMM alone | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | {r['mean_ms']:.4f} | | | | | | |")
+            print(f"| none | GEMM alone | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | {r['mean_ms']:.4f} | | | | | | | |")
             continue
         fmt = lambda xs, p=2: ", ".join(f"{x:.{p}f}" for x in xs)  # noqa: E731
         print(f"| {r['background']} | {r['background_impl']} | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | "
-              f"{r['mean_ms']:.4f} | {r['slowdown_pct']:+.1f}% | {100 * r['bg_coverage_min']:.0f}% | "
+              f"{r['mean_ms']:.4f} | {r['slowdown_pct']:+.1f}% | {r['slowdown_mean_pct']:+.1f}% | "
+              f"{100 * r['bg_coverage_min']:.0f}% | "
               f"{fmt(r['bg_iters_in_window'])} | {fmt(r['bg_iters_alone_in_window'])} | "
               f"{100 * r['bg_progress']:.0f}% | {fmt(r['bg_iter_alone_ms'], 3)} |")
     if sm_row is not None:

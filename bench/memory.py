@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="measured world sizes (single-process mode)")
     ap.add_argument("--layout-world-sizes", nargs="+", type=int, default=[16, 64],
                     help="world sizes shown from the layout only (beside the measured ones)")
-    ap.add_argument("--ring-bytes", type=int, default=64 << 20)
+    ap.add_argument("--ring-bytes", type=int, default=256 << 20)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--layout-only", action="store_true", help="no GPU needed: the layout table only")

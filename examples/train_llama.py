@@ -34,6 +34,8 @@ class LlamaConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, Llama-3-style); None: as many as query heads."""
     hidden: int = 172
     """SwiGLU inner width (Llama's 8/3 * dim, not a multiple of anything)."""
     tied: bool = True
@@ -47,6 +49,8 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim must be n_heads * an even head_dim, got dim={self.dim}, n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ValueError(f"n_kv_heads must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
 
 
 class RMSNorm(nn.Module):
@@ -74,18 +78,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.dim // cfg.n_heads
+        self.n_kv = cfg.n_kv_heads or cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.head_gain = nn.Parameter(torch.ones(1, cfg.n_heads, self.head_dim)) if cfg.head_gain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        q, k, v = (w(x).view(B, T, self.n_heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k, v = (w(x).view(B, T, self.n_kv, self.head_dim) for w in (self.wk, self.wv))
         if self.head_gain is not None:
             q = q * self.head_gain  # broadcast (1, H, hd) over (B, T, H, hd)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves n_heads / n_kv
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, D))
 

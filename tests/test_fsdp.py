@@ -87,14 +87,33 @@ def _step(model, opt, rank: int, step: int, device: str, micro: tuple[bool, ...]
         loss.backward()
         total += loss.item()
     if grads is not None:
-        grads.update({n: p.grad.full_tensor().float().cpu().clone() for n, p in model.named_parameters()})
+        grads.update({n: _full_cpu(p.grad) for n, p in model.named_parameters()})
     opt.step()
     opt.zero_grad()
     return total
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return {n: _full_cpu(p.detach()) for n, p in model.named_parameters()}
+
+
+def _full_cpu(t) -> torch.Tensor:
+    """The full fp32 tensor of a sharded DTensor, gathered on the CPU: the shard group's rank
+    order is the order along the sharded dim.  Not ``full_tensor()``: on CUDA that runs a functional all-gather on gloo with CUDA
+    tensors, which crashed the test's processes on the H200 (torch 2.11)."""
+    import torch.distributed as dist
+
+    from torch.distributed.tensor import Shard
+
+    local = t.to_local().detach().float().cpu().contiguous()
+    dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if not dims:
+        return local.clone()
+    assert len(dims) == 1, t.placements
+    group = t.device_mesh.get_group(dims[0])
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    return torch.cat(parts, dim=t.placements[dims[0]].dim).reshape(t.shape).clone()
 
 
 def _explicit_prefetch(model) -> None:
@@ -146,6 +165,10 @@ def _scenario_slot(W, rank, device):
                             ptr = fp.all_gather_outputs[0].data_ptr()
                             assert view.data_ptr() <= ptr < view.data_ptr() + view.numel(), st.fqn
                 res["slots"] = slots
+                res["slot_bytes"] = sum({st.slot.region.key: st.slot.region.nbytes for m in [model, *model.layers]
+                                         for st in [m._get_fsdp_state()._fsdp_param_groups[0]._tide_state]}.values())
+            if tide:
+                res["heap_bytes"] = tt.fsdp.heap_bytes(model)
             if slot:
                 try:  # switching a slotted group's mode in place would leave it on heap storage
                     tt.fsdp.enable(model)
@@ -182,7 +205,7 @@ def _scenario_divide(W, rank, device):
         for m in [model, *model.layers]:
             setup(m)
         loss_fn(model, batch(CFG, 0, rank, BS, SEQ, device)).backward()
-        out[name] = {n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()}
+        out[name] = {n: _full_cpu(p.grad) for n, p in model.named_parameters()}
     out["factor"] = f
     return out
 
@@ -504,6 +527,10 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             close(sl["slot"]["after_disable"], sl["stock"]["after_disable"], f"slot-reuse then disable, rank {rank}")
             assert sl["slot"]["reenable"].startswith("enable(slot_reuse=False): <root> is enabled already with "
                                                      "Slot-Reuse; disable it first"), sl["slot"]["reenable"]
+            # heap_bytes counts the heap once per group: the ring (tide), slots on top (slot).
+            assert sl["tide"]["heap_bytes"] > 0, sl["tide"]["heap_bytes"]
+            assert sl["slot"]["heap_bytes"] >= sl["slot"]["slot_bytes"] > 0, (
+                sl["slot"]["heap_bytes"], sl["slot"]["slot_bytes"])
             keys = {k: v[0].split(":")[1] for k, v in sl["slot"]["slots"].items()}
             assert keys == {"<root>": "<root>", "layers.0": "slot0", "layers.1": "slot1", "layers.2": "slot0"}, keys
         sl = r0["slot"]

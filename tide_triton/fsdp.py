@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["enable", "disable", "is_enabled", "stats", "supported_torch_version"]
+__all__ = ["enable", "disable", "is_enabled", "stats", "heap_bytes", "supported_torch_version"]
 
 log = logging.getLogger("tide_triton")
 
@@ -598,6 +598,23 @@ def is_enabled(module: nn.Module) -> bool:
     """True when every FSDP2 parameter group inside ``module`` runs on tide_triton."""
     groups = [pg for _, m in _fsdp_modules(module) for pg in _param_groups(m._get_fsdp_state())]
     return bool(groups) and all(getattr(pg, "_tide_state", None) is not None for pg in groups)
+
+
+def heap_bytes(module: nn.Module) -> int:
+    """Bytes of the heaps (this rank's) that tide_triton maps outside torch's allocator for the
+    groups enabled inside ``module``: receive ring, Slot-Reuse slots, flags.  Each tide_triton
+    group and device counts once."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    seen: dict[tuple[int, str], int] = {}
+    for _, m in _fsdp_modules(module):
+        for pg in _param_groups(m._get_fsdp_state()):
+            st = getattr(pg, "_tide_state", None)
+            if st is not None and not st.group.closed:
+                key = (id(st.group), pg.device.type)
+                if key not in seen:
+                    seen[key] = st.group.heap_nbytes(pg.device)
+    return sum(seen.values())
 
 
 def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:

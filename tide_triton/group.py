@@ -320,7 +320,20 @@ class Group:
                     torch.cuda.current_stream(device).synchronize()
         return z
 
+    def heap_nbytes(self, device: torch.device | str) -> int:
+        """Bytes of this rank's heap for ``device``'s kind (cpu / cuda) -- flags, receive ring,
+        regions -- mapped outside torch's allocator; 0 when no collective has made it yet.  Not
+        collective."""
+        kind = torch.device(device).type
+        with self._lock:
+            t = self._transports.get(kind)
+        return 0 if t is None else t.heap_nbytes()
+
     # ---- lifetime -----------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this tide_triton group is closed")

@@ -1,0 +1,212 @@
+"""FSDP2 training step: stock collectives vs tide_triton vs tide_triton + Slot-Reuse.
+
+    torchrun --standalone --nproc-per-node 2 bench/fsdp_step.py --mode stock --backend nccl
+    torchrun --standalone --nproc-per-node 2 bench/fsdp_step.py --mode tide
+    torchrun --standalone --nproc-per-node 2 bench/fsdp_step.py --mode slot
+    torchrun --standalone --nproc-per-node 2 bench/fsdp_step.py --dry-run --mode tide   # CPU, tiny
+
+One process per rank, all on GPU 0 (several ranks per GPU: NCCL needs >= 2.30 and
+``NCCL_MULTI_RANK_GPU_ENABLE=1`` for ``--backend nccl``; gloo works anywhere but moves CUDA
+tensors through the host).  The model is ``examples/train_llama.py``'s Llama with Llama-3.1-70B
+decoder layers (dim 8192, 64 query / 8 key-value heads, SwiGLU 28672: 855,654,400 parameters a
+layer, the shapes of ``shared/workloads/models.json``) stacked ``--layers`` deep, with a small
+vocabulary so that the decoder layers dominate.  FSDP2 as torchtitan wraps it (every block, then
+the root), mixed precision bf16 parameters / fp32 reduce, AdamW.  Parameters are made on the
+meta device and initialised shard by shard, so no rank ever holds the whole model.
+
+Per rank, after ``--warmup`` steps:
+
+* ``step ms``: median wall time of ``--steps`` steps (forward, backward, optimizer step), each
+  ended by a device synchronisation;
+* ``peak``: ``torch.cuda.max_memory_allocated`` over those steps, plus (tide) the bytes of the
+  VMM heap tide_triton maps outside torch's allocator (``tide_triton.fsdp.heap_bytes``: ring,
+  Slot-Reuse slots, flags); NCCL's own buffers are not counted;
+* one more step under ``torch.profiler``: device time of FSDP2's layout copies (the ops
+  ``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``, ``fsdp::chunk_cat`` and their
+  aten forms), of NCCL kernels, of tide_triton's kernels, and of copy-engine memcpys.
+
+Rank 0 prints one table row (rank max for time and memory) and appends it to ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, os.path.join(_ROOT, "examples")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+LAYOUT_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "aten::split_with_sizes_copy",
+              "fsdp::chunk_cat", "aten::_chunk_cat")
+
+
+def _profile_step(step, device: torch.device) -> dict:
+    """Device microseconds of one step by category (CPU: host microseconds of the layout ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+    out = {"layout_copy_us": 0.0, "layout_copy_ops": {}, "nccl_us": 0.0, "tide_kernel_us": 0.0,
+           "memcpy_us": 0.0, "kernel_us": 0.0}
+    for e in prof.key_averages():
+        if e.key in LAYOUT_OPS:
+            us = e.device_time_total if device.type == "cuda" else e.cpu_time_total
+            out["layout_copy_ops"][e.key] = out["layout_copy_ops"].get(e.key, 0.0) + us
+    # The fsdp:: ops dispatch to their aten forms: count each kernel once, under the outermost op.
+    ops = out["layout_copy_ops"]
+    out["layout_copy_us"] = sum(v for k, v in ops.items() if k.startswith("fsdp::")) + sum(
+        v for k, v in ops.items() if k.startswith("aten::") and f"fsdp::{k[6:].lstrip('_')}" not in ops)
+    if device.type == "cuda":
+        for e in prof.events():
+            if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
+                continue
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            name = e.name
+            if name.startswith(("Memcpy", "Memset")):
+                out["memcpy_us"] += us
+                continue
+            out["kernel_us"] += us
+            if name.startswith("nccl"):
+                out["nccl_us"] += us
+            elif "segmented" in name or "tide" in name:
+                out["tide_kernel_us"] += us
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["stock", "tide", "slot"], required=True)
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="process group for CUDA tensors (nccl: stock FSDP2's collectives run on NCCL)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, Triton interpreter")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import tide_triton
+    from tide_triton.bench import env_info
+    from train_llama import Llama, LlamaConfig, batch, loss_fn, shard
+
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if args.backend == "nccl" else "gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    if args.dry_run:
+        cfg = LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=88, tied=False)
+        args.seq, args.steps, args.warmup = 16, 2, 1
+    else:
+        cfg = LlamaConfig(vocab=args.vocab, dim=8192, n_layers=args.layers, n_heads=64, n_kv_heads=8,
+                          hidden=28672, tied=False)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    mesh = init_device_mesh(device.type, (W,))
+    shard(model, mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            local = p.to_local()
+            if n.endswith("norm.weight"):
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, 0.02, generator=g)
+    layer_numel = sum(p.numel() for p in model.layers[0].parameters())
+    if args.mode != "stock":
+        report = tide_triton.fsdp.enable(model, slot_reuse=args.mode == "slot")
+        stock = {k: v for k, v in report.items() if v is not None}
+        if stock and rank == 0:
+            print(f"stock path for: {stock}", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n_step = [0]
+
+    def step() -> torch.Tensor:
+        tokens = batch(cfg, n_step[0], rank, args.batch, args.seq, device)  # a new batch every step
+        n_step[0] += 1
+        loss = loss_fn(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
+    heap = 0
+    if args.mode != "stock":
+        heap = tide_triton.fsdp.heap_bytes(model)
+    prof = _profile_step(step, device)
+    mine = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
+            "peak_allocated": peak, "peak_reserved": reserved, "tide_heap": heap,
+            "loss": float(loss.detach()), **prof}
+    rows = [None] * W
+    dist.all_gather_object(rows, mine)
+    if rank == 0:
+        info = env_info(device)
+        row = {"script": "fsdp_step", "mode": args.mode, "backend": args.backend, "world_size": W,
+               "layers": cfg.n_layers, "layer_numel": layer_numel, "batch": args.batch, "seq": args.seq,
+               "vocab": cfg.vocab, "ranks": rows, **info,
+               "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+               "step_ms": max(r["step_ms"] for r in rows),
+               "peak_total_bytes": max(r["peak_allocated"] + r["tide_heap"] for r in rows),
+               "layout_copy_us": max(r["layout_copy_us"] for r in rows)}
+        mib = 1 << 20
+        r0 = rows[0]
+        print(f"| {args.mode} | {args.backend} | {W} | {cfg.n_layers} | {row['step_ms']:.1f} | "
+              f"{max(r['peak_allocated'] for r in rows) / mib:.0f} | {max(r['tide_heap'] for r in rows) / mib:.0f} | "
+              f"{row['peak_total_bytes'] / mib:.0f} | {row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
+              f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+    if device.type == "cuda" and args.mode != "stock":
+        tide_triton.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+HEADER = ("| mode | backend | W | layers | step (ms, rank max) | torch peak / rank (MiB) | tide heap / rank (MiB) | "
+          "total / rank (MiB) | layout copies / step (ms) | NCCL kernels (ms, rank 0) | tide kernels (ms, rank 0) | "
+          "memcpy (ms, rank 0) | loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+if __name__ == "__main__":
+    if "--header" in sys.argv:
+        print(HEADER)
+        sys.exit(0)
+    sys.exit(main())
