@@ -570,7 +570,8 @@ def test_fsdp_matches_stock_and_reference(world_size: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp_processes_sharing_one_gpu(world_size: int) -> None:
-    plan = ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks") if world_size == 2 \
+    plan = ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "slot") \
+        if world_size == 2 \
         else ("bf16", "fp32", "accum", "disable", "hsdp")
     out = run_multiprocess(_child, world_size, "cuda", plan, timeout=500, env=MULTICAST_OFF)
     print(f"W={world_size} cuda scenario seconds (rank 0): {out[0]['_times']}")

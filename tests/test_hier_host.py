@@ -60,11 +60,17 @@ def _expected(grads_all, p, rank, layout, scale=None, prev=None):
     return want if prev is None else want + prev
 
 
-def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
+def _hier(pg, rank: int, W: int, L: int, seed: int, device: str = "cpu", **options) -> dict:
+    """Every check of a declared topology; ``device="cuda"``: the same on the GPU path
+    (node-local CUDA transport + NCCL between nodes), tensors moved there and back."""
     import tide_triton as tt
     from tide_triton import hier_collectives as hc
 
-    g = tt.init(pg, local_size=L, timeout_s=30, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK)
+    g = tt.init(pg, local_size=L, timeout_s=30, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK, **options)
+    dev = torch.device(device)
+
+    def on(xs):
+        return [x.to(dev, copy=True) for x in xs]  # never the caller's tensor itself
     assert (g.local_size, g.nodes) == (L, W // L)
     topo = g.topology
     shapes = _shapes(W, seed)
@@ -78,7 +84,7 @@ def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
     out: dict = {"windows": len(rs_plan.windows)}
 
     def check_rs_bytes(what):
-        st = hc.stats(g)
+        st = hc.stats(g, device)
         assert st["last"] == {k: v[rank] for k, v in rs_bytes.items()}, (what, st["last"], rs_bytes)
         assert any(v[rank] for k, v in rs_bytes.items() if "inter" in k) or sum(layout.shard_numels(rank)) == 0
 
@@ -89,10 +95,11 @@ def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
                                         ("avg", 1.0 / W, True, torch.float32, False),
                                         (0.5, 0.5, True, torch.bfloat16, True)]:
         prev = [_int(s, mine_gen, sdt) for s in layout.shard_shapes(rank, padded=padded)]
-        shards = [x.clone() for x in prev]
-        tt.reduce_scatter(grads_all[rank], shards, op=op, accumulate=acc, group=g)
+        shards = on(prev)
+        tt.reduce_scatter(on(grads_all[rank]), shards, op=op, accumulate=acc, group=g)
         calls += 1
         for p, x in enumerate(shards):
+            x = x.cpu()
             rows = layout.shard_rows(rank)[p]
             want = _expected(grads_all, p, rank, layout, scale, prev[p][:rows].float() if acc else None)
             assert torch.equal(x[:rows].float(), want.to(sdt).float()), (op, padded, sdt, acc, p)
@@ -104,10 +111,12 @@ def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
     # non-integer gradients: repeated runs bit-identical, and (two nodes) the documented
     # order: node partial sums in local-rank order, then own node + other node
     rg_all = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes] for _ in range(W)]
-    a = [torch.empty(s) for s in layout.shard_shapes(rank)]
-    b = [torch.empty(s) for s in layout.shard_shapes(rank)]
-    tt.reduce_scatter(rg_all[rank], a, op="sum", group=g)
-    tt.reduce_scatter(rg_all[rank], b, op="sum", group=g)
+    a = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
+    b = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
+    mine_rg = on(rg_all[rank])
+    tt.reduce_scatter(mine_rg, a, op="sum", group=g)
+    tt.reduce_scatter(mine_rg, b, op="sum", group=g)
+    a, b = [x.cpu() for x in a], [x.cpu() for x in b]
     calls += 2
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "repeated runs differ"
     if topo.nodes == 2:
@@ -131,16 +140,16 @@ def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
             x[:n_] = f[rank * c: rank * c + n_]
             mine.append(x)
         pshapes = layout.padded_shapes if padded_params else layout.shapes
-        params = [torch.full(s, -9.0, dtype=pdt) for s in pshapes]
-        tt.all_gather(mine, params, group=g)
+        params = [torch.full(s, -9.0, dtype=pdt, device=dev) for s in pshapes]
+        tt.all_gather(on(mine), params, group=g)
         ag_calls += 1
-        for p, (x, f) in enumerate(zip(params, full)):
+        for p, (x, f) in enumerate(zip([x.cpu() for x in params], full)):
             assert torch.equal(x[: f.shape[0]], f.to(pdt)), (padded_shards, pdt, padded_params, p)
             if padded_params:
                 assert bool((x[f.shape[0]:] == 0).all()), "padding rows of a padded param"
         ag_layout = ShardLayout(pshapes, W)
         want = AllGatherPlan(ag_layout, topo, elem_bytes=pdt.itemsize).sent_bytes()
-        last = hc.stats(g)["last"]
+        last = hc.stats(g, device)["last"]
         for k in range(len(AllGatherPlan(ag_layout, topo).node_rounds)):
             assert last[f"ag inter {k}"] == want[f"ag inter {k}"][rank], (k, last, want)
         # node-local pickup: this rank reads every node peer's whole rail
@@ -148,7 +157,7 @@ def _hier(pg, rank: int, W: int, L: int, seed: int) -> dict:
         read = sum(sum(ag_layout.shard_numels(m * L + lp)) for m in range(topo.nodes)
                    for lp in range(L) if lp != l) * pdt.itemsize
         assert last["ag intra"] == read, (last, read)
-    st = hc.stats(g)
+    st = hc.stats(g, device)
     assert (st["reduce_scatter"], st["all_gather"]) == (calls, ag_calls), st
     assert st["bytes_sent"] > 0 and st["chunks_sent"] > 0
     out.update(bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"], chunks=st["chunks_sent"],

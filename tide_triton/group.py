@@ -79,6 +79,9 @@ class GroupOptions:
     inflight_chunks: int = 2
     """Across nodes: chunks a rank may have on the inter-node wire at once; the wire's
     buffers are ``inflight_chunks * chunk_bytes`` per rank, whatever the number of nodes."""
+    nccl_library: str | None = None
+    """Across nodes on CUDA: the libnccl to load (else ``$TIDE_TRITON_NCCL_LIBRARY``, the
+    nvidia-nccl wheel, the system's; see :mod:`tide_triton.transport.nccl`)."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -97,6 +100,8 @@ class GroupOptions:
         if isinstance(self.inflight_chunks, bool) or not isinstance(self.inflight_chunks, int) \
                 or self.inflight_chunks < 1:
             raise ValueError(f"inflight_chunks must be an int >= 1, got {self.inflight_chunks!r}")
+        if self.nccl_library is not None and not isinstance(self.nccl_library, str):
+            raise TypeError(f"nccl_library must be None or a path (str), got {type(self.nccl_library).__name__}")
         if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
                                           or self.max_ctas < 1):
             raise ValueError(f"max_ctas must be None or an int >= 1, got {self.max_ctas!r}")
@@ -244,11 +249,8 @@ class Group:
                     from .transport.cuda import CudaTransport
 
                     if self.nodes > 1:
-                        raise NotImplementedError(
-                            f"a {self.topology} topology on CUDA needs the inter-node hop on NCCL: "
-                            "tide_triton.transport.nccl has the NCCL table, the GPU executor over it is "
-                            "not built yet; declared topologies run on CPU tensors (host transport)")
-                    if self._local is not None:  # one process: the ranks' transports are made together
+                        t = self._node_transport(device)
+                    elif self._local is not None:  # one process: the ranks' transports are made together
                         t = self._local.shared(("cuda", device.index), lambda: CudaTransport.create_local_group(
                             self.world_size, device=device, n_flags=self.n_flags))[self.rank]
                     else:
@@ -258,6 +260,27 @@ class Group:
                     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
                 self._transports[key] = t
         return t
+
+    def _node_transport(self, device: torch.device):
+        """Several nodes on CUDA: a transport over this node's ranks only (VMM handles do not
+        cross nodes), addressed with global rank numbers (:class:`GlobalRanks`)."""
+        from .transport.cuda import CudaTransport
+        from .transport.node_view import GlobalRanks
+
+        if self._local is not None:
+            raise NotImplementedError(
+                f"a {self.topology} topology on CUDA in the single-process mode: the inter-node hop "
+                "runs on NCCL, and one process cannot drive several NCCL ranks here; use one process "
+                "per rank (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 for several ranks per GPU)")
+        L = self.local_size
+        first = self.rank - self.rank % L
+
+        def node_exchange(obj: object) -> list:  # collective over the whole group
+            return self.exchange(obj)[first:first + L]
+
+        inner = CudaTransport(self.rank % L, L, node_exchange, device=device, n_flags=self.n_flags,
+                              timeout_s=self.options.timeout_s)
+        return GlobalRanks(inner, first)
 
     def heap_region(self, key: str, nbytes: int, device: object):
         """Collective: a persistent region of ``nbytes`` bytes named ``key`` at the same
@@ -343,6 +366,10 @@ class Group:
         if self._closed:
             return
         self._closed = True
+        for x in list(self._extras.values()):  # e.g. the cross-node path's NCCL communicator
+            close = getattr(x, "close_extra", None)
+            if close is not None:
+                close()
         for t in self._transports.values():
             t.close()
         self._transports.clear()

@@ -59,6 +59,7 @@ The inter-node transport
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from dataclasses import dataclass, field
@@ -74,7 +75,8 @@ from .layout import ShardLayout
 from .schedule import peer_slot
 from .transport.base import PeerTimeoutError
 
-__all__ = ["InterNodeTransport", "HostInterNode", "reduce_scatter", "all_gather", "extra_flags", "stats"]
+__all__ = ["InterNodeTransport", "HostInterNode", "NcclInterNode", "reduce_scatter", "all_gather", "extra_flags",
+           "stats"]
 
 Iov = Sequence[tuple[int, int]]
 """A byte stream as ``(address, nbytes)`` pieces, in order."""
@@ -245,12 +247,69 @@ class HostInterNode:
 
 
 # --------------------------------------------------------------------------- per-group state
+class NcclInterNode:
+    """The cross-node hop over NCCL for CUDA tensors: this rank's rail (the ranks with its
+    local index, one per node) is one communicator, made from a unique id exchanged through
+    the group; ``sendrecv`` enqueues one NCCL group of ``ncclSend`` / ``ncclRecv`` on the
+    node-local transport's copy stream, after the node-local work before it and before the
+    additions after it (stream order, no host wait).  Every piece of a message goes as its
+    own send, split at ``chunk_bytes``: the sender's and the receiver's pieces are built from
+    the same plan runs, so they pair one to one, in order, as NCCL matches them.  NCCL's
+    send/recv kernels use SMs (one-sided ``ncclPutSignal`` into registered windows is the
+    SM-free path, not wired here yet).  NCCL operations have no timeout of their own: a peer
+    that never posts its side leaves the stream waiting, and :func:`tide_triton.synchronize`
+    reports it as GPU work still busy after the group's timeout."""
+
+    def __init__(self, g: Group, t: object) -> None:
+        from .transport import nccl
+
+        L, N = g.local_size, g.nodes
+        self.rank = g.rank
+        self.rail = tuple(m * L + g.rank % L for m in range(N))
+        self.lib = nccl.load(g.options.nccl_library)
+        self.comm = nccl.NcclComm(self.lib, self.rail, g.rank, g.exchange, device_index=t.device.index)
+        self.stream = t.copy_stream
+        self.chunk_bytes = g.options.chunk_bytes
+        self.bytes_sent = self.bytes_received = self.chunks_sent = 0
+
+    def _ops(self, msgs: Sequence[Message], name: str) -> tuple[list[tuple[int, int, int]], int]:
+        ops, total, cb = [], 0, self.chunk_bytes
+        for peer, iov in msgs:
+            if peer == self.rank or peer not in self.rail:
+                raise ValueError(f"{name}: rank {peer} is not a rail peer of rank {self.rank} (rail {self.rail})")
+            idx = self.rail.index(peer)
+            for addr, n in iov:
+                for o in range(0, n, cb):
+                    ops.append((addr + o, min(cb, n - o), idx))
+                total += n
+        return ops, total
+
+    def sendrecv(self, sends: Sequence[Message], recvs: Sequence[Message], *, timeout_s: float,
+                 what: str = "") -> None:
+        s_ops, s_bytes = self._ops(sends, "sends")
+        r_ops, r_bytes = self._ops(recvs, "recvs")
+        if s_ops or r_ops:
+            self.comm.send_recv(s_ops, r_ops, int(self.stream.cuda_stream))
+        self.bytes_sent += s_bytes
+        self.bytes_received += r_bytes
+        self.chunks_sent += len(s_ops)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
 @dataclass
 class _State:
-    net: HostInterNode
+    net: "HostInterNode | NcclInterNode"
     calls: dict = field(default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0})
     last: dict = field(default_factory=dict)
     """Bytes this rank moved in its last collective, per round label (see :func:`stats`)."""
+
+    def close_extra(self) -> None:
+        """Called by :meth:`Group.close`: destroys the NCCL communicator, if any."""
+        close = getattr(self.net, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass(frozen=True)
@@ -272,8 +331,11 @@ def _state(g: Group, t: object) -> _State:
     st = g._extras.get(key)
     if st is None:
         reg = _regions(g)
-        net = HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags, reg.net_off,
-                            g.options.chunk_bytes, g.options.inflight_chunks)
+        if getattr(t, "device", torch.device("cpu")).type == "cuda":
+            net = NcclInterNode(g, t)
+        else:
+            net = HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags, reg.net_off,
+                                g.options.chunk_bytes, g.options.inflight_chunks)
         st = g._extras[key] = _State(net)
     return st
 
@@ -292,15 +354,38 @@ def stats(group: Group, device: object = "cpu") -> dict:
             "bytes_received": st.net.bytes_received, "chunks_sent": st.net.chunks_sent}
 
 
-def _host_only(device: torch.device, stream: object, async_op: bool) -> None:
-    if device.type != "cpu":
-        raise NotImplementedError(
-            "cross-node collectives run on CPU tensors (host transport) only: the NCCL inter-node "
-            "transport for CUDA tensors is not built yet")
+class _Order:
+    """Where the collective's work goes.  Host: everything is synchronous, in program order.
+    CUDA: everything -- node-local copies and flags, the Triton sums, the NCCL groups -- goes
+    on the node-local transport's copy stream in program order, after the work already on
+    ``stream`` (default: the current stream); then ``stream`` waits for it, or, with
+    ``async_op``, the returned :class:`Work` carries an event (the caller keeps the tensors
+    alive until ``wait()``)."""
+
+    def __init__(self, t: object, device: torch.device, stream: object, async_op: bool) -> None:
+        self.cuda = device.type == "cuda"
+        self.async_op = async_op
+        if self.cuda:
+            self.user = stream if stream is not None else torch.cuda.current_stream(device)
+            t.fence_from(self.user)
+            self.ctx = torch.cuda.stream(t.copy_stream)
+        else:
+            self.ctx = contextlib.nullcontext()
+
+    def finish(self, t: object) -> Work:
+        if not self.cuda:
+            return Work()
+        if self.async_op:
+            ev = torch.cuda.Event()
+            ev.record(t.copy_stream)
+            return Work(ev)
+        t.fence_to(self.user)
+        return Work()
 
 
 def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int, ...],
-             pieces: list[tuple[int, int, tuple[int, ...], int]], k: int, max_ctas: int | None) -> Binding:
+             pieces: list[tuple[int, int, tuple[int, ...], int]], k: int, max_ctas: int | None,
+             device: torch.device) -> Binding:
     """The segmented kernel over raw addresses: piece ``(dst_idx, dst_off, srcs, numel)``
     writes ``numel`` elements at ``dst_ptrs[dst_idx] + dst_off`` from the ``k`` source
     addresses ``srcs`` (summed in that order, fp32).  Pieces that continue the previous
@@ -318,8 +403,8 @@ def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int
     runs = tuple(Run(d, off, i, 0, n) for i, (d, off, _, n) in enumerate(pieces))
     prog = SegmentProgram(runs, n_dst=len(dst_ptrs), n_src=len(pieces))
     src_ptrs = tuple(pc[2][c] for c in range(k) for pc in pieces)
-    dst_stub = (torch.empty(0, dtype=dst_dtype),) * len(dst_ptrs)
-    src_stub = (torch.empty(0, dtype=src_dtype),) * len(src_ptrs)
+    dst_stub = (torch.empty(0, dtype=dst_dtype, device=device),) * len(dst_ptrs)
+    src_stub = (torch.empty(0, dtype=src_dtype, device=device),) * len(src_ptrs)
     return Binding(prog, dst_stub, src_stub, k, max_ctas, known_ptrs=(dst_ptrs, src_ptrs))
 
 
@@ -329,7 +414,8 @@ def _pieces(runs) -> list[tuple[int, int, int]]:
 
 # --------------------------------------------------------------------------- reduce-scatter
 def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, layout: ShardLayout,
-                gptrs: tuple[int, ...], shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype) -> list:
+                gptrs: tuple[int, ...], shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
+                device: torch.device) -> list:
     """Per window: node-local pushes, the node-local reduction, each round's messages and
     addition, and the final reduction into the shards -- everything that depends only on
     addresses (cached by the caller)."""
@@ -379,7 +465,7 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
             srcs = tuple(gptrs[p] + e * gb if c == l else
                          t.address(me, sb + peer_slot(c, l) * slot_b) + pos * gb for c in range(L))
             pcs.append((0, pos, srcs, k))
-        local = _binding(torch.float32, gdt, (P,), pcs, L, mx)
+        local = _binding(torch.float32, gdt, (P,), pcs, L, mx, device)
         # 2. rounds along the rail: send partial sums for `dests`, add what arrives
         rounds = []
         fuse: dict = {}  # last round: what arrives is this rank's own window; added in `final`
@@ -406,14 +492,14 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
                             else:
                                 adds.append((0, ppos, (P + ppos * 4, R + rpos * 4), k))
                     recvs.append((sn * L + l, iov))
-            rounds.append((sends, recvs, _binding(torch.float32, torch.float32, (P,), adds, 2, mx)))
+            rounds.append((sends, recvs, _binding(torch.float32, torch.float32, (P,), adds, 2, mx, device)))
         # 3. my window's full sums into my shards: held + received (the last round), scaled
         fin = []
         for p, e, k in _pieces(rr.window_runs(lo, hi, l, [n])):
             _, x, a = where(e, p)
             ppos = n * win + x - lo
             fin.append((p, a, (P + ppos * 4, fuse[ppos]) if fuse else (P + ppos * 4,), k))
-        final = _binding(sdt, torch.float32, shard_ptrs, fin, 2 if fuse else 1, mx)
+        final = _binding(sdt, torch.float32, shard_ptrs, fin, 2 if fuse else 1, mx, device)
         windows.append((pushes, local, rounds, final))
     return windows
 
@@ -422,7 +508,6 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
                    gdt: torch.dtype, sdt: torch.dtype, device: torch.device, scale: float | None,
                    accumulate: bool, stream: object = None, async_op: bool = False) -> Work:
     """The cross-node reduce-scatter (arguments already checked and agreed)."""
-    _host_only(device, stream, async_op)
     t = g.transport(device)
     topo = g.topology
     L, me = topo.local_size, g.rank
@@ -437,42 +522,44 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, g.options.ring_bytes, g.options.stages)
     prep = g.cached(key)
     if prep is None:
-        prep = g.cache(key, _prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt))
-    if not accumulate:  # padding rows of padded shards become zero
-        for x, k in zip(shards_l, layout.shard_numels(me)):
-            if x.numel() > k:
-                x.view(-1)[k:].zero_()
-    fm, timeout, S = g.flags, g.options.timeout_s, plan.stages
-    peers = [n * L + c for c in range(L) if c != me % L]
-    net = st.net
-    last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
-    base = g.rs_count
-    for w, (pushes, local, rounds, final) in enumerate(prep):
-        s, v = w % S, base + w + 1
-        if peers:
-            frees = [d for d in peers if (d, s) in g.rs_last]
-            t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
-                       timeout_s=timeout, what=f"rank {{peer}} to free cross-node reduce-scatter slot (stage {s})")
-            for d in peers:
-                t.copy(*pushes[d])
-                last["rs intra"] += sum(pushes[d][2])
-                t.signal(d, fm.rs_ready(s, me), v)
-                g.rs_last[(d, s)] = v
-            t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers, timeout_s=timeout,
-                       what=f"rank {{peer}}'s node-local reduce-scatter contribution (window {w})")
-        local.launch(check_addresses=False)
-        if peers:
-            t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers))
-        for k, (sends, recvs, add) in enumerate(rounds):
-            before = net.bytes_sent
-            net.sendrecv(sends, recvs, timeout_s=timeout, what=f"reduce-scatter window {w} round {k}")
-            last[f"rs inter {k}"] += net.bytes_sent - before
-            add.launch(check_addresses=False)
-        final.launch(scale=scale, accumulate=accumulate, check_addresses=False)
-    g.rs_count = base + len(prep)
-    st.calls["reduce_scatter"] += 1
-    st.last = last
-    return Work()
+        prep = g.cache(key, _prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device))
+    order = _Order(t, device, stream, async_op)
+    with order.ctx:
+        if not accumulate:  # padding rows of padded shards become zero
+            for x, k in zip(shards_l, layout.shard_numels(me)):
+                if x.numel() > k:
+                    x.view(-1)[k:].zero_()
+        fm, timeout, S = g.flags, g.options.timeout_s, plan.stages
+        peers = [n * L + c for c in range(L) if c != me % L]
+        net = st.net
+        last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
+        base = g.rs_count
+        for w, (pushes, local, rounds, final) in enumerate(prep):
+            s, v = w % S, base + w + 1
+            if peers:
+                frees = [d for d in peers if (d, s) in g.rs_last]
+                t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
+                           timeout_s=timeout, what=f"rank {{peer}} to free cross-node reduce-scatter slot (stage {s})")
+                for d in peers:
+                    t.copy(*pushes[d])
+                    last["rs intra"] += sum(pushes[d][2])
+                    t.signal(d, fm.rs_ready(s, me), v)
+                    g.rs_last[(d, s)] = v
+                t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers, timeout_s=timeout,
+                           what=f"rank {{peer}}'s node-local reduce-scatter contribution (window {w})")
+            local.launch(check_addresses=False)
+            if peers:
+                t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers))
+            for k, (sends, recvs, add) in enumerate(rounds):
+                before = net.bytes_sent
+                net.sendrecv(sends, recvs, timeout_s=timeout, what=f"reduce-scatter window {w} round {k}")
+                last[f"rs inter {k}"] += net.bytes_sent - before
+                add.launch(check_addresses=False)
+            final.launch(scale=scale, accumulate=accumulate, check_addresses=False)
+        g.rs_count = base + len(prep)
+        st.calls["reduce_scatter"] += 1
+        st.last = last
+    return order.finish(t)
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -480,7 +567,6 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
                pdt: torch.dtype, sdt: torch.dtype, device: torch.device, stream: object = None,
                async_op: bool = False) -> Work:
     """The cross-node all-gather (arguments already checked and agreed)."""
-    _host_only(device, stream, async_op)
     # The rounds forward other ranks' shards through this rank's params, so every rank must
     # hold the same rows: full params on some ranks and padded on others cannot forward.
     shapes = g.exchange(layout.shapes)
@@ -505,63 +591,65 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
                          max_inflight=g.options.inflight_chunks)
     rr = _RailRuns(layout, topo)
     last = {**{f"ag inter {k}": 0 for k in range(len(plan.node_rounds))}, "ag intra": 0}
-    # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
-    real = layout.shard_numels(me)
-    have = [min(x.numel(), k) for x, k in zip(shards_l, real)]
-    if pdt == sdt:
-        t.copy([pptrs[p] + me * S[p] * es for p in range(len(layout))], [x.data_ptr() for x in shards_l],
-               [k * es for k in have])
-    else:
-        _binding(pdt, sdt, tuple(pptrs), [(p, me * S[p], (x.data_ptr(),), k)
-                                          for p, (x, k) in enumerate(zip(shards_l, have)) if k],
-                 1, g.options.max_ctas).launch(check_addresses=False)
-    pads = [(p, k, r - k) for p, (k, r) in enumerate(zip(have, real)) if r > k]
-    if pads:
-        z = g.zeros(device, max(m for _, _, m in pads) * es)
-        t.copy([pptrs[p] + (me * S[p] + k) * es for p, k, _ in pads], [z.data_ptr()] * len(pads),
-               [m * es for _, _, m in pads])
-    # 2. rounds along my rail, params to params
-    for k, rnd in enumerate(plan.node_rounds):
-        sends, recvs = [], []
-        for sn, dn, nodes in rnd:
-            if sn == n or dn == n:
-                iov = [(pptrs[p] + e * es, c * es) for p, e, c in _pieces(rr.all_runs(l, nodes))]
-                if sn == n:
-                    sends.append((dn * L + l, iov))
-                if dn == n:
-                    recvs.append((sn * L + l, iov))
-        before = net.bytes_sent
-        net.sendrecv(sends, recvs, timeout_s=timeout, what=f"all-gather round {k}")
-        last[f"ag inter {k}"] = net.bytes_sent - before
-    # 3. node-local pickup of the peers' rails
-    if L > 1:
-        peers = [n * L + c for c in range(L) if c != l]
-        g.ag_epoch += 1
-        e = g.ag_epoch
-        if e > 1:  # my rail block is free once my node peers finished the previous epoch
-            t.wait_all([fm.ag_done(r) for r in peers], [e - 1] * len(peers), peers=peers, timeout_s=timeout,
-                       what="rank {peer} to finish reading my all-gather rail")
+    order = _Order(t, device, stream, async_op)
+    with order.ctx:
+        # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
+        real = layout.shard_numels(me)
+        have = [min(x.numel(), k) for x, k in zip(shards_l, real)]
+        if pdt == sdt:
+            t.copy([pptrs[p] + me * S[p] * es for p in range(len(layout))], [x.data_ptr() for x in shards_l],
+                   [k * es for k in have])
+        else:
+            _binding(pdt, sdt, tuple(pptrs), [(p, me * S[p], (x.data_ptr(),), k)
+                                              for p, (x, k) in enumerate(zip(shards_l, have)) if k],
+                     1, g.options.max_ctas, device).launch(check_addresses=False)
+        pads = [(p, k, r - k) for p, (k, r) in enumerate(zip(have, real)) if r > k]
+        if pads:
+            z = g.zeros(device, max(m for _, _, m in pads) * es)
+            t.copy([pptrs[p] + (me * S[p] + k) * es for p, k, _ in pads], [z.data_ptr()] * len(pads),
+                   [m * es for _, _, m in pads])
+        # 2. rounds along my rail, params to params
+        for k, rnd in enumerate(plan.node_rounds):
+            sends, recvs = [], []
+            for sn, dn, nodes in rnd:
+                if sn == n or dn == n:
+                    iov = [(pptrs[p] + e * es, c * es) for p, e, c in _pieces(rr.all_runs(l, nodes))]
+                    if sn == n:
+                        sends.append((dn * L + l, iov))
+                    if dn == n:
+                        recvs.append((sn * L + l, iov))
+            before = net.bytes_sent
+            net.sendrecv(sends, recvs, timeout_s=timeout, what=f"all-gather round {k}")
+            last[f"ag inter {k}"] = net.bytes_sent - before
+        # 3. node-local pickup of the peers' rails
+        if L > 1:
+            peers = [n * L + c for c in range(L) if c != l]
+            g.ag_epoch += 1
+            e = g.ag_epoch
+            if e > 1:  # my rail block is free once my node peers finished the previous epoch
+                t.wait_all([fm.ag_done(r) for r in peers], [e - 1] * len(peers), peers=peers, timeout_s=timeout,
+                           what="rank {peer} to finish reading my all-gather rail")
 
-        def rail_copies(lr: int, block: int, into_params: bool):
-            dsts, srcs, sizes = [], [], []
-            for m in range(N):
-                r = m * L + lr
-                for p, k in enumerate(layout.shard_numels(r)):
-                    if k:
-                        a, b = pptrs[p] + r * S[p] * es, block + (m * flat + offs[p]) * es
-                        dsts.append(a if into_params else b)
-                        srcs.append(b if into_params else a)
-                        sizes.append(k * es)
-            return dsts, srcs, sizes
+            def rail_copies(lr: int, block: int, into_params: bool):
+                dsts, srcs, sizes = [], [], []
+                for m in range(N):
+                    r = m * L + lr
+                    for p, k in enumerate(layout.shard_numels(r)):
+                        if k:
+                            a, b = pptrs[p] + r * S[p] * es, block + (m * flat + offs[p]) * es
+                            dsts.append(a if into_params else b)
+                            srcs.append(b if into_params else a)
+                            sizes.append(k * es)
+                return dsts, srcs, sizes
 
-        t.copy(*rail_copies(l, t.address(me, reg.ag_off), False))
-        t.signal_all(peers, [fm.ag_ready(me)] * len(peers), [e] * len(peers))
-        for r in peers:
-            t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather rail")
-            cp = rail_copies(r % L, t.address(r, reg.ag_off), True)
-            t.copy(*cp)
-            last["ag intra"] += sum(cp[2])
-        t.signal_all(peers, [fm.ag_done(me)] * len(peers), [e] * len(peers))
-    st.calls["all_gather"] += 1
-    st.last = last
-    return Work()
+            t.copy(*rail_copies(l, t.address(me, reg.ag_off), False))
+            t.signal_all(peers, [fm.ag_ready(me)] * len(peers), [e] * len(peers))
+            for r in peers:
+                t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather rail")
+                cp = rail_copies(r % L, t.address(r, reg.ag_off), True)
+                t.copy(*cp)
+                last["ag intra"] += sum(cp[2])
+            t.signal_all(peers, [fm.ag_done(me)] * len(peers), [e] * len(peers))
+        st.calls["all_gather"] += 1
+        st.last = last
+    return order.finish(t)

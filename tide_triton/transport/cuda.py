@@ -270,6 +270,9 @@ class CudaTransport:
         self.rank = rank
         self.local_size = local_size
         self.n_flags = n_flags
+        self.rank_offset = 0
+        """Added to rank numbers in errors and timeouts: a node-local transport of a
+        several-node group names global ranks (set by the owner after creation)."""
         self.device = dev
         self._exchange = exchange
         self._local = _local_group
@@ -948,7 +951,7 @@ class CudaTransport:
             check(self._cu.cuStreamWaitValue64(s, self._own_va + self._user_off + 8 * slot,
                                                value, self._GEQ),
                   f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
-        self._pending[slot] = (value, peer, s, what)
+        self._pending[slot] = (value, peer + self.rank_offset, s, what)
 
     def fence_from(self, stream: torch.cuda.Stream | None = None) -> None:
         """The copy stream waits for work already enqueued on ``stream`` (default: the
@@ -977,7 +980,8 @@ class CudaTransport:
             return
         if n == 1 or not self._memop_batch:
             for sl, v, p in zip(slots, values, peers):
-                self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream, what=what.format(peer=p))
+                self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream,
+                          what=what.format(peer=p + self.rank_offset))
             return
         self._check_open()
         for sl, p in zip(slots, peers):
@@ -988,7 +992,7 @@ class CudaTransport:
         self._memops(s, [(self._WAIT_OP, base + 8 * sl, v, self._GEQ) for sl, v in zip(slots, values)],
                      "wait")
         for sl, v, p in zip(slots, values, peers):
-            self._pending[sl] = (v, p, s, what.format(peer=p))
+            self._pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
 
     def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
                    stream: torch.cuda.Stream | None = None) -> None:
@@ -1089,9 +1093,9 @@ class CudaTransport:
             cur = self.read_flag(slot)
             if cur < value:
                 raise PeerTimeoutError(
-                    peer, what or f"flag {slot} of rank {self.rank} to reach {value}, last "
-                    f"read {cur}", timeout_s)
-        raise TimeoutError(f"rank {self.rank}: GPU work still busy after {timeout_s:.1f} s "
+                    peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
+                    f"last read {cur}", timeout_s)
+        raise TimeoutError(f"rank {self.rank + self.rank_offset}: GPU work still busy after {timeout_s:.1f} s "
                            "(no pending flag wait is short)")
 
     # ------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ class HostTransport:
                  n_flags: int = 1024) -> None:
         self.rank = rank
         self.local_size = local_size
+        self.rank_offset = 0
+        """Added to rank numbers in timeouts (a node-local transport of a several-node group)."""
         self.n_flags = n_flags
         self.device = torch.device("cpu")
         self._exchange = exchange
@@ -159,7 +161,8 @@ class HostTransport:
         pause = 1e-6
         while flag.value < value:
             if time.monotonic() > deadline:
-                raise PeerTimeoutError(peer, what or f"flag {slot} >= {value}, saw {flag.value}", timeout_s)
+                raise PeerTimeoutError(peer + self.rank_offset, what or f"flag {slot} >= {value}, saw {flag.value}",
+                                       timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -169,7 +172,7 @@ class HostTransport:
                  timeout_s: float, stream: object = None, what: str = "") -> None:
         """:meth:`wait` on each flag in turn (``what`` may hold ``{peer}``)."""
         for sl, v, p in zip(slots, values, peers, strict=True):
-            self.wait(sl, v, peer=p, timeout_s=timeout_s, what=what.format(peer=p))
+            self.wait(sl, v, peer=p, timeout_s=timeout_s, what=what.format(peer=p + self.rank_offset))
 
     def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
                    stream: object = None) -> None:

@@ -1,0 +1,132 @@
+"""Declared nodes on the GPU: tide_triton's cross-node reduce_scatter / all_gather of one layer.
+
+    NCCL_MULTI_RANK_GPU_ENABLE=1 torchrun --standalone --nproc-per-node 4 bench/hier_gpu.py --local-size 2
+    (add NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 to put the inter-node hop on NCCL's socket transport)
+
+One process per rank, all on GPU 0 (NCCL >= 2.30 for several ranks per GPU).  ``--local-size``
+consecutive ranks form a "node": they share a node-local CUDA transport (VMM heaps, copy
+engines, stream-memory flags); the rails cross "nodes" through NCCL (grouped ncclSend /
+ncclRecv).  Per collective: median wall time of ``--iters`` calls (each ended by
+``tide_triton.synchronize`` and a barrier), bytes this rank sent across nodes per round
+(``hier_collectives.stats``, what the plans predict), and from one profiled reduce-scatter the
+device time of NCCL's kernels (the inter-node hop, on SMs) and of tide_triton's sums.
+Rank 0 prints one row per collective and appends them to ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+
+
+def _kernel_us(prof) -> dict:
+    out = {"nccl_us": 0.0, "tide_us": 0.0, "memcpy_us": 0.0}
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")) != "DeviceType.CUDA":
+            continue
+        us = e.device_time_total
+        if e.name.startswith(("Memcpy", "Memset")):
+            out["memcpy_us"] += us
+        elif e.name.startswith("nccl"):
+            out["nccl_us"] += us
+        elif "segmented" in e.name:
+            out["tide_us"] += us
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-70b")
+    ap.add_argument("--local-size", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--ring-bytes", type=int, default=256 << 20)
+    ap.add_argument("--chunk-bytes", type=int, default=64 << 20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import torch.distributed as dist
+
+    import tide_triton as tt
+    from tide_triton import hier_collectives as hc
+    from tide_triton.bench import env_info
+    from tide_triton.workloads import layer_shapes
+
+    dist.init_process_group("gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = tt.init(local_size=args.local_size, ring_bytes=args.ring_bytes, chunk_bytes=args.chunk_bytes,
+                agree="first", timeout_s=300)
+    shapes = layer_shapes(args.model)
+    layout = tt.ShardLayout(shapes, W)
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    grads = [torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) for s in shapes]
+    shards = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
+    pshards = [torch.randn(s, device=dev, generator=gen) for s in layout.shard_shapes(rank)]
+    params = [torch.empty(s, device=dev, dtype=torch.bfloat16) for s in shapes]
+    rows = []
+    for name, call in [("reduce_scatter bf16->fp32", lambda: tt.reduce_scatter(grads, shards, group=g)),
+                       ("all_gather fp32->bf16", lambda: tt.all_gather(pshards, params, group=g))]:
+        call()
+        tt.synchronize(g)
+        dist.barrier()
+        times = []
+        for _ in range(args.iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            tt.synchronize(g)
+            times.append(time.perf_counter() - t0)
+        last = hc.stats(g, "cuda")["last"]
+        prof = {}
+        if name.startswith("reduce"):
+            from torch.profiler import ProfilerActivity, profile
+
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                call()
+                tt.synchronize(g)
+            prof = _kernel_us(p)
+        mine = {"ms": 1e3 * statistics.median(times), "last": last, **prof}
+        got = [None] * W
+        dist.all_gather_object(got, mine)
+        if rank == 0:
+            inter = max(sum(v for k, v in r["last"].items() if "inter" in k) for r in got)
+            row = {"script": "hier_gpu", "collective": name, "model": args.model, "world_size": W,
+                   "local_size": args.local_size, "nodes": W // args.local_size, "ms": max(r["ms"] for r in got),
+                   "inter_node_bytes_per_rank_max": inter, "ranks": got,
+                   "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"), **env_info(dev)}
+            rows.append(row)
+            nccl_ms = max(r.get("nccl_us", 0.0) for r in got) / 1e3
+            tide_ms = max(r.get("tide_us", 0.0) for r in got) / 1e3
+            print(f"| {args.model} | {W // args.local_size} x {args.local_size} | {name} | {row['ms']:.2f} | "
+                  f"{inter / 2**20:.1f} | {nccl_ms:.2f} | {tide_ms:.2f} |", flush=True)
+    if rank == 0 and args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=str) + "\n")
+    g.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+HEADER = ("| model | nodes x local | collective | ms (rank max) | sent across nodes / rank (MiB) | "
+          "NCCL kernels (ms, one RS) | tide kernels (ms, one RS) |\n|---|---|---|---|---|---|---|")
+
+if __name__ == "__main__":
+    if "--header" in sys.argv:
+        print(HEADER)
+        sys.exit(0)
+    sys.exit(main())

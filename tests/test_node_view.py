@@ -1,0 +1,99 @@
+"""The pieces of the cross-node GPU path that run without a GPU: a node-local transport
+addressed with global ranks (GlobalRanks, over a real one-rank host transport), and how
+NcclInterNode turns messages into NCCL sends and receives (against a recording stand-in for
+the communicator; the real one runs in tests/test_hier_cuda.py on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tide_triton.transport.base import PeerTimeoutError
+from tide_triton.transport.host import HostTransport
+from tide_triton.transport.node_view import GlobalRanks
+
+
+def test_global_ranks_translate_and_refuse_other_nodes() -> None:
+    inner = HostTransport(0, 1, lambda obj: [obj], n_flags=8)
+    try:
+        t = GlobalRanks(inner, 6)  # global rank 6 is this node's only rank
+        t.ensure_heap(4096)
+        assert t.rank == 6 and t.local_size == 1 and t.heap_nbytes() == inner.heap_nbytes() > 0
+        assert t.address(6, 64) == inner.address(0, 64)
+        for bad in (5, 7, 0, True, "6"):
+            with pytest.raises(ValueError, match=r"is not a rank of this node \(ranks 6..6\)"):
+                t.address(bad, 0)
+        with pytest.raises(ValueError, match="rank=7 is not a rank of this node"):
+            t.signal(7, 0, 1)
+        with pytest.raises(ValueError, match="peer=3 is not a rank of this node"):
+            t.wait_all([0], [1], peers=[3], timeout_s=0.1)
+        t.signal(6, 2, 5)
+        t.signal_all([6], [3], [7])
+        assert (inner.read_flag(2), inner.read_flag(3)) == (5, 7)
+        t.wait(2, 5, peer=6, timeout_s=1.0)  # already there
+        # a timeout names the global rank, in the error and in the message
+        with pytest.raises(PeerTimeoutError, match="waiting for rank 6 .rank 6's contribution") as e:
+            t.wait_all([4], [1], peers=[6], timeout_s=0.05, what="rank {peer}'s contribution")
+        assert e.value.peer == 6
+        x = torch.arange(4, dtype=torch.int32)
+        t.copy([t.address(6, 128)], [x.data_ptr()], [16])
+        assert torch.equal(t.heap_tensor(6, 128, 4, torch.int32), x)
+    finally:
+        inner.close()
+
+
+class _RecordingComm:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def send_recv(self, sends, recvs, stream):
+        self.calls.append((list(sends), list(recvs), stream))
+
+    def close(self) -> None:
+        self.calls.append("closed")
+
+
+class _Stream:
+    cuda_stream = 1234
+
+
+def _net(rank: int, rail: tuple[int, ...], chunk: int):
+    from tide_triton.hier_collectives import NcclInterNode
+
+    net = object.__new__(NcclInterNode)  # no library, no GPU: only the message logic
+    net.rank, net.rail, net.chunk_bytes, net.stream = rank, rail, chunk, _Stream()
+    net.comm = _RecordingComm()
+    net.bytes_sent = net.bytes_received = net.chunks_sent = 0
+    return net
+
+
+def test_nccl_internode_splits_pieces_in_order_and_counts() -> None:
+    net = _net(rank=5, rail=(1, 5, 9, 13), chunk=100)
+    net.sendrecv([(9, [(1000, 250), (5000, 0), (6000, 100)]), (1, [(7000, 30)])],
+                 [(13, [(2000, 101)])], timeout_s=1.0)
+    (sends, recvs, stream), = net.comm.calls
+    assert stream == 1234
+    # (address, bytes, index of the peer in the rail); pieces split at 100 bytes, in order
+    assert sends == [(1000, 100, 2), (1100, 100, 2), (1200, 50, 2), (6000, 100, 2), (7000, 30, 0)]
+    assert recvs == [(2000, 100, 3), (2100, 1, 3)]
+    assert (net.bytes_sent, net.bytes_received, net.chunks_sent) == (380, 101, 5)
+    net.sendrecv([], [(9, [(3000, 0)])], timeout_s=1.0)  # nothing to move: no NCCL group
+    assert len(net.comm.calls) == 1
+    with pytest.raises(ValueError, match=r"sends: rank 6 is not a rail peer of rank 5 \(rail \(1, 5, 9, 13\)\)"):
+        net.sendrecv([(6, [(0, 4)])], [], timeout_s=1.0)
+    with pytest.raises(ValueError, match="recvs: rank 5 is not a rail peer of rank 5"):
+        net.sendrecv([], [(5, [(0, 4)])], timeout_s=1.0)
+    net.close()
+    assert net.comm.calls[-1] == "closed"
+
+
+def test_cuda_several_nodes_single_process_mode_is_refused() -> None:
+    import tide_triton as tt
+
+    groups = tt.local_groups(2, local_size=1)
+    try:
+        for g in groups:
+            with pytest.raises(NotImplementedError, match="one process cannot drive several NCCL ranks"):
+                g._node_transport(torch.device("cuda", 0))
+    finally:
+        for g in groups:
+            g.close()
