@@ -157,7 +157,7 @@ def _scenario_slot(W, rank, device):
             if slot:
                 slots = {}
                 for m in [model, *model.layers]:
-                    for pg in m._get_fsdp_state()._fsdp_param_groups:
+                    for pg in tt.fsdp._param_groups(m._get_fsdp_state()):  # 2.11: one; 2.13: a list
                         st = pg._tide_state
                         slots[st.fqn] = (st.slot.region.key, st.slot.region.offset, st.slot.private)
                         view = st.slot.region.tensor(torch.uint8)
@@ -166,7 +166,7 @@ def _scenario_slot(W, rank, device):
                             assert view.data_ptr() <= ptr < view.data_ptr() + view.numel(), st.fqn
                 res["slots"] = slots
                 res["slot_bytes"] = sum({st.slot.region.key: st.slot.region.nbytes for m in [model, *model.layers]
-                                         for st in [m._get_fsdp_state()._fsdp_param_groups[0]._tide_state]}.values())
+                                         for st in [tt.fsdp._param_groups(m._get_fsdp_state())[0]._tide_state]}.values())
             if tide:
                 res["heap_bytes"] = tt.fsdp.heap_bytes(model)
             if slot:

@@ -54,6 +54,10 @@ class _RecordingComm:
 
 class _Stream:
     cuda_stream = 1234
+    synced = False
+
+    def synchronize(self) -> None:
+        self.synced = True
 
 
 def _net(rank: int, rail: tuple[int, ...], chunk: int):
@@ -83,7 +87,7 @@ def test_nccl_internode_splits_pieces_in_order_and_counts() -> None:
     with pytest.raises(ValueError, match="recvs: rank 5 is not a rail peer of rank 5"):
         net.sendrecv([], [(5, [(0, 4)])], timeout_s=1.0)
     net.close()
-    assert net.comm.calls[-1] == "closed"
+    assert net.stream.synced and net.comm.calls[-1] == "closed", "close waits for the stream, then destroys"
 
 
 def test_cuda_several_nodes_single_process_mode_is_refused() -> None:

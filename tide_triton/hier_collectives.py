@@ -295,6 +295,7 @@ class NcclInterNode:
         self.chunks_sent += len(s_ops)
 
     def close(self) -> None:
+        self.stream.synchronize()  # nothing of ours is left queued on the communicator
         self.comm.close()
 
 

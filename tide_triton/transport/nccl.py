@@ -211,6 +211,44 @@ def load(path: str | os.PathLike | None = None) -> NcclLibrary:
 _fallback_logged = False
 
 
+_pinned: set[int] = set()
+
+
+def _pin_primary_context(device_index: int) -> None:
+    """Retain the device's primary context (torch's) once more, for the life of the process.
+    On the H200 with NCCL 2.32.3 and several ranks per GPU, every process that destroyed its
+    communicators then failed in torch with ``cudaErrorContextIsDestroyed``; an extra retain
+    keeps the context alive whatever NCCL releases (our reading of the symptom: not proven)."""
+    if device_index in _pinned:
+        return
+    from .driver import check, init
+
+    cu = init()
+    dev = check(cu.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
+    check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device_index})")
+    _pinned.add(device_index)
+
+
+class _same_current_context:
+    """The calling thread's current CUDA context is the same after the block as before it
+    (NCCL may leave another one current)."""
+
+    def __enter__(self) -> "_same_current_context":
+        from .driver import check, init
+
+        self._cu = init()
+        self._ctx = check(self._cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from .driver import check
+
+        now = check(self._cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(now) != int(self._ctx):
+            log.warning("NCCL changed the thread's current CUDA context; restoring it")
+            check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+
 class NcclComm:
     """A communicator over ``members`` (global ranks, e.g. one rail), made collectively by
     every member: the first member's unique id travels through ``exchange`` (an all-gather
@@ -236,7 +274,9 @@ class NcclComm:
         uid = NcclUniqueId.from_buffer_copy(uid_bytes)
         import torch
 
-        with torch.cuda.device(device_index):
+        self.device_index = device_index
+        _pin_primary_context(device_index)
+        with torch.cuda.device(device_index), _same_current_context():
             lib.check(lib.fn("ncclCommInitRank")(C.byref(self._comm), len(self.members), uid, self.index),
                       f"ncclCommInitRank(members={self.members}, index={self.index})")
         self._closed = False
@@ -298,10 +338,11 @@ class NcclComm:
                 code = dereg(self._comm, win)
                 if code:
                     log.warning("ncclCommWindowDeregister failed (ncclResult %d)", code)
-        code = self.lib.fn("ncclCommDestroy")(self._comm)
-        if code:
-            log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
-            self.lib.fn("ncclCommAbort")(self._comm)
+        with _same_current_context():
+            code = self.lib.fn("ncclCommDestroy")(self._comm)
+            if code:
+                log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
+                self.lib.fn("ncclCommAbort")(self._comm)
 
     def __enter__(self) -> "NcclComm":
         return self
