@@ -251,7 +251,7 @@ class NcclInterNode:
     """The cross-node hop over NCCL for CUDA tensors: this rank's rail (the ranks with its
     local index, one per node) is one communicator, made from a unique id exchanged through
     the group; ``sendrecv`` enqueues one NCCL group of ``ncclSend`` / ``ncclRecv`` on the
-    node-local transport's copy stream, after the node-local work before it and before the
+    group's side stream (where the executor runs), after the node-local work before it and before the
     additions after it (stream order, no host wait).  Every piece of a message goes as its
     own send, split at ``chunk_bytes``: the sender's and the receiver's pieces are built from
     the same plan runs, so they pair one to one, in order, as NCCL matches them.  NCCL's
@@ -268,7 +268,7 @@ class NcclInterNode:
         self.rail = tuple(m * L + g.rank % L for m in range(N))
         self.lib = nccl.load(g.options.nccl_library)
         self.comm = nccl.NcclComm(self.lib, self.rail, g.rank, g.exchange, device_index=t.device.index)
-        self.stream = t.copy_stream
+        self.stream = g.side_stream(t.device)  # the stream _Order runs the collective on
         self.chunk_bytes = g.options.chunk_bytes
         self.bytes_sent = self.bytes_received = self.chunks_sent = 0
 
@@ -355,32 +355,63 @@ def stats(group: Group, device: object = "cpu") -> dict:
             "bytes_received": st.net.bytes_received, "chunks_sent": st.net.chunks_sent}
 
 
+class _OnStream:
+    """The transport with every copy, signal and wait on ``stream``."""
+
+    def __init__(self, t: object, stream: object) -> None:
+        self.t, self.stream = t, stream
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.t, name)
+
+    def copy(self, *a: object, **k: object) -> None:
+        self.t.copy(*a, stream=self.stream, **k)
+
+    def signal(self, *a: object, **k: object) -> None:
+        self.t.signal(*a, stream=self.stream, **k)
+
+    def signal_all(self, *a: object, **k: object) -> None:
+        self.t.signal_all(*a, stream=self.stream, **k)
+
+    def wait(self, *a: object, **k: object) -> None:
+        self.t.wait(*a, stream=self.stream, **k)
+
+    def wait_all(self, *a: object, **k: object) -> None:
+        self.t.wait_all(*a, stream=self.stream, **k)
+
+
 class _Order:
     """Where the collective's work goes.  Host: everything is synchronous, in program order.
     CUDA: everything -- node-local copies and flags, the Triton sums, the NCCL groups -- goes
-    on the node-local transport's copy stream in program order, after the work already on
-    ``stream`` (default: the current stream); then ``stream`` waits for it, or, with
-    ``async_op``, the returned :class:`Work` carries an event (the caller keeps the tensors
-    alive until ``wait()``)."""
+    on the group's side stream (a torch stream, :meth:`Group.side_stream`) in program order,
+    after the work already on ``stream`` (default: the current stream); then ``stream`` waits
+    for it, or, with ``async_op``, the returned :class:`Work` carries an event (the caller
+    keeps the tensors alive until ``wait()``).  Not the transport's own copy stream: torch
+    work on it (allocations, kernel tables) would be recorded against a stream the transport
+    destroys at close, and torch's allocator then fails freeing those blocks (seen on the
+    H200 as ``cudaErrorContextIsDestroyed`` after ``Group.close()``)."""
 
-    def __init__(self, t: object, device: torch.device, stream: object, async_op: bool) -> None:
+    def __init__(self, g: Group, t: object, device: torch.device, stream: object, async_op: bool) -> None:
         self.cuda = device.type == "cuda"
         self.async_op = async_op
+        self.t = t
         if self.cuda:
             self.user = stream if stream is not None else torch.cuda.current_stream(device)
-            t.fence_from(self.user)
-            self.ctx = torch.cuda.stream(t.copy_stream)
+            self.stream = g.side_stream(device)
+            self.stream.wait_stream(self.user)
+            self.t = _OnStream(t, self.stream)
+            self.ctx = torch.cuda.stream(self.stream)
         else:
             self.ctx = contextlib.nullcontext()
 
-    def finish(self, t: object) -> Work:
+    def finish(self) -> Work:
         if not self.cuda:
             return Work()
         if self.async_op:
             ev = torch.cuda.Event()
-            ev.record(t.copy_stream)
+            ev.record(self.stream)
             return Work(ev)
-        t.fence_to(self.user)
+        self.user.wait_stream(self.stream)
         return Work()
 
 
@@ -524,7 +555,8 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     prep = g.cached(key)
     if prep is None:
         prep = g.cache(key, _prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device))
-    order = _Order(t, device, stream, async_op)
+    order = _Order(g, t, device, stream, async_op)
+    t = order.t
     with order.ctx:
         if not accumulate:  # padding rows of padded shards become zero
             for x, k in zip(shards_l, layout.shard_numels(me)):
@@ -560,7 +592,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         g.rs_count = base + len(prep)
         st.calls["reduce_scatter"] += 1
         st.last = last
-    return order.finish(t)
+    return order.finish()
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -592,7 +624,8 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
                          max_inflight=g.options.inflight_chunks)
     rr = _RailRuns(layout, topo)
     last = {**{f"ag inter {k}": 0 for k in range(len(plan.node_rounds))}, "ag intra": 0}
-    order = _Order(t, device, stream, async_op)
+    order = _Order(g, t, device, stream, async_op)
+    t = order.t
     with order.ctx:
         # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
         real = layout.shard_numels(me)
@@ -653,4 +686,4 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
             t.signal_all(peers, [fm.ag_done(me)] * len(peers), [e] * len(peers))
         st.calls["all_gather"] += 1
         st.last = last
-    return order.finish(t)
+    return order.finish()

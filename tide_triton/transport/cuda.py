@@ -209,6 +209,8 @@ class CudaTransport:
     (errors swallowed) in ``__del__``.  Tensors from :meth:`heap_tensor` dangle after it.
     """
 
+    rank_offset = 0  # see __init__
+
     rank: int
     local_size: int
     n_flags: int

@@ -338,9 +338,14 @@ class NcclComm:
                 code = dereg(self._comm, win)
                 if code:
                     log.warning("ncclCommWindowDeregister failed (ncclResult %d)", code)
+        # Diagnostic switch (bench/NOTES.md): destroy (default) | abort | none (left to process exit).
+        how = os.environ.get("TIDE_TRITON_NCCL_CLOSE", "destroy")
+        if how == "none":
+            log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
+            return
         with _same_current_context():
-            code = self.lib.fn("ncclCommDestroy")(self._comm)
-            if code:
+            code = self.lib.fn("ncclCommAbort" if how == "abort" else "ncclCommDestroy")(self._comm)
+            if code and how != "abort":
                 log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
                 self.lib.fn("ncclCommAbort")(self._comm)
 
