@@ -211,24 +211,6 @@ def load(path: str | os.PathLike | None = None) -> NcclLibrary:
 _fallback_logged = False
 
 
-_pinned: set[int] = set()
-
-
-def _pin_primary_context(device_index: int) -> None:
-    """Retain the device's primary context (torch's) once more, for the life of the process.
-    On the H200 with NCCL 2.32.3 and several ranks per GPU, every process that destroyed its
-    communicators then failed in torch with ``cudaErrorContextIsDestroyed``; an extra retain
-    keeps the context alive whatever NCCL releases (our reading of the symptom: not proven)."""
-    if device_index in _pinned:
-        return
-    from .driver import check, init
-
-    cu = init()
-    dev = check(cu.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
-    check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device_index})")
-    _pinned.add(device_index)
-
-
 class _same_current_context:
     """The calling thread's current CUDA context is the same after the block as before it
     (NCCL may leave another one current)."""
@@ -275,7 +257,6 @@ class NcclComm:
         import torch
 
         self.device_index = device_index
-        _pin_primary_context(device_index)
         with torch.cuda.device(device_index), _same_current_context():
             lib.check(lib.fn("ncclCommInitRank")(C.byref(self._comm), len(self.members), uid, self.index),
                       f"ncclCommInitRank(members={self.members}, index={self.index})")
