@@ -211,26 +211,6 @@ def load(path: str | os.PathLike | None = None) -> NcclLibrary:
 _fallback_logged = False
 
 
-class _same_current_context:
-    """The calling thread's current CUDA context is the same after the block as before it
-    (NCCL may leave another one current)."""
-
-    def __enter__(self) -> "_same_current_context":
-        from .driver import check, init
-
-        self._cu = init()
-        self._ctx = check(self._cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from .driver import check
-
-        now = check(self._cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(now) != int(self._ctx):
-            log.warning("NCCL changed the thread's current CUDA context; restoring it")
-            check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-
-
 class NcclComm:
     """A communicator over ``members`` (global ranks, e.g. one rail), made collectively by
     every member: the first member's unique id travels through ``exchange`` (an all-gather
@@ -257,7 +237,7 @@ class NcclComm:
         import torch
 
         self.device_index = device_index
-        with torch.cuda.device(device_index), _same_current_context():
+        with torch.cuda.device(device_index):
             lib.check(lib.fn("ncclCommInitRank")(C.byref(self._comm), len(self.members), uid, self.index),
                       f"ncclCommInitRank(members={self.members}, index={self.index})")
         self._closed = False
@@ -324,11 +304,10 @@ class NcclComm:
         if how == "none":
             log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
             return
-        with _same_current_context():
-            code = self.lib.fn("ncclCommAbort" if how == "abort" else "ncclCommDestroy")(self._comm)
-            if code and how != "abort":
-                log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
-                self.lib.fn("ncclCommAbort")(self._comm)
+        code = self.lib.fn("ncclCommAbort" if how == "abort" else "ncclCommDestroy")(self._comm)
+        if code and how != "abort":
+            log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
+            self.lib.fn("ncclCommAbort")(self._comm)
 
     def __enter__(self) -> "NcclComm":
         return self
