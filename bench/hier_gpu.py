@@ -5,11 +5,12 @@
 
 One process per rank, all on GPU 0 (NCCL >= 2.30 for several ranks per GPU).  ``--local-size``
 consecutive ranks form a "node": they share a node-local CUDA transport (VMM heaps, copy
-engines, stream-memory flags); the rails cross "nodes" through NCCL (grouped ncclSend /
-ncclRecv).  Per collective: median wall time of ``--iters`` calls (each ended by
+engines, stream-memory flags); the rails cross "nodes" through NCCL: ``--inter-node
+put_signal`` (one-sided ncclPutSignal into landing rings, copy engines, no SMs), ``send_recv``
+(grouped ncclSend / ncclRecv, NCCL's kernels) or ``auto``.  Per collective: median wall time of ``--iters`` calls (each ended by
 ``tide_triton.synchronize`` and a barrier), bytes this rank sent across nodes per round
-(``hier_collectives.stats``, what the plans predict), and from one profiled reduce-scatter the
-device time of NCCL's kernels (the inter-node hop, on SMs) and of tide_triton's sums.
+(``hier_collectives.stats``, what the plans predict), and from one profiled call the device
+time of NCCL's kernels (the inter-node hop's SM time) and of tide_triton's kernels.
 Rank 0 prints one row per collective and appends them to ``--json``.
 """
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ring-bytes", type=int, default=256 << 20)
     ap.add_argument("--chunk-bytes", type=int, default=64 << 20)
+    ap.add_argument("--inter-node", default="auto", choices=["auto", "put_signal", "send_recv"])
+    ap.add_argument("--inflight-chunks", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     g = tt.init(local_size=args.local_size, ring_bytes=args.ring_bytes, chunk_bytes=args.chunk_bytes,
-                agree="first", timeout_s=300)
+                inflight_chunks=args.inflight_chunks, inter_node=args.inter_node, agree="first", timeout_s=300)
     shapes = layer_shapes(args.model)
     layout = tt.ShardLayout(shapes, W)
     gen = torch.Generator(device=dev).manual_seed(rank)
@@ -88,29 +91,30 @@ def main(argv=None) -> int:
             call()
             tt.synchronize(g)
             times.append(time.perf_counter() - t0)
-        last = hc.stats(g, "cuda")["last"]
-        prof = {}
-        if name.startswith("reduce"):
-            from torch.profiler import ProfilerActivity, profile
+        st = hc.stats(g, "cuda")
+        last = st["last"]
+        from torch.profiler import ProfilerActivity, profile
 
-            dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                call()
-                tt.synchronize(g)
-            prof = _kernel_us(p)
-        mine = {"ms": 1e3 * statistics.median(times), "last": last, **prof}
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            call()
+            tt.synchronize(g)
+        prof = _kernel_us(p)
+        mine = {"ms": 1e3 * statistics.median(times), "last": last, "inter_node": st["inter_node"], **prof}
         got = [None] * W
         dist.all_gather_object(got, mine)
         if rank == 0:
             inter = max(sum(v for k, v in r["last"].items() if "inter" in k) for r in got)
-            row = {"script": "hier_gpu", "collective": name, "model": args.model, "world_size": W,
+            row = {"script": "hier_gpu", "collective": name, "inter_node": got[0]["inter_node"],
+                   "chunk_bytes": args.chunk_bytes, "inflight_chunks": args.inflight_chunks, "model": args.model, "world_size": W,
                    "local_size": args.local_size, "nodes": W // args.local_size, "ms": max(r["ms"] for r in got),
                    "inter_node_bytes_per_rank_max": inter, "ranks": got,
                    "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"), **env_info(dev)}
             rows.append(row)
             nccl_ms = max(r.get("nccl_us", 0.0) for r in got) / 1e3
             tide_ms = max(r.get("tide_us", 0.0) for r in got) / 1e3
-            print(f"| {args.model} | {W // args.local_size} x {args.local_size} | {name} | {row['ms']:.2f} | "
+            print(f"| {args.model} | {W // args.local_size} x {args.local_size} | {row['inter_node']}"
+                  f"{' (socket)' if row['nccl_p2p_disable'] == '1' else ''} | {name} | {row['ms']:.2f} | "
                   f"{inter / 2**20:.1f} | {nccl_ms:.2f} | {tide_ms:.2f} |", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "a") as f:
@@ -122,8 +126,8 @@ def main(argv=None) -> int:
     return 0
 
 
-HEADER = ("| model | nodes x local | collective | ms (rank max) | sent across nodes / rank (MiB) | "
-          "NCCL kernels (ms, one RS) | tide kernels (ms, one RS) |\n|---|---|---|---|---|---|---|")
+HEADER = ("| model | nodes x local | inter-node hop | collective | ms (rank max) | sent across nodes / rank (MiB) | "
+          "NCCL kernels = hop SM time (ms, one call) | tide kernels (ms, one call) |\n|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
     if "--header" in sys.argv:

@@ -1,7 +1,7 @@
 """Declared topologies on the GPU (skipped without CUDA and an NCCL that runs several ranks
 on one GPU): every process drives one rank on the one GPU, each node's ranks share a
 node-local CUDA transport (VMM heaps, copy engines, stream-memory flags) and the rails talk
-through NCCL (grouped ncclSend / ncclRecv).  The checks are tests/test_hier_host.py's, bit
+through NCCL: one-sided ncclPutSignal into landing rings, or grouped ncclSend / ncclRecv.  The checks are tests/test_hier_host.py's, bit
 for bit (integer-valued bf16), with the plans' byte counts per round.
 
 Run on the H200 with NCCL >= 2.30 in place of torch's (bench/NOTES.md) and
@@ -43,26 +43,39 @@ def _nccl_problem(world_size: int) -> str | None:
     return None
 
 
-def _child(rank: int, W: int, local: int) -> dict:
+def _child(rank: int, W: int, local: int, inter_node: str) -> dict:
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    out = _hier(None, rank, W, local, 11 + W, device="cuda")
+    out = _hier(None, rank, W, local, 11 + W, device="cuda", inter_node=inter_node)
     out.pop("shm_left", None)
     return out
 
 
-CASES = [(2, 2, "default"), (4, 2, "default"), (2, 2, "socket")]  # nodes, local, NCCL transports
+# nodes, local ranks, NCCL's transports (default: its intra-node paths; socket: P2P and SHM
+# off, so send/recv crosses NCCL's socket network transport), the inter-node hop asked for
+CASES = [(2, 2, "default", "put_signal"), (3, 2, "default", "put_signal"), (4, 2, "default", "put_signal"),
+         (2, 2, "default", "send_recv"), (4, 2, "default", "send_recv"), (2, 2, "socket", "send_recv"),
+         (2, 2, "socket", "auto")]
 
 
-@pytest.mark.parametrize("nodes, local, net", CASES, ids=[f"{n}x{l}-{t}" for n, l, t in CASES])
-def test_declared_topology_exact_on_gpu(nodes: int, local: int, net: str) -> None:
+@pytest.mark.parametrize("nodes, local, net, inter_node", CASES, ids=[f"{n}x{l}-{t}-{p}" for n, l, t, p in CASES])
+def test_declared_topology_exact_on_gpu(nodes: int, local: int, net: str, inter_node: str) -> None:
     W = nodes * local
     why = _nccl_problem(W)
     if why:
         pytest.skip(why)
+    from tide_triton.transport import nccl
+
+    if inter_node == "put_signal" and not nccl.load().features.rma_landing:
+        pytest.skip(f"NCCL {nccl.load().version} has no one-sided RMA with windows")
     env = {**MULTICAST_OFF, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
     if net == "socket":
         env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
-    out = run_multiprocess(_child, W, local, timeout=300, env=env)
+    out = run_multiprocess(_child, W, local, inter_node, timeout=300, env=env)
     assert sum(o["bytes_sent"] for o in out) == sum(o["bytes_received"] for o in out) > 0
     assert len({o["rs_count"] for o in out}) == 1
     assert all(o["chunks"] > 1 for o in out), "tiny wire chunks must split the messages"
+    paths = {o["inter_node"] for o in out}
+    assert len(paths) == 1, f"ranks took different inter-node paths: {paths}"
+    if inter_node != "auto":
+        assert paths == {inter_node}
+    print(f"{nodes}x{local} {net} inter_node={inter_node}: took {paths.pop()}")

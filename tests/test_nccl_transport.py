@@ -36,6 +36,12 @@ int ncclCommWindowRegister(void* c, void* b, size_t n, void** w, int f) { return
 int ncclCommWindowDeregister(void* c, void* w) { return 0; }
 int ncclPutSignal(const void* b, size_t n, int t, int p, void* w, size_t o, int s, int x, unsigned f, void* c, void* st) { return 0; }
 int ncclWaitSignal(int n, void* d, void* c, void* s) { return 0; }
+int ncclSignal(int p, int s, int x, unsigned f, void* c, void* st) { return 0; }
+#endif
+#ifdef MEM
+static char arena[4096];
+int ncclMemAlloc(void** p, size_t n) { *p = arena; return n <= sizeof(arena) ? 0 : 1; }
+int ncclMemFree(void* p) { return 0; }
 #endif
 """
 
@@ -49,7 +55,8 @@ def stubs(tmp_path_factory) -> dict[str, Path]:
     src = d / "stub.c"
     src.write_text(STUB)
     out = {}
-    for name, flags in {"plain": [], "one_sided": ["-DONE_SIDED"], "broken": ["-DNO_SEND"]}.items():
+    for name, flags in {"plain": [], "one_sided": ["-DONE_SIDED", "-DMEM"], "one_sided_nomem": ["-DONE_SIDED"],
+                        "broken": ["-DNO_SEND"]}.items():
         lib = d / f"libnccl_{name}.so"
         subprocess.run([cc, "-shared", "-fPIC", "-O1", *flags, "-o", str(lib), str(src)], check=True)
         out[name] = lib
@@ -78,18 +85,21 @@ def test_explicit_path_that_does_not_exist_is_an_error(tmp_path, monkeypatch) ->
         nccl.find_library()
 
 
-@pytest.mark.parametrize("lib, version, one_sided, windows, multi", [
-    ("plain", 22809, False, False, False),       # torch 2.11's NCCL: send/recv fallback
-    ("one_sided", 22809, False, True, False),    # symbols may exist before the version supports RMA
-    ("one_sided", 22902, True, True, False),
-    ("one_sided", 23203, True, True, True),
-    ("plain", 23203, False, False, True),        # new version, optional symbols missing
+@pytest.mark.parametrize("lib, version, one_sided, windows, multi, rma", [
+    ("plain", 22809, False, False, False, False),       # torch 2.11's NCCL: send/recv fallback
+    ("one_sided", 22809, False, True, False, False),    # symbols may exist before the version supports RMA
+    ("one_sided", 22902, True, True, False, True),
+    ("one_sided", 23203, True, True, True, True),
+    ("one_sided_nomem", 23203, True, True, True, False),  # no ncclMemAlloc: no landing ring
+    ("plain", 23203, False, False, True, False),        # new version, optional symbols missing
 ])
-def test_features_follow_version_and_symbols(stubs, monkeypatch, lib, version, one_sided, windows, multi) -> None:
+def test_features_follow_version_and_symbols(stubs, monkeypatch, lib, version, one_sided, windows, multi,
+                                             rma) -> None:
     monkeypatch.setenv("STUB_NCCL_VERSION", str(version))
     got = nccl.NcclLibrary(stubs[lib])
     assert got.version == (version // 10000, version // 100 % 100, version % 100)
-    assert (got.features.one_sided, got.features.windows, got.features.multi_rank_per_gpu) == (one_sided, windows, multi)
+    f = got.features
+    assert (f.one_sided, f.windows, f.multi_rank_per_gpu, f.rma_landing) == (one_sided, windows, multi, rma)
     assert got.found_by == "path argument"
     if lib == "plain":  # the optional entry point is absent: asking for it names it
         with pytest.raises(RuntimeError, match="has no ncclPutSignal"):

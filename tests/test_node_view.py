@@ -90,6 +90,64 @@ def test_nccl_internode_splits_pieces_in_order_and_counts() -> None:
     assert net.stream.synced and net.comm.calls[-1] == "closed", "close waits for the stream, then destroys"
 
 
+class _RmaComm:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def put_signal(self, src, nbytes, peer, window, offset, stream) -> None:
+        self.calls.append(("put", src, nbytes, peer, window, offset, stream))
+
+    def wait_signals(self, counts, stream) -> None:
+        self.calls.append(("wait", dict(counts), stream))
+
+    def signal(self, peer, stream) -> None:
+        self.calls.append(("signal", peer, stream))
+
+
+class _CopyTransport:
+    def __init__(self) -> None:
+        self.copies: list = []
+
+    def copy(self, dsts, srcs, sizes, *, stream) -> None:
+        self.copies.append((list(dsts), list(srcs), list(sizes), stream))
+
+
+def test_put_signal_internode_runs_the_landing_ring_program() -> None:
+    from tide_triton.hier_collectives import NcclPutSignalInterNode
+    from tide_triton.transport.rma_protocol import LandingRing
+
+    net = object.__new__(NcclPutSignalInterNode)  # no library, no GPU: only the translation
+    net.rank, net.rail, net.chunk_bytes, net.stream = 5, (1, 5, 9, 13), 100, _Stream()
+    net.comm, net.t, net.ring = _RmaComm(), _CopyTransport(), LandingRing(100, 2)
+    net.ring_addr, net.window, net.puts = 0x10000, "W", 0
+    net.bytes_sent = net.bytes_received = net.chunks_sent = 0
+    net.ring.base[2] = 1  # the first signal every rail peer sends at set-up
+    # rank 9 is rail index 2; 250 bytes each way in 100-byte chunks through 2 slots
+    net.sendrecv([(9, [(1000, 250)])], [(9, [(2000, 250)])], timeout_s=1.0)
+    s = 1234
+    assert net.comm.calls == [
+        ("signal", 2, s),                 # credit: my ring is free
+        ("wait", {2: 2}, s),              # the set-up signal and rank 9's credit
+        ("put", 1000, 100, 2, "W", 0, s), ("put", 1100, 100, 2, "W", 100, s),
+        ("wait", {2: 1}, s),              # its chunk 0 is in my slot 0
+        ("signal", 2, s),                 # slot 0 is free again (its chunk 2 reuses it)
+        ("wait", {2: 2}, s),              # its chunk 1 landed and it freed my chunk 0's slot
+        ("put", 1200, 50, 2, "W", 0, s),
+        ("wait", {2: 1}, s),              # its chunk 2
+    ]
+    assert net.t.copies == [([2000], [0x10000], [100], net.stream), ([2100], [0x10064], [100], net.stream),
+                            ([2200], [0x10000], [50], net.stream)]
+    assert (net.bytes_sent, net.bytes_received, net.chunks_sent, net.puts) == (250, 250, 3, 3)
+    assert net.ring.base[2] == 6 and net.ring.waited[2] == 6
+    with pytest.raises(ValueError, match=r"one peer per call, got ranks \[9, 13\]"):
+        net.sendrecv([(9, [(0, 4)]), (13, [(8, 4)])], [], timeout_s=1.0)
+    with pytest.raises(ValueError, match="recvs: rank 6 is not a rail peer of rank 5"):
+        net.sendrecv([], [(6, [(0, 4)])], timeout_s=1.0)
+    n = len(net.comm.calls)
+    net.sendrecv([(9, [(0, 0)])], [(13, [])], timeout_s=1.0)  # nothing to move: no operation
+    assert len(net.comm.calls) == n
+
+
 def test_cuda_several_nodes_single_process_mode_is_refused() -> None:
     import tide_triton as tt
 

@@ -79,6 +79,14 @@ class GroupOptions:
     inflight_chunks: int = 2
     """Across nodes: chunks a rank may have on the inter-node wire at once; the wire's
     buffers are ``inflight_chunks * chunk_bytes`` per rank, whatever the number of nodes."""
+    inter_node: str = "auto"
+    """Across nodes on CUDA, how bytes cross: ``"put_signal"`` -- NCCL's one-sided
+    ``ncclPutSignal`` into each rail peer's landing ring (a registered window of
+    ``inflight_chunks * chunk_bytes``), ``ncclWaitSignal`` to pace it; copy engines on NVLink,
+    NCCL's proxy on a network, no SMs.  ``"send_recv"`` -- grouped ``ncclSend`` / ``ncclRecv``
+    (NCCL's kernels: uses SMs).  ``"auto"``: put/signal where the NCCL library and every
+    rail support it, else send/recv (logged once).  ``"put_signal"`` where it is not
+    supported raises, naming the rank and why."""
     nccl_library: str | None = None
     """Across nodes on CUDA: the libnccl to load (else ``$TIDE_TRITON_NCCL_LIBRARY``, the
     nvidia-nccl wheel, the system's; see :mod:`tide_triton.transport.nccl`)."""
@@ -100,6 +108,8 @@ class GroupOptions:
         if isinstance(self.inflight_chunks, bool) or not isinstance(self.inflight_chunks, int) \
                 or self.inflight_chunks < 1:
             raise ValueError(f"inflight_chunks must be an int >= 1, got {self.inflight_chunks!r}")
+        if self.inter_node not in ("auto", "put_signal", "send_recv"):
+            raise ValueError(f'inter_node must be "auto", "put_signal" or "send_recv", got {self.inter_node!r}')
         if self.nccl_library is not None and not isinstance(self.nccl_library, str):
             raise TypeError(f"nccl_library must be None or a path (str), got {type(self.nccl_library).__name__}")
         if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -75,7 +76,9 @@ from .layout import ShardLayout
 from .schedule import peer_slot
 from .transport.base import PeerTimeoutError
 
-__all__ = ["InterNodeTransport", "HostInterNode", "NcclInterNode", "reduce_scatter", "all_gather", "extra_flags",
+log = logging.getLogger("tide_triton")
+
+__all__ = ["InterNodeTransport", "HostInterNode", "NcclInterNode", "NcclPutSignalInterNode", "reduce_scatter", "all_gather", "extra_flags",
            "stats"]
 
 Iov = Sequence[tuple[int, int]]
@@ -146,6 +149,8 @@ class HostInterNode:
     ready flag for this channel to the channel's chunk count.  The receiver finds the chunk
     by its header, copies it to its own destination addresses and writes ``g`` into the
     sender's free flag of that slot."""
+
+    path = "host"
 
     def __init__(self, t: object, rank: int, world_size: int, local_size: int, flag_base: int,
                  region_off: int, chunk_bytes: int, n_slots: int) -> None:
@@ -247,37 +252,43 @@ class HostInterNode:
 
 
 # --------------------------------------------------------------------------- per-group state
+def _rail(g: Group) -> tuple[int, ...]:
+    L = g.local_size
+    return tuple(m * L + g.rank % L for m in range(g.nodes))
+
+
 class NcclInterNode:
-    """The cross-node hop over NCCL for CUDA tensors: this rank's rail (the ranks with its
+    """The cross-node hop over NCCL's grouped ``ncclSend`` / ``ncclRecv`` (``inter_node=
+    "send_recv"``, and the fallback of ``"auto"``).  This rank's rail (the ranks with its
     local index, one per node) is one communicator, made from a unique id exchanged through
-    the group; ``sendrecv`` enqueues one NCCL group of ``ncclSend`` / ``ncclRecv`` on the
-    group's side stream (where the executor runs), after the node-local work before it and before the
-    additions after it (stream order, no host wait).  Every piece of a message goes as its
-    own send, split at ``chunk_bytes``: the sender's and the receiver's pieces are built from
-    the same plan runs, so they pair one to one, in order, as NCCL matches them.  NCCL's
-    send/recv kernels use SMs (one-sided ``ncclPutSignal`` into registered windows is the
-    SM-free path, not wired here yet).  NCCL operations have no timeout of their own: a peer
-    that never posts its side leaves the stream waiting, and :func:`tide_triton.synchronize`
-    reports it as GPU work still busy after the group's timeout."""
+    the group; ``sendrecv`` enqueues one NCCL group on the group's side stream (where the
+    executor runs), after the node-local work before it and before the additions after it
+    (stream order, no host wait).  Every piece of a message goes as its own send, split at
+    ``chunk_bytes``: the sender's and the receiver's pieces are built from the same plan
+    runs, so they pair one to one, in order, as NCCL matches them.  NCCL's send/recv kernels
+    use SMs.  NCCL operations have no timeout of their own: a peer that never posts its side
+    leaves the stream waiting, and :func:`tide_triton.synchronize` reports it as GPU work
+    still busy after the group's timeout."""
 
-    def __init__(self, g: Group, t: object) -> None:
-        from .transport import nccl
+    path = "send_recv"
 
-        L, N = g.local_size, g.nodes
+    def __init__(self, g: Group, t: object, comm: object) -> None:
         self.rank = g.rank
-        self.rail = tuple(m * L + g.rank % L for m in range(N))
-        self.lib = nccl.load(g.options.nccl_library)
-        self.comm = nccl.NcclComm(self.lib, self.rail, g.rank, g.exchange, device_index=t.device.index)
+        self.rail = _rail(g)
+        self.comm = comm
         self.stream = g.side_stream(t.device)  # the stream _Order runs the collective on
         self.chunk_bytes = g.options.chunk_bytes
         self.bytes_sent = self.bytes_received = self.chunks_sent = 0
 
+    def _index(self, peer: int, name: str) -> int:
+        if peer == self.rank or peer not in self.rail:
+            raise ValueError(f"{name}: rank {peer} is not a rail peer of rank {self.rank} (rail {self.rail})")
+        return self.rail.index(peer)
+
     def _ops(self, msgs: Sequence[Message], name: str) -> tuple[list[tuple[int, int, int]], int]:
         ops, total, cb = [], 0, self.chunk_bytes
         for peer, iov in msgs:
-            if peer == self.rank or peer not in self.rail:
-                raise ValueError(f"{name}: rank {peer} is not a rail peer of rank {self.rank} (rail {self.rail})")
-            idx = self.rail.index(peer)
+            idx = self._index(peer, name)
             for addr, n in iov:
                 for o in range(0, n, cb):
                     ops.append((addr + o, min(cb, n - o), idx))
@@ -297,6 +308,115 @@ class NcclInterNode:
     def close(self) -> None:
         self.stream.synchronize()  # nothing of ours is left queued on the communicator
         self.comm.close()
+
+
+class NcclPutSignalInterNode(NcclInterNode):
+    """The cross-node hop over NCCL's one-sided RMA (``inter_node="put_signal"``, and
+    ``"auto"`` where supported): every rank owns a landing ring, a registered window of
+    ``inflight_chunks`` slots of ``chunk_bytes`` (``ncclMemAlloc``: one physical segment),
+    and a message moves chunk by chunk under
+    :mod:`~tide_triton.transport.rma_protocol`'s program -- ``ncclPutSignal`` of each piece
+    into the receiver's slot, ``ncclWaitSignal`` for the chunk, a copy-engine copy out of the
+    slot into the receiver's own destinations (the node-local transport's ``copy``), and
+    ``ncclSignal`` back when the slot is free.  All of it is enqueued on the side stream;
+    nothing runs on SMs (NCCL moves RMA on copy engines inside an NVLink domain and through
+    its proxy on a network).  Staging: the ring, whatever the message or the number of nodes.
+    As with send/recv, waits on peers have no timeout of their own (see the base class)."""
+
+    path = "put_signal"
+
+    def __init__(self, g: Group, t: object, comm: object, ring_addr: int, window: object) -> None:
+        from .transport.rma_protocol import LandingRing
+
+        super().__init__(g, t, comm)
+        self.t = t
+        self.ring = LandingRing(g.options.chunk_bytes, g.options.inflight_chunks)
+        self.ring_addr, self.window = ring_addr, window
+        self.puts = 0
+
+    def _one(self, msgs: Sequence[Message], name: str) -> tuple[int, Iov] | None:
+        live = [(p, iov) for p, iov in msgs if any(n for _, n in iov)]
+        for p, _ in msgs:
+            self._index(p, name)
+        if len(live) > 1:
+            raise ValueError(f"{name}: the put/signal hop takes one peer per call, got ranks {[p for p, _ in live]}")
+        return (self._index(live[0][0], name), live[0][1]) if live else None
+
+    def sendrecv(self, sends: Sequence[Message], recvs: Sequence[Message], *, timeout_s: float,
+                 what: str = "") -> None:
+        send, recv = self._one(sends, "sends"), self._one(recvs, "recvs")
+        s = int(self.stream.cuda_stream)
+        comm, base = self.comm, self.ring_addr
+        for op in self.ring.program(send, recv):
+            kind = op[0]
+            if kind == "put":
+                _, peer, src, off, n = op
+                comm.put_signal(src, n, peer, self.window, off, s)
+                self.puts += 1
+            elif kind == "wait":
+                comm.wait_signals({op[1]: op[2]}, s)
+            elif kind == "signal":
+                comm.signal(op[1], s)
+            else:  # copy out of my ring
+                _, dsts, offs, sizes = op
+                self.t.copy(dsts, [base + o for o in offs], sizes, stream=self.stream)
+        if send:
+            k = sum(n for _, n in send[1])
+            self.bytes_sent += k
+            self.chunks_sent += -(-k // self.chunk_bytes)
+        if recv:
+            self.bytes_received += sum(n for _, n in recv[1])
+
+
+_fallback_logged = False
+
+
+def _nccl_net(g: Group, t: object) -> NcclInterNode:
+    """The rail communicator and the hop over it that ``g.options.inter_node`` asks for.
+    Collective over the group: every rank learns every other's obstacles to put/signal (the
+    library's features; allocating and registering the landing ring; a first signal to each
+    rail peer), so all of them take the same path."""
+    global _fallback_logged
+    from .transport import nccl
+
+    want = g.options.inter_node
+    lib = nccl.load(g.options.nccl_library)
+    comm = nccl.NcclComm(lib, _rail(g), g.rank, g.exchange, device_index=t.device.index)
+    if want == "send_recv":
+        return NcclInterNode(g, t, comm)
+    v = ".".join(map(str, lib.version))
+    why = None if lib.features.rma_landing else (
+        f"NCCL {v} ({lib.path}) lacks one-sided RMA with windows (ncclPutSignal/ncclWaitSignal/ncclSignal, "
+        f"ncclMemAlloc; NCCL >= 2.29.2)")
+    whys = g.exchange(why)
+    ring = None
+    if not any(whys):
+        o = g.options
+        try:
+            # whole VMM granules (2 MiB on current GPUs): NCCL maps windows by allocation
+            ring = comm.alloc_window(_round_up(o.chunk_bytes * o.inflight_chunks, 2 << 20))
+            stream = int(g.side_stream(t.device).cuda_stream)
+            for i in range(len(comm.members)):
+                if i != comm.index:
+                    comm.signal(i, stream)  # a first signal: RMA works between us (counted below)
+        except nccl.NcclError as e:
+            why = f"NCCL {v}: {e}"
+        whys = g.exchange(why)
+    bad = next((r for r, w in enumerate(whys) if w), None)
+    if bad is not None:
+        if want == "put_signal":
+            comm.close()
+            raise RuntimeError(f'inter_node="put_signal" is not available: rank {bad}: {whys[bad]}')
+        if not _fallback_logged:
+            _fallback_logged = True
+            log.warning('tide_triton: inter_node="auto" falls back to ncclSend/ncclRecv (SMs): rank %d: %s',
+                        bad, whys[bad])
+        return NcclInterNode(g, t, comm)
+    net = NcclPutSignalInterNode(g, t, comm, ring[0], ring[1])
+    for i in range(len(comm.members)):  # the first signals are the peers' first events
+        if i != comm.index:
+            net.ring.base[i] = 1
+    return net
 
 
 @dataclass
@@ -333,7 +453,7 @@ def _state(g: Group, t: object) -> _State:
     if st is None:
         reg = _regions(g)
         if getattr(t, "device", torch.device("cpu")).type == "cuda":
-            net = NcclInterNode(g, t)
+            net = _nccl_net(g, t)
         else:
             net = HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags, reg.net_off,
                                 g.options.chunk_bytes, g.options.inflight_chunks)
@@ -346,12 +466,13 @@ def stats(group: Group, device: object = "cpu") -> dict:
     its last collective moved per round label -- ``"ag inter k"`` / ``"rs inter k"``: sent
     to the rail peer in round ``k`` (what :meth:`AllGatherPlan.sent_bytes` and
     :meth:`ReduceScatterPlan.sent_bytes` predict); ``"rs intra"``: gradient bytes pushed to
-    node peers; ``"ag intra"``: bytes read from node peers' rails."""
+    node peers; ``"ag intra"``: bytes read from node peers' rails.  ``"inter_node"``: how
+    bytes crossed -- ``"put_signal"`` or ``"send_recv"`` (NCCL), ``"host"`` (shared memory)."""
     t = group._transports.get(torch.device(device).type)
     st = group._extras.get(("hier", id(t))) if t is not None else None
     if st is None:
         return {"reduce_scatter": 0, "all_gather": 0, "last": {}}
-    return {**st.calls, "last": dict(st.last), "bytes_sent": st.net.bytes_sent,
+    return {**st.calls, "last": dict(st.last), "inter_node": st.net.path, "bytes_sent": st.net.bytes_sent,
             "bytes_received": st.net.bytes_received, "chunks_sent": st.net.chunks_sent}
 
 

@@ -20,6 +20,8 @@ Features, by runtime version *and* exported symbol:
 * ``windows`` (>= 2.27): ``ncclCommWindowRegister`` (``NCCL_WIN_COLL_SYMMETRIC``).  A window
   must be ONE physical cuMem segment (NCCL 2.32 refuses VAs backed by several), so windows
   are registered per heap segment, not over the whole heap.
+* ``rma_landing``: the above plus ``ncclSignal`` and ``ncclMemAlloc`` -- what the put/signal
+  inter-node hop (:mod:`tide_triton.transport.rma_protocol`) needs.
 * ``multi_rank_per_gpu`` (>= 2.30, with ``NCCL_MULTI_RANK_GPU_ENABLE=1``): several ranks on
   one GPU, how multi-node topologies are emulated on one H200.
 * Otherwise the fallback is grouped ``ncclSend`` / ``ncclRecv``, whose kernels use SMs: that
@@ -77,6 +79,9 @@ _OPTIONAL: dict[str, list[Any]] = {
     "ncclCommWindowDeregister": [_P, _P],
     "ncclPutSignal": [_P, C.c_size_t, C.c_int, C.c_int, _P, C.c_size_t, C.c_int, C.c_int, C.c_uint, _P, _P],
     "ncclWaitSignal": [C.c_int, C.POINTER(NcclWaitSignalDesc), _P, _P],
+    "ncclSignal": [C.c_int, C.c_int, C.c_int, C.c_uint, _P, _P],
+    "ncclMemAlloc": [C.POINTER(_P), C.c_size_t],
+    "ncclMemFree": [_P],
     "ncclGetLastError": [_P],
 }
 
@@ -131,6 +136,10 @@ class Features:
     one_sided: bool
     multi_rank_per_gpu: bool
 
+    rma_landing: bool
+    """Everything the put/signal inter-node hop uses: ``one_sided`` and ``windows``, plus
+    ``ncclSignal`` and ``ncclMemAlloc`` / ``ncclMemFree`` (its landing ring's memory)."""
+
 
 class NcclLibrary:
     """One loaded libnccl: its typed functions, runtime version and features."""
@@ -166,11 +175,11 @@ class NcclLibrary:
         self.version_code = int(v.value)
         self.version = _version_tuple(self.version_code)
         has = self._fn.__contains__
+        windows = self.version >= (2, 27, 0) and has("ncclCommWindowRegister")
+        one_sided = self.version >= (2, 29, 2) and has("ncclPutSignal") and has("ncclWaitSignal")
         self.features = Features(
-            windows=self.version >= (2, 27, 0) and has("ncclCommWindowRegister"),
-            one_sided=self.version >= (2, 29, 2) and has("ncclPutSignal") and has("ncclWaitSignal"),
-            multi_rank_per_gpu=self.version >= (2, 30, 0),
-        )
+            windows=windows, one_sided=one_sided, multi_rank_per_gpu=self.version >= (2, 30, 0),
+            rma_landing=windows and one_sided and has("ncclSignal") and has("ncclMemAlloc") and has("ncclMemFree"))
 
     def __repr__(self) -> str:
         v = ".".join(map(str, self.version))
@@ -228,6 +237,7 @@ class NcclComm:
         self._comm = _P()
         self._closed = True
         self._windows: list[Any] = []
+        self._memory: list[Any] = []
         uid_bytes = lib.unique_id() if self.index == 0 else None
         got = exchange(uid_bytes)
         uid_bytes = got[self.members[0]]
@@ -252,6 +262,28 @@ class NcclComm:
                        f"ncclCommWindowRegister({nbytes} bytes)")
         self._windows.append(win)
         return win
+
+    def alloc_window(self, nbytes: int) -> tuple[int, Any]:
+        """Collective over the members: ``nbytes`` of ``ncclMemAlloc`` memory (one physical
+        cuMem segment, as a window needs) registered as a symmetric window.  Returns
+        ``(address, window)``; :meth:`close` deregisters and frees it."""
+        import torch
+
+        ptr = _P()
+        with torch.cuda.device(self.device_index):
+            self.lib.check(self.lib.fn("ncclMemAlloc")(C.byref(ptr), nbytes), f"ncclMemAlloc({nbytes})")
+        try:
+            win = self.register_window(int(ptr.value), nbytes)
+        except BaseException:
+            self.lib.fn("ncclMemFree")(ptr)
+            raise
+        self._memory.append(ptr)
+        return int(ptr.value), win
+
+    def signal(self, peer: int, stream: int) -> None:
+        """Raise this rank's signal counter at ``peer`` by one (enqueued on ``stream``,
+        after everything before it there; no data)."""
+        self.lib.check(self.lib.fn("ncclSignal")(peer, 0, 0, 0, self._comm, _P(stream)), f"ncclSignal(peer={peer})")
 
     def put_signal(self, src: int, nbytes: int, peer: int, window: Any, offset: int, stream: int) -> None:
         """One-sided: ``nbytes`` from ``src`` into ``peer``'s copy of ``window`` at ``offset``,
@@ -299,6 +331,10 @@ class NcclComm:
                 code = dereg(self._comm, win)
                 if code:
                     log.warning("ncclCommWindowDeregister failed (ncclResult %d)", code)
+        while self._memory:
+            code = self.lib.fn("ncclMemFree")(self._memory.pop())
+            if code:
+                log.warning("ncclMemFree failed (ncclResult %d)", code)
         # Diagnostic switch (bench/NOTES.md): destroy (default) | abort | none (left to process exit).
         how = os.environ.get("TIDE_TRITON_NCCL_CLOSE", "destroy")
         if how == "none":
