@@ -272,11 +272,11 @@ class NcclComm:
         ptr = _P()
         with torch.cuda.device(self.device_index):
             self.lib.check(self.lib.fn("ncclMemAlloc")(C.byref(ptr), nbytes), f"ncclMemAlloc({nbytes})")
-        try:
-            win = self.register_window(int(ptr.value), nbytes)
-        except BaseException:
-            self.lib.fn("ncclMemFree")(ptr)
-            raise
+            try:
+                win = self.register_window(int(ptr.value), nbytes)
+            except BaseException:
+                self.lib.fn("ncclMemFree")(ptr)
+                raise
         self._memory.append(ptr)
         return int(ptr.value), win
 
