@@ -5,7 +5,7 @@
 # rows for each hop and NCCL's flat FSDP2 path over the same emulation.  ~8 minutes.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export PYTHONFAULTHANDLER=1 NCCL_MULTI_RANK_GPU_ENABLE=1
+export PYTHONFAULTHANDLER=1 NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 lib=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2
 if ls /tmp/nccl/libnccl.xz.part.* >/dev/null 2>&1; then
   [ -f /tmp/nccl/libnccl.so.2 ] || cat /tmp/nccl/libnccl.xz.part.* | xz -d > /tmp/nccl/libnccl.so.2

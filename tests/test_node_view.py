@@ -119,24 +119,29 @@ def test_put_signal_internode_runs_the_landing_ring_program() -> None:
     net = object.__new__(NcclPutSignalInterNode)  # no library, no GPU: only the translation
     net.rank, net.rail, net.chunk_bytes, net.stream = 5, (1, 5, 9, 13), 100, _Stream()
     net.comm, net.t, net.ring = _RmaComm(), _CopyTransport(), LandingRing(100, 2)
-    net.ring_addr, net.window, net.puts = 0x10000, "W", 0
+    net.window_addr, net.window, net.puts = 0x10000, "W", 0
     net.bytes_sent = net.bytes_received = net.chunks_sent = 0
     net.ring.base[2] = 1  # the first signal every rail peer sends at set-up
-    # rank 9 is rail index 2; 250 bytes each way in 100-byte chunks through 2 slots
+    # rank 9 is rail index 2; 250 bytes each way in 100-byte chunks through 2 slots; the
+    # window is [landing ring 0..200 | send ring 200..400]
     net.sendrecv([(9, [(1000, 250)])], [(9, [(2000, 250)])], timeout_s=1.0)
-    s = 1234
+    s, W = 1234, 0x10000
     assert net.comm.calls == [
-        ("signal", 2, s),                 # credit: my ring is free
-        ("wait", {2: 2}, s),              # the set-up signal and rank 9's credit
-        ("put", 1000, 100, 2, "W", 0, s), ("put", 1100, 100, 2, "W", 100, s),
-        ("wait", {2: 1}, s),              # its chunk 0 is in my slot 0
-        ("signal", 2, s),                 # slot 0 is free again (its chunk 2 reuses it)
-        ("wait", {2: 2}, s),              # its chunk 1 landed and it freed my chunk 0's slot
-        ("put", 1200, 50, 2, "W", 0, s),
-        ("wait", {2: 1}, s),              # its chunk 2
+        ("signal", 2, s),                            # credit: my landing ring is free
+        ("wait", {2: 2}, s),                         # the set-up signal and rank 9's credit
+        ("put", W + 200, 100, 2, "W", 0, s),         # send slot 0 -> its landing slot 0
+        ("put", W + 300, 100, 2, "W", 100, s),
+        ("wait", {2: 1}, s),                         # its chunk 0 is in my landing slot 0
+        ("signal", 2, s),                            # slot 0 is free again (its chunk 2 reuses it)
+        ("wait", {2: 2}, s),                         # its chunk 1 landed and it freed my chunk 0's slot
+        ("put", W + 200, 50, 2, "W", 0, s),
+        ("wait", {2: 1}, s),                         # its chunk 2
     ]
-    assert net.t.copies == [([2000], [0x10000], [100], net.stream), ([2100], [0x10064], [100], net.stream),
-                            ([2200], [0x10000], [50], net.stream)]
+    st = net.stream
+    assert net.t.copies == [([W + 200], [1000], [100], st), ([W + 300], [1100], [100], st),  # packs
+                            ([2000], [W], [100], st),                                      # copy out
+                            ([W + 200], [1200], [50], st),                                 # pack chunk 2
+                            ([2100], [W + 100], [100], st), ([2200], [W], [50], st)]
     assert (net.bytes_sent, net.bytes_received, net.chunks_sent, net.puts) == (250, 250, 3, 3)
     assert net.ring.base[2] == 6 and net.ring.waited[2] == 6
     with pytest.raises(ValueError, match=r"one peer per call, got ranks \[9, 13\]"):

@@ -25,14 +25,14 @@ def test_cut_packs_pieces_and_splits_at_chunk_boundaries() -> None:
 
 
 def test_peer_events_positions() -> None:
-    # symmetric exchange, 3 chunks each way of 1 put, 2 slots: X sends credit, puts 0 1, then
+    # symmetric exchange, 3 chunks each way, 2 slots: X sends credit, puts 0 1, then
     # step 0: free 0 (my chunk 2 reuses slot 0), put 2; step 1: nothing more.
-    e = peer_events([1, 1, 1], [1, 1, 1], 2)
+    e = peer_events(3, 3, 2)
     assert e == {"credit": 1, "data": [2, 3, 5], "free": {0: 4}, "total": 5}
     # X only receives from me: a credit, then frees of the chunks that reuse a slot
-    assert peer_events([1] * 4, [], 1) == {"credit": 1, "data": [], "free": {0: 2, 1: 3, 2: 4}, "total": 4}
-    # X only sends to me, pieces per chunk counted
-    assert peer_events([], [2, 3], 4) == {"credit": None, "data": [2, 5], "free": {}, "total": 5}
+    assert peer_events(4, 0, 1) == {"credit": 1, "data": [], "free": {0: 2, 1: 3, 2: 4}, "total": 4}
+    # X only sends to me
+    assert peer_events(0, 2, 4) == {"credit": None, "data": [1, 2], "free": {}, "total": 2}
 
 
 class _Machine:
@@ -41,10 +41,10 @@ class _Machine:
     def __init__(self, world: int, chunk_bytes: int, n_slots: int, mem_bytes: int) -> None:
         self.world = world
         self.rings = [LandingRing(chunk_bytes, n_slots) for _ in range(world)]
-        self.ring_bytes = chunk_bytes * n_slots
+        self.ring_bytes = chunk_bytes * n_slots  # window: landing ring, then send ring
         self.mem = [bytearray(mem_bytes) for _ in range(world)]
-        self.win = [bytearray(self.ring_bytes) for _ in range(world)]
-        self.pending = [[] for _ in range(world)]  # (lo, hi) put into my ring, not yet copied out
+        self.win = [bytearray(2 * self.ring_bytes) for _ in range(world)]
+        self.pending = [[] for _ in range(world)]  # (lo, hi) put into my landing ring, not yet copied out
         self.count = {}  # (src, dst) -> signals src raised at dst
         self.waited = {}  # (me, peer) -> waited for so far (NCCL's running total)
         self.ops = [[] for _ in range(world)]
@@ -66,20 +66,29 @@ class _Machine:
             self.waited[(r, peer)] = target
         elif kind == "signal":
             self.count[(r, op[1])] = self.count.get((r, op[1]), 0) + 1
+        elif kind == "pack":
+            _, srcs, offs, sizes = op
+            for a, o, n in zip(srcs, offs, sizes):
+                assert self.ring_bytes <= o and o + n <= 2 * self.ring_bytes, "pack outside the send ring"
+                self.win[r][o:o + n] = self.mem[r][a:a + n]
         elif kind == "put":
-            _, peer, src, off, n = op
+            _, peer, so, off, n = op
+            assert self.ring_bytes <= so and so + n <= 2 * self.ring_bytes, "put from outside the send ring"
             assert 0 <= off and off + n <= self.ring_bytes, "put outside the landing ring"
             for lo, hi in self.pending[peer]:
                 assert hi <= off or off + n <= lo, f"rank {r} overwrote an unread chunk in rank {peer}'s ring"
-            self.win[peer][off:off + n] = self.mem[r][src:src + n]
+            self.win[peer][off:off + n] = self.win[r][so:so + n]
             self.pending[peer].append((off, off + n))
             self.count[(r, peer)] = self.count.get((r, peer), 0) + 1
         elif kind == "copy":
             _, dsts, offs, sizes = op
             for d, o, n in zip(dsts, offs, sizes):
-                assert (o, o + n) in self.pending[r], f"rank {r} copied out bytes that were never put"
-                self.pending[r].remove((o, o + n))
+                hit = [(lo, hi) for lo, hi in self.pending[r] if lo <= o and o + n <= hi]
+                assert hit, f"rank {r} copied out bytes that were never put"
                 self.mem[r][d:d + n] = self.win[r][o:o + n]
+                lo, hi = hit[0]
+                self.pending[r].remove((lo, hi))  # what is left of the chunk stays pending
+                self.pending[r] += [x for x in ((lo, o), (o + n, hi)) if x[0] < x[1]]
         self.ops[r].pop(0)
         return True
 

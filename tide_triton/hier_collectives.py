@@ -312,26 +312,28 @@ class NcclInterNode:
 
 class NcclPutSignalInterNode(NcclInterNode):
     """The cross-node hop over NCCL's one-sided RMA (``inter_node="put_signal"``, and
-    ``"auto"`` where supported): every rank owns a landing ring, a registered window of
-    ``inflight_chunks`` slots of ``chunk_bytes`` (``ncclMemAlloc``: one physical segment),
-    and a message moves chunk by chunk under
-    :mod:`~tide_triton.transport.rma_protocol`'s program -- ``ncclPutSignal`` of each piece
-    into the receiver's slot, ``ncclWaitSignal`` for the chunk, a copy-engine copy out of the
-    slot into the receiver's own destinations (the node-local transport's ``copy``), and
-    ``ncclSignal`` back when the slot is free.  All of it is enqueued on the side stream;
-    nothing runs on SMs (NCCL moves RMA on copy engines inside an NVLink domain and through
-    its proxy on a network).  Staging: the ring, whatever the message or the number of nodes.
-    As with send/recv, waits on peers have no timeout of their own (see the base class)."""
+    ``"auto"`` where supported).  NCCL moves RMA between registered windows only, so every
+    rank owns one window (``ncclMemAlloc``: one physical segment) holding a landing ring and
+    a send ring of ``inflight_chunks`` slots of ``chunk_bytes`` each, and a message moves chunk
+    by chunk under :mod:`~tide_triton.transport.rma_protocol`'s program: a copy-engine copy
+    packs the chunk's pieces into a send slot, ``ncclPutSignal`` puts the slot into the
+    receiver's landing slot, the receiver's ``ncclWaitSignal`` lets its stream go on, a copy
+    moves the chunk into its destinations, and ``ncclSignal`` frees the slot.  All of it is
+    enqueued on the side stream; nothing runs on SMs (NCCL moves RMA on copy engines inside
+    an NVLink domain and through its proxy on a network).  Staging: the window,
+    ``2 * inflight_chunks * chunk_bytes``, whatever the message or the number of nodes.  The
+    two local copies per chunk are the price of NCCL's window rule.  As with send/recv,
+    waits on peers have no timeout of their own (see the base class)."""
 
     path = "put_signal"
 
-    def __init__(self, g: Group, t: object, comm: object, ring_addr: int, window: object) -> None:
+    def __init__(self, g: Group, t: object, comm: object, window_addr: int, window: object) -> None:
         from .transport.rma_protocol import LandingRing
 
         super().__init__(g, t, comm)
         self.t = t
         self.ring = LandingRing(g.options.chunk_bytes, g.options.inflight_chunks)
-        self.ring_addr, self.window = ring_addr, window
+        self.window_addr, self.window = window_addr, window
         self.puts = 0
 
     def _one(self, msgs: Sequence[Message], name: str) -> tuple[int, Iov] | None:
@@ -346,18 +348,21 @@ class NcclPutSignalInterNode(NcclInterNode):
                  what: str = "") -> None:
         send, recv = self._one(sends, "sends"), self._one(recvs, "recvs")
         s = int(self.stream.cuda_stream)
-        comm, base = self.comm, self.ring_addr
+        comm, base = self.comm, self.window_addr
         for op in self.ring.program(send, recv):
             kind = op[0]
             if kind == "put":
-                _, peer, src, off, n = op
-                comm.put_signal(src, n, peer, self.window, off, s)
+                _, peer, src_off, dst_off, n = op
+                comm.put_signal(base + src_off, n, peer, self.window, dst_off, s)
                 self.puts += 1
             elif kind == "wait":
                 comm.wait_signals({op[1]: op[2]}, s)
             elif kind == "signal":
                 comm.signal(op[1], s)
-            else:  # copy out of my ring
+            elif kind == "pack":  # my pieces into my send ring
+                _, srcs, offs, sizes = op
+                self.t.copy([base + o for o in offs], srcs, sizes, stream=self.stream)
+            else:  # copy: out of my landing ring
                 _, dsts, offs, sizes = op
                 self.t.copy(dsts, [base + o for o in offs], sizes, stream=self.stream)
         if send:
@@ -393,8 +398,8 @@ def _nccl_net(g: Group, t: object) -> NcclInterNode:
     if not any(whys):
         o = g.options
         try:
-            # whole VMM granules (2 MiB on current GPUs): NCCL maps windows by allocation
-            ring = comm.alloc_window(_round_up(o.chunk_bytes * o.inflight_chunks, 2 << 20))
+            # landing + send ring, whole VMM granules (2 MiB on current GPUs)
+            ring = comm.alloc_window(_round_up(2 * o.chunk_bytes * o.inflight_chunks, 2 << 20))
             stream = int(g.side_stream(t.device).cuda_stream)
             for i in range(len(comm.members)):
                 if i != comm.index:

@@ -1,13 +1,18 @@
 """Paced one-sided transfers through a bounded landing ring: the program, no I/O.
 
-One-sided RMA (NCCL's ``ncclPutSignal`` / ``ncclSignal`` / ``ncclWaitSignal``) can only write
-into a peer's *registered window*; the destinations of the cross-node collectives are
-per-parameter storage and staging the caller allocated, which is not.  So each rank owns a
-small window, its **landing ring** of ``n_slots`` slots of ``chunk_bytes``, and a message
-moves chunk by chunk: the sender puts chunk ``c`` into slot ``c % n_slots`` of the receiver's
-ring, the receiver waits for it, copies it out to its own destinations (a local copy-engine
-copy) and frees the slot.  In-flight bytes per receiver are at most ``n_slots * chunk_bytes``
-whatever the message or the number of nodes.
+One-sided RMA (NCCL's ``ncclPutSignal`` / ``ncclSignal`` / ``ncclWaitSignal``) moves bytes
+between *registered windows* only -- the destination in the peer's window and, in NCCL 2.32,
+the source in one of the sender's own (``ncclDevrFindWindow`` on ``localbuff``; anything else
+is ``ncclInvalidArgument``).  The cross-node collectives' sources and destinations are
+per-parameter storage and staging the caller allocated, which are not windows.  So each
+rank owns one small window of two rings of ``n_slots`` slots of ``chunk_bytes``: a **send
+ring** and a **landing ring**.  A message moves chunk by chunk: the sender packs chunk ``c``'s
+pieces into send slot ``c % n_slots`` (a local copy-engine copy), puts the slot -- one
+contiguous put, one signal -- into landing slot ``c % n_slots`` of the receiver, the receiver
+waits for it, copies it out to its own destinations (a local copy) and frees the slot.
+In-flight bytes per receiver are at most ``n_slots * chunk_bytes`` whatever the message or
+the number of nodes.  A send slot is reused only after its put completed (stream order:
+"at PutSignal completion ``localbuff`` is reusable").
 
 Signals are counters, not flags: each put and each signal from rank X raises X's counter at
 the receiver by one, and a wait asks for "``k`` more than waited for so far" (NCCL keeps the
@@ -25,17 +30,16 @@ per call -- the cross-node plans exchange with one rail peer per round), ``n`` =
 
 1. if ``R``: **credit** to ``src`` (one signal): my ring is free (my stream has copied out
    everything it received before; a new sender must not write before that);
-2. prologue: wait for ``dst``'s credit, put chunks ``0 .. min(n, |S|)-1``;
+2. prologue: wait for ``dst``'s credit, pack and put chunks ``0 .. min(n, |S|)-1``;
 3. for ``j = 0, 1, ...``: (a) if ``j < |R|``: wait for chunk ``j``, copy it out, and -- if the
    sender will reuse that slot in this call (``j + n < |R|``) -- signal the slot **free**;
-   (b) if ``j + n < |S|``: wait for ``dst``'s free of chunk ``j``, put chunk ``j + n``.
+   (b) if ``j + n < |S|``: wait for ``dst``'s free of chunk ``j``, pack and put chunk ``j + n``.
 
 Deadlock-free for any send/receive pattern (every wait at step ``j`` names an event of step
 ``<= j`` whose own waits name earlier steps), and a put never lands on an unread chunk
-(checked exhaustively over interleavings by tests/test_rma_protocol.py).  Pieces of a
-message are put one by one (each put signals once); a chunk packs consecutive pieces, split
-at chunk boundaries, so both sides -- whose pieces have the same sizes, built from the same
-plan runs -- cut a message into the same chunks.
+(checked over random interleavings by tests/test_rma_protocol.py).  A chunk packs
+consecutive pieces, split at chunk boundaries, so both sides -- whose pieces have the same
+sizes, built from the same plan runs -- cut a message into the same chunks.
 """
 from __future__ import annotations
 
@@ -83,25 +87,24 @@ def cut(iov: Iov, chunk_bytes: int) -> list[Chunk]:
     return out
 
 
-def peer_events(n_to_peer: Sequence[int], n_from_peer: Sequence[int], n_slots: int) -> dict:
+def peer_events(n_to_peer: int, n_from_peer: int, n_slots: int) -> dict:
     """Where in peer X's signals to me each event I may wait for lies, for one ``sendrecv``.
 
-    ``n_to_peer``: puts per chunk of what I send to X (empty if nothing); ``n_from_peer``:
-    puts per chunk of what X sends me.  X's program (module docstring) raises my counter for
-    X: a credit if X receives from me; then its prologue puts to me; then per step ``j`` a
-    free of my chunk ``j`` (if ``j + n_slots < len(n_to_peer)``) and the puts of its chunk
-    ``j + n_slots``.  Returns ``{"credit": pos | None, "data": [pos per chunk X sends],
-    "free": {j: pos}, "total": signals X sends me in this call}``; ``pos`` counts signals from
-    the call's start, through the event."""
-    S, R, n = len(n_to_peer), len(n_from_peer), n_slots
+    ``n_to_peer``: chunks I send X; ``n_from_peer``: chunks X sends me.  X's program (module
+    docstring) raises my counter for X: a credit if X receives from me; then one per chunk
+    of its prologue puts to me; then per step ``j`` a free of my chunk ``j`` (if ``j + n_slots
+    < n_to_peer``) and its put of chunk ``j + n_slots``.  Returns ``{"credit": pos | None,
+    "data": [pos per chunk X sends], "free": {j: pos}, "total": signals X sends me in this
+    call}``; ``pos`` counts signals from the call's start, through the event."""
+    S, R, n = n_to_peer, n_from_peer, n_slots
     pos = 0
     credit = None
     if S:
         pos += 1
         credit = pos
     data: list[int] = []
-    for c in range(min(n, R)):
-        pos += n_from_peer[c]
+    for _ in range(min(n, R)):
+        pos += 1
         data.append(pos)
     free: dict[int, int] = {}
     for j in range(max(S, R)):
@@ -109,7 +112,7 @@ def peer_events(n_to_peer: Sequence[int], n_from_peer: Sequence[int], n_slots: i
             pos += 1
             free[j] = pos
         if j + n < R:
-            pos += n_from_peer[j + n]
+            pos += 1
             data.append(pos)
     return {"credit": credit, "data": data, "free": free, "total": pos}
 
@@ -117,13 +120,15 @@ def peer_events(n_to_peer: Sequence[int], n_from_peer: Sequence[int], n_slots: i
 class LandingRing:
     """One rank's side of the protocol over any number of calls: the running count of
     signals each peer has sent it (``base``) and of signals it has waited for (``waited``),
-    and :meth:`program`, which emits one call's operations:
+    and :meth:`program`, which emits one call's operations.  Offsets are in the rank's window
+    (``[landing ring | send ring]``, the same layout on every rank):
 
     * ``("signal", peer)`` -- raise my counter at ``peer`` (credit or free);
     * ``("wait", peer, k)`` -- wait for ``k`` more signals from ``peer`` than waited so far;
-    * ``("put", peer, src, offset, nbytes)`` -- ``nbytes`` from my ``src`` into ``peer``'s
-      ring at ``offset``, then a signal (one put per piece);
-    * ``("copy", dsts, offsets, sizes)`` -- from my ring at ``offsets`` to my ``dsts``.
+    * ``("pack", srcs, offsets, sizes)`` -- copy my pieces into my window (the send ring);
+    * ``("put", peer, src_offset, dst_offset, nbytes)`` -- ``nbytes`` from my window at
+      ``src_offset`` into ``peer``'s window at ``dst_offset``, then a signal;
+    * ``("copy", dsts, offsets, sizes)`` -- from my window (the landing ring) to my ``dsts``.
 
     Every emitted operation must be executed, in order (the ledger assumes it)."""
 
@@ -135,8 +140,9 @@ class LandingRing:
         self.waited: dict[int, int] = {}
 
     @property
-    def ring_bytes(self) -> int:
-        return self.chunk_bytes * self.n_slots
+    def window_bytes(self) -> int:
+        """The window: the landing ring, then the send ring."""
+        return 2 * self.chunk_bytes * self.n_slots
 
     def _wait(self, ops: list, peer: int, pos: int) -> None:
         target = self.base.get(peer, 0) + pos
@@ -152,20 +158,19 @@ class LandingRing:
         R = cut(recv[1], cb) if recv else []
         dst = send[0] if S else None
         src = recv[0] if R else None
-        ev = {}
-        for peer in {p for p in (dst, src) if p is not None}:
-            to = [len(c.pieces) for c in S] if peer == dst else []
-            frm = [len(c.pieces) for c in R] if peer == src else []
-            ev[peer] = peer_events(to, frm, n)
+        ev = {peer: peer_events(len(S) if peer == dst else 0, len(R) if peer == src else 0, n)
+              for peer in {p for p in (dst, src) if p is not None}}
         ops: list[tuple] = []
+        send_ring = n * cb
 
         def put(c: int) -> None:
             slot = (c % n) * cb
-            for addr, off, k in S[c].pieces:
-                ops.append(("put", dst, addr, slot + off, k))
+            ps = S[c].pieces
+            ops.append(("pack", [a for a, _, _ in ps], [send_ring + slot + o for _, o, _ in ps], [k for _, _, k in ps]))
+            ops.append(("put", dst, send_ring + slot, slot, S[c].nbytes))
 
         if R:
-            ops.append(("signal", src))  # credit: my ring is free
+            ops.append(("signal", src))  # credit: my landing ring is free
         for c in range(min(n, len(S))):
             if c == 0:
                 self._wait(ops, dst, ev[dst]["credit"])
