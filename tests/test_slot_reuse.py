@@ -228,3 +228,84 @@ def test_bad_staging_and_region_arguments_raise_on_every_rank() -> None:
         assert msgs[1].startswith("ValueError: nbytes must be an int >= 1"), msgs
         assert msgs[2].startswith("ValueError: device must be a CPU or CUDA device"), msgs
         assert msgs[3] == "heap region 'k' exists with 10 bytes, fewer than nbytes=11", msgs
+
+
+def _across_nodes(rank: int, W: int, L: int, delay: float) -> dict:
+    """Slot-Reuse with a declared topology of W / L nodes: the staged cross-node
+    reduce-scatter equals the ring one bit for bit, its staging goes through the region, the
+    all-gather block and the ring leave the region alone, and a node peer waits for the
+    owner's vacate (ranks of other nodes never write into it, so they do not wait)."""
+    import tide_triton as tt
+    from tide_triton import hier_collectives as hc
+    from tide_triton.layout import ShardLayout
+    try:
+        from test_hier_host import _ring_bytes
+    except ImportError:  # pragma: no cover
+        from tests.test_hier_host import _ring_bytes
+
+    ring = _ring_bytes(W, L)
+    g = tt.init(local_size=L, timeout_s=60, ring_bytes=ring, chunk_bytes=48)
+    out: dict = {}
+    shapes = _shape_sets(W)[0]
+    layout = ShardLayout(shapes, W)
+    small = g.heap_region("small", ring, "cpu")  # same size as the ring: several windows
+    big = g.heap_region("big", 2 * sum(layout.padded_shard_numels) * W * 2, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    grads_all = [[_int_tensor(s, gen) for s in shapes] for _ in range(W)]
+    mine = grads_all[rank]
+    for region, op, padded, accumulate in [(small, "sum", False, False), (small, 0.25, True, True),
+                                           (big, "avg", True, False)]:
+        prev = [_int_tensor(s, gen, torch.float32) for s in layout.shard_shapes(rank, padded=padded)]
+        ringed, staged = [x.clone() for x in prev], [x.clone() for x in prev]
+        tt.reduce_scatter(mine, ringed, op=op, accumulate=accumulate)
+        region.tensor(torch.uint8).fill_(_SENTINEL)
+        region.vacate()
+        tt.reduce_scatter(mine, staged, op=op, accumulate=accumulate, staging=region)
+        for p, (a, b) in enumerate(zip(ringed, staged)):
+            assert torch.equal(a, b), (region.key, op, padded, accumulate, p)
+        assert bool((region.tensor(torch.uint8) != _SENTINEL).any()), region.key
+    # the region is left alone by the all-gather block and by the ring
+    keep = big.tensor(torch.uint8).clone()
+    full = [torch.randn(s, generator=torch.Generator().manual_seed(99)) for s in shapes]
+    sh = [f[rank * c: rank * c + n].clone() for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(rank))]
+    params = [torch.empty(s) for s in shapes]
+    tt.all_gather(sh, params)
+    assert all(torch.equal(a, b) for a, b in zip(params, full))
+    tt.reduce_scatter(mine, [torch.empty(s) for s in layout.shard_shapes(rank)])
+    assert torch.equal(big.tensor(torch.uint8), keep), "a collective wrote into a named region"
+    # hand-over: rank L-1 (node 0) vacates late; its node peers wait, other nodes do not
+    owner = L - 1
+    big.tensor(torch.uint8).fill_(_SENTINEL)
+    if rank == owner:
+        def late() -> None:
+            time.sleep(delay)
+            out["untouched"] = bool((big.tensor(torch.uint8) == _SENTINEL).all())
+            big.vacate()
+        th = threading.Thread(target=late)
+        th.start()
+    else:
+        big.vacate()
+    shards = [torch.empty(s) for s in layout.shard_shapes(rank)]
+    t0 = time.monotonic()
+    tt.reduce_scatter(mine, shards, op="sum", staging=big)
+    out["took"] = time.monotonic() - t0
+    if rank == owner:
+        th.join()
+    for p, x in enumerate(shards):
+        c, n = layout.rows_per_rank[p], layout.shard_rows(rank)[p]
+        assert torch.equal(x, sum(ga[p].float() for ga in grads_all)[rank * c: rank * c + n])
+    out["uses"] = (small.uses, big.uses, big.vacated)
+    out["path"] = hc.stats(g)["inter_node"]
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("nodes, local", [(2, 2), (3, 2)])
+def test_slot_reuse_across_nodes(nodes: int, local: int) -> None:
+    W, delay = nodes * local, 1.0
+    out = run_multiprocess(_across_nodes, W, local, delay, timeout=240)
+    assert out[local - 1]["untouched"], "a node peer wrote into the owner's region before it was vacated"
+    for r, res in enumerate(out):
+        assert res["uses"] == (2, 2, 2) and res["path"] == "host", (r, res)
+        if r < local and r != local - 1:  # the owner's node peers waited for its vacate
+            assert res["took"] >= delay * 0.8, (r, res["took"])

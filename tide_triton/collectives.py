@@ -235,7 +235,13 @@ def reduce_scatter(
         sig = ("reduce_scatter", layout.shapes, dtype_name(gdt), dtype_name(sdt), repr(op), bool(accumulate), device.type)
         if staging is not None:
             _check_staging(g, staging, device)
-            ring_plan(layout, staging.nbytes, gdt.itemsize, g.options.stages)  # too small: ValueError
+            if g.nodes > 1:  # too small: ValueError
+                from .hier_schedule import ReduceScatterPlan
+
+                ReduceScatterPlan(layout, g.topology, ring_bytes=staging.nbytes, grad_bytes=gdt.itemsize,
+                                  wire_bytes=4, stages=g.options.stages)
+            else:
+                ring_plan(layout, staging.nbytes, gdt.itemsize, g.options.stages)
             sig += ((staging.key, staging.index, staging.offset, staging.nbytes),)
     except (TypeError, ValueError) as e:
         err = e
@@ -243,7 +249,7 @@ def reduce_scatter(
     if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
         from . import hier_collectives
         return hier_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
-                                               bool(accumulate), stream, async_op)
+                                               bool(accumulate), stream, async_op, staging)
 
     t = g.transport(device)
     es = gdt.itemsize

@@ -446,10 +446,20 @@ class _Regions:
 
 
 def _regions(g: Group) -> _Regions:
+    """Heap layout of the cross-node path: ``[flags | wire ring (host) | reduce-scatter ring |
+    named regions | all-gather block]`` (regions: :meth:`Group.heap_region`, placed past
+    :func:`fixed_end`; the all-gather block moves past them)."""
     o = g.options
     net_off = _round_up(g.n_flags * 8, 4096)
     rs_off = net_off + _round_up(HostInterNode.region_bytes(o.chunk_bytes, o.inflight_chunks), 4096)
-    return _Regions(net_off, rs_off, rs_off + _round_up(o.ring_bytes, 4096))
+    return _Regions(net_off, rs_off, max(rs_off + _round_up(o.ring_bytes, 4096), _round_up(g.heap_regions_end, 4096)))
+
+
+def fixed_end(g: Group) -> int:
+    """Where the cross-node path's fixed heap areas (flags, wire ring, reduce-scatter ring) end."""
+    o = g.options
+    r = _regions(g)
+    return r.rs_off + _round_up(o.ring_bytes, 4096)
 
 
 def _state(g: Group, t: object) -> _State:
@@ -664,20 +674,26 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
 
 def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.Tensor], layout: ShardLayout,
                    gdt: torch.dtype, sdt: torch.dtype, device: torch.device, scale: float | None,
-                   accumulate: bool, stream: object = None, async_op: bool = False) -> Work:
-    """The cross-node reduce-scatter (arguments already checked and agreed)."""
+                   accumulate: bool, stream: object = None, async_op: bool = False, staging=None) -> Work:
+    """The cross-node reduce-scatter (arguments already checked and agreed).  ``staging``: a
+    heap region (Slot-Reuse) that holds the windows' staging -- the node peers' pushes, the
+    partial sums and the receive slot -- instead of the group's ring; before the first push
+    into node peer ``d``'s copy this rank waits until ``d`` has vacated it once per use."""
     t = g.transport(device)
     topo = g.topology
     L, me = topo.local_size, g.rank
     n = me // L
-    plan = ReduceScatterPlan(layout, topo, ring_bytes=g.options.ring_bytes, grad_bytes=gdt.itemsize,
+    ring_bytes = staging.nbytes if staging is not None else g.options.ring_bytes
+    plan = ReduceScatterPlan(layout, topo, ring_bytes=ring_bytes, grad_bytes=gdt.itemsize,
                              wire_bytes=4, stages=g.options.stages)
     reg = _regions(g)
     t.ensure_heap(reg.ag_off)
+    if staging is not None:
+        reg = _Regions(reg.net_off, staging.offset, reg.ag_off)
     st = _state(g, t)
     gptrs = tuple(x.data_ptr() for x in grads_l)
     shard_ptrs = tuple(x.data_ptr() for x in shards_l)
-    key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, g.options.ring_bytes, g.options.stages)
+    key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, reg.rs_off, ring_bytes, g.options.stages)
     prep = g.cached(key)
     if prep is None:
         prep = g.cache(key, _prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device))
@@ -693,6 +709,11 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         net = st.net
         last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
         base = g.rs_count
+        if staging is not None:  # nobody writes into a node peer's region before it vacated it
+            e = staging._begin_staging()
+            t.wait_all([fm.vacated(staging.index, d) for d in peers], [e] * len(peers), peers=peers,
+                       timeout_s=timeout, what=f"rank {{peer}} to vacate staging region {staging.key!r} "
+                       f"(use {e}: its staging.vacate())")
         for w, (pushes, local, rounds, final) in enumerate(prep):
             s, v = w % S, base + w + 1
             if peers:
@@ -716,6 +737,8 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
                 add.launch(check_addresses=False)
             final.launch(scale=scale, accumulate=accumulate, check_addresses=False)
         g.rs_count = base + len(prep)
+        if staging is not None:
+            staging._staged(order.stream if order.cuda else None)
         st.calls["reduce_scatter"] += 1
         st.last = last
     return order.finish()

@@ -81,11 +81,14 @@ class HeapRegion:
     def vacate(self, stream: object = None) -> int:
         """Hand this rank's copy over to the peers' writes: every later use by this rank is
         done (on a GPU: enqueued before this point on ``stream``, default the current
-        stream).  Returns the epoch signalled.  Not collective."""
+        stream).  Signals the ranks of this rank's node (across nodes only they write into
+        it).  Returns the epoch signalled.  Not collective."""
         g = self.group
         t = g.transport(self.device)
         self.vacated += 1
-        peers = [r for r in range(g.world_size) if r != g.rank]
+        # the ranks that write into this rank's copy: its node's (regions live in node heaps)
+        first = g.rank - g.rank % g.local_size
+        peers = [r for r in range(first, first + g.local_size) if r != g.rank]
         slot = g.flags.vacated(self.index, g.rank)
         kw = {}
         if self.device.type == "cuda":
@@ -149,7 +152,12 @@ def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
     reg = _regions(g)
     # Past the ring, past every region, past whatever the heap holds now (an all-gather
     # block that a peer may still be reading): agreed, so every rank picks the same offset.
-    here = max(reg.ag_off, g.heap_regions_end, t.heap_nbytes())
+    fixed = reg.ag_off
+    if g.nodes > 1:  # the cross-node path lays its heap out differently
+        from .hier_collectives import fixed_end
+
+        fixed = max(fixed, fixed_end(g))
+    here = max(fixed, g.heap_regions_end, t.heap_nbytes())
     offset = _round_up(max(g.exchange(here)))
     end = _round_up(offset + nbytes)
     t.ensure_heap(end)
