@@ -1,0 +1,182 @@
+"""How ``hier_collectives._nccl_net`` picks the cross-node hop, without a GPU or NCCL.
+
+``load`` and ``NcclComm`` are replaced by fakes, and the ranks of a multi-node group run as
+threads of this process over a Barrier-based all-gather, so the decision is taken
+collectively as on a real rig.  Checked: ``inter_node="send_recv"`` never touches windows;
+``"auto"`` falls back to send/recv on every rank (and logs the rank at fault) when one rank's
+library lacks RMA or one rank's window registration fails; ``"put_signal"`` then raises on
+every rank, naming that rank, and closes the communicator; when everything works every rank
+gets the put/signal hop with a window of whole 2 MiB granules, a first signal to each other
+rail member (by rail index) and its landing ring's ledger counting those signals."""
+from __future__ import annotations
+
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from tide_triton import hier_collectives as hc
+from tide_triton.group import GroupOptions
+from tide_triton.transport import nccl
+
+CHUNK, INFLIGHT = 1_000_000, 3  # 2 * 3 MB = 6 MB of window -> 3 granules of 2 MiB
+WINDOW_BYTES = 3 << 21
+_here = threading.local()  # which rank the current thread plays
+
+
+class _World:
+    """The fakes' shared state: one all-gather over every rank, what each rank's comm did."""
+
+    def __init__(self, world: int, local: int, *, no_rma=(), bad_window=()) -> None:
+        self.world, self.local, self.no_rma, self.bad_window = world, local, set(no_rma), set(bad_window)
+        self.slots: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=5)
+        self.comms: dict[int, _FakeComm] = {}
+        self.loaded: list = []
+
+    def exchange(self, rank: int, obj: object) -> list:
+        self.slots[rank] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
+        return out
+
+    def load(self, path):
+        self.loaded.append(path)
+        return SimpleNamespace(version=(2, 32, 0), path="/fake/libnccl.so.2",
+                               features=SimpleNamespace(rma_landing=_here.rank not in self.no_rma))
+
+    def rail(self, rank: int) -> tuple[int, ...]:
+        return tuple(range(rank % self.local, self.world, self.local))
+
+
+class _FakeComm:
+    def __init__(self, lib, members, rank, exchange, *, device_index) -> None:
+        self.w = _here.world
+        self.members, self.rank, self.index = tuple(members), rank, tuple(members).index(rank)
+        self.device_index, self.windows, self.signals, self.closed = device_index, [], [], False
+        exchange(b"uid" if self.index == 0 else None)  # collective, as the real one
+        self.w.comms[rank] = self
+
+    def alloc_window(self, nbytes: int):
+        self.windows.append(nbytes)
+        if self.rank in self.w.bad_window:
+            raise nccl.NcclError("ncclCommWindowRegister", 5, "invalid usage")
+        return 0x7000_0000 + self.rank, "WIN"
+
+    def signal(self, peer: int, stream: int) -> None:
+        self.signals.append((peer, stream))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _run(monkeypatch, w: _World, inter_node: str) -> dict:
+    """``_nccl_net`` on every rank of ``w``, one thread each: rank -> hop or exception."""
+    monkeypatch.setattr(nccl, "load", w.load)
+    monkeypatch.setattr(nccl, "NcclComm", _FakeComm)
+    opts = GroupOptions(inter_node=inter_node, chunk_bytes=CHUNK, inflight_chunks=INFLIGHT)
+    t = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
+    out: dict = {}
+
+    def one(rank: int) -> None:
+        _here.rank, _here.world = rank, w
+        g = SimpleNamespace(rank=rank, local_size=w.local, nodes=w.world // w.local, options=opts,
+                            exchange=lambda obj: w.exchange(rank, obj),
+                            side_stream=lambda device: SimpleNamespace(cuda_stream=1234))
+        try:
+            out[rank] = hc._nccl_net(g, t)
+        except Exception as e:  # noqa: BLE001 -- the test looks at it
+            out[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(w.world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert sorted(out) == list(range(w.world)), "a rank did not finish"
+    assert w.loaded == [None] * w.world  # GroupOptions.nccl_library, on every rank
+    for r, c in w.comms.items():
+        assert c.members == w.rail(r) and c.device_index == 0
+    return out
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tide_triton" and r.levelno == logging.WARNING]
+
+
+def _assert_send_recv(w: _World, out: dict) -> None:
+    for r, net in out.items():
+        assert type(net) is hc.NcclInterNode and net.path == "send_recv", (r, net)
+        assert net.comm is w.comms[r] and not net.comm.closed
+        assert net.rail == w.rail(r) and net.stream.cuda_stream == 1234
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_send_recv_asked_touches_no_window(monkeypatch, caplog, world) -> None:
+    w = _World(world, 2, no_rma=[1])  # even a library without RMA: it is not asked for
+    out = _run(monkeypatch, w, "send_recv")
+    _assert_send_recv(w, out)
+    assert all(c.windows == [] and c.signals == [] for c in w.comms.values())
+    assert _warnings(caplog) == []
+
+
+def test_auto_falls_back_everywhere_when_one_library_lacks_rma(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(hc, "_fallback_logged", False)
+    w = _World(4, 2, no_rma=[3])
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        out = _run(monkeypatch, w, "auto")
+    _assert_send_recv(w, out)  # ranks 0..2 could have, but the decision is collective
+    assert all(c.windows == [] and c.signals == [] for c in w.comms.values())
+    msgs = _warnings(caplog)
+    assert msgs and all("rank 3:" in m and "lacks one-sided RMA" in m for m in msgs)
+
+
+def test_put_signal_refused_on_every_rank_naming_the_one_without_rma(monkeypatch) -> None:
+    w = _World(6, 2, no_rma=[1])
+    out = _run(monkeypatch, w, "put_signal")
+    for r, e in out.items():
+        assert isinstance(e, RuntimeError), (r, e)
+        assert 'inter_node="put_signal" is not available: rank 1: NCCL 2.32.0' in str(e)
+    assert all(c.closed and c.windows == [] for c in w.comms.values())
+
+
+def test_auto_falls_back_everywhere_when_one_window_fails(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(hc, "_fallback_logged", False)
+    w = _World(6, 2, bad_window=[4])
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        out = _run(monkeypatch, w, "auto")
+    _assert_send_recv(w, out)
+    assert all(c.windows == [WINDOW_BYTES] for c in w.comms.values())  # everyone tried
+    assert w.comms[4].signals == []  # the failing rank got no further
+    msgs = _warnings(caplog)
+    assert msgs and all("rank 4: NCCL 2.32.0: ncclCommWindowRegister failed" in m for m in msgs)
+
+
+def test_put_signal_refused_when_one_window_fails(monkeypatch) -> None:
+    w = _World(4, 2, bad_window=[2])
+    out = _run(monkeypatch, w, "put_signal")
+    assert all(isinstance(e, RuntimeError) and "rank 2: NCCL 2.32.0: ncclCommWindowRegister" in str(e)
+               for e in out.values()), out
+    assert all(c.closed for c in w.comms.values())
+
+
+@pytest.mark.parametrize("inter_node", ["auto", "put_signal"])
+@pytest.mark.parametrize("world", [4, 6])
+def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world) -> None:
+    monkeypatch.setattr(hc, "_fallback_logged", False)
+    w = _World(world, 2)
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        out = _run(monkeypatch, w, inter_node)
+    assert _warnings(caplog) == []
+    for r, net in out.items():
+        assert type(net) is hc.NcclPutSignalInterNode and net.path == "put_signal", (r, net)
+        c = net.comm
+        assert c is w.comms[r] and not c.closed and c.index == r // 2
+        assert c.windows == [WINDOW_BYTES]
+        assert (net.window_addr, net.window) == (0x7000_0000 + r, "WIN")
+        others = [i for i in range(world // 2) if i != c.index]  # rail indices, not ranks
+        assert c.signals == [(i, 1234) for i in others]
+        assert net.ring.base == {i: 1 for i in others}
+        assert (net.ring.chunk_bytes, net.ring.n_slots) == (CHUNK, INFLIGHT)
