@@ -566,6 +566,18 @@ def test_fsdp_matches_stock_and_reference(world_size: int) -> None:
     _check(out, world_size)
 
 
+def test_fsdp_across_declared_nodes() -> None:
+    """4 ranks declared as 2 nodes of 2 (LOCAL_WORLD_SIZE=2, as torchrun sets it): the
+    drop-in's groups take the cross-node path -- fp32 against stock FSDP2 and the unsharded
+    reference, and Slot-Reuse (the cross-node reduce-scatter staging in the heap slots)."""
+    out = run_multiprocess(_child, 4, "cpu", ("fp32", "slot"), timeout=400, env={"LOCAL_WORLD_SIZE": "2"})
+    print(f"W=4 as 2x2 scenario seconds (rank 0): {out[0]['_times']}")
+    _check(out, 4)
+    for res in out:
+        for case in (res["fp32"]["tide"], res["slot"]["slot"]):
+            assert all(st["nodes"] == 2 for st in case["stats"].values()), case["stats"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -28,8 +28,9 @@ _here = threading.local()  # which rank the current thread plays
 class _World:
     """The fakes' shared state: one all-gather over every rank, what each rank's comm did."""
 
-    def __init__(self, world: int, local: int, *, no_rma=(), bad_window=()) -> None:
+    def __init__(self, world: int, local: int, *, no_rma=(), bad_window=(), bad_alloc=(), asks=None) -> None:
         self.world, self.local, self.no_rma, self.bad_window = world, local, set(no_rma), set(bad_window)
+        self.bad_alloc, self.asks = set(bad_alloc), asks or {}
         self.slots: list = [None] * world
         self.barrier = threading.Barrier(world, timeout=5)
         self.comms: dict[int, _FakeComm] = {}
@@ -56,14 +57,22 @@ class _FakeComm:
         self.w = _here.world
         self.members, self.rank, self.index = tuple(members), rank, tuple(members).index(rank)
         self.device_index, self.windows, self.signals, self.closed = device_index, [], [], False
+        self.allocs: list = []
         exchange(b"uid" if self.index == 0 else None)  # collective, as the real one
         self.w.comms[rank] = self
 
-    def alloc_window(self, nbytes: int):
+    def mem_alloc(self, nbytes: int) -> int:
+        self.allocs.append(nbytes)
+        if self.rank in self.w.bad_alloc:
+            raise nccl.NcclError("ncclMemAlloc", 1, "unhandled cuda error")
+        return 0x7000_0000 + self.rank
+
+    def register_window(self, addr: int, nbytes: int):
+        assert addr == 0x7000_0000 + self.rank and self.allocs == [nbytes]
         self.windows.append(nbytes)
         if self.rank in self.w.bad_window:
             raise nccl.NcclError("ncclCommWindowRegister", 5, "invalid usage")
-        return 0x7000_0000 + self.rank, "WIN"
+        return "WIN"
 
     def signal(self, peer: int, stream: int) -> None:
         self.signals.append((peer, stream))
@@ -76,13 +85,15 @@ def _run(monkeypatch, w: _World, inter_node: str) -> dict:
     """``_nccl_net`` on every rank of ``w``, one thread each: rank -> hop or exception."""
     monkeypatch.setattr(nccl, "load", w.load)
     monkeypatch.setattr(nccl, "NcclComm", _FakeComm)
-    opts = GroupOptions(inter_node=inter_node, chunk_bytes=CHUNK, inflight_chunks=INFLIGHT)
+    def opts(rank: int) -> GroupOptions:
+        return GroupOptions(inter_node=w.asks.get(rank, inter_node), chunk_bytes=CHUNK, inflight_chunks=INFLIGHT)
+
     t = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
     out: dict = {}
 
     def one(rank: int) -> None:
         _here.rank, _here.world = rank, w
-        g = SimpleNamespace(rank=rank, local_size=w.local, nodes=w.world // w.local, options=opts,
+        g = SimpleNamespace(rank=rank, local_size=w.local, nodes=w.world // w.local, options=opts(rank),
                             exchange=lambda obj: w.exchange(rank, obj),
                             side_stream=lambda device: SimpleNamespace(cuda_stream=1234))
         try:
@@ -118,7 +129,7 @@ def test_send_recv_asked_touches_no_window(monkeypatch, caplog, world) -> None:
     w = _World(world, 2, no_rma=[1])  # even a library without RMA: it is not asked for
     out = _run(monkeypatch, w, "send_recv")
     _assert_send_recv(w, out)
-    assert all(c.windows == [] and c.signals == [] for c in w.comms.values())
+    assert all(c.windows == c.allocs == c.signals == [] for c in w.comms.values())
     assert _warnings(caplog) == []
 
 
@@ -180,3 +191,25 @@ def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world
         assert c.signals == [(i, 1234) for i in others]
         assert net.ring.base == {i: 1 for i in others}
         assert (net.ring.chunk_bytes, net.ring.n_slots) == (CHUNK, INFLIGHT)
+
+
+def test_auto_falls_back_before_any_registration_when_one_allocation_fails(monkeypatch, caplog) -> None:
+    # Registration is collective per rail: a rank whose memory allocation failed must not
+    # leave its rail peers inside ncclCommWindowRegister -- nobody registers.
+    monkeypatch.setattr(hc, "_fallback_logged", False)
+    w = _World(4, 2, bad_alloc=[1])
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        out = _run(monkeypatch, w, "auto")
+    _assert_send_recv(w, out)
+    assert all(c.allocs == [WINDOW_BYTES] and c.windows == [] and c.signals == [] for c in w.comms.values())
+    msgs = _warnings(caplog)
+    assert msgs and all("rank 1: NCCL 2.32.0: ncclMemAlloc failed" in m for m in msgs)
+
+
+def test_ranks_asking_for_different_hops_raise_everywhere(monkeypatch) -> None:
+    w = _World(4, 2, asks={2: "send_recv"})
+    out = _run(monkeypatch, w, "auto")
+    for r, e in out.items():
+        assert isinstance(e, ValueError) and "GroupOptions.inter_node differs between ranks" in str(e), (r, e)
+        assert ("rank 0 has 'auto'" in str(e)) if r == 2 else ("rank 2 has 'send_recv'" in str(e)), (r, e)
+    assert all(c.closed and c.windows == [] for c in w.comms.values())

@@ -619,7 +619,8 @@ def heap_bytes(module: nn.Module) -> int:
 
 def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
     """Per FSDP2 module inside ``module``: how many all-gathers and reduce-scatters
-    tide_triton has served since :func:`enable` (None for a module on the stock path)."""
+    tide_triton has served since :func:`enable` (None for a module on the stock path), and
+    the nodes of its group (more than one: the cross-node collectives)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     out: dict[str, dict[str, int] | None] = {}
@@ -629,7 +630,7 @@ def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
             out[name if len(groups) == 1 else f"{name}[{i}]"] = None if st is None else {
                 "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
                 "direct_accumulations": st.direct_accumulations,
-                "staged_reduce_scatters": st.staged_reduce_scatters}
+                "staged_reduce_scatters": st.staged_reduce_scatters, "nodes": st.group.nodes}
     return out
 
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -374,37 +375,54 @@ class NcclPutSignalInterNode(NcclInterNode):
 
 
 _fallback_logged = False
+_fallback_lock = threading.Lock()
 
 
 def _nccl_net(g: Group, t: object) -> NcclInterNode:
     """The rail communicator and the hop over it that ``g.options.inter_node`` asks for.
-    Collective over the group: every rank learns every other's obstacles to put/signal (the
-    library's features; allocating and registering the landing ring; a first signal to each
-    rail peer), so all of them take the same path."""
+    Collective over the group, in phases separated by exchanges so that every rank takes the
+    same path and none is left inside a collective NCCL call its peers never make: (1) every
+    rank's request and local obstacles -- the library's features, allocating its window
+    memory; (2) if none: registering the windows (collective per rail) and a first signal to
+    each rail peer.  ``"auto"`` falls back to send/recv when any rank has an obstacle
+    (logged once, naming it); ``"put_signal"`` raises on every rank, naming it."""
     global _fallback_logged
     from .transport import nccl
 
     want = g.options.inter_node
-    lib = nccl.load(g.options.nccl_library)
+    o = g.options
+    lib = nccl.load(o.nccl_library)
     comm = nccl.NcclComm(lib, _rail(g), g.rank, g.exchange, device_index=t.device.index)
+    v = ".".join(map(str, lib.version))
+    nbytes = _round_up(2 * o.chunk_bytes * o.inflight_chunks, 2 << 20)  # landing + send ring, whole granules
+    why, addr = None, None
+    if want != "send_recv":
+        if not lib.features.rma_landing:
+            why = (f"NCCL {v} ({lib.path}) lacks one-sided RMA with windows (ncclPutSignal/ncclWaitSignal/"
+                   f"ncclSignal, ncclMemAlloc; NCCL >= 2.29.2)")
+        else:
+            try:
+                addr = comm.mem_alloc(nbytes)
+            except Exception as e:  # noqa: BLE001 -- reported to every rank below
+                why = f"NCCL {v}: {e}"
+    asked = g.exchange((want, why))
+    odd = next((r for r, (w, _) in enumerate(asked) if w != want), None)
+    if odd is not None:
+        comm.close()
+        raise ValueError(f"GroupOptions.inter_node differs between ranks: rank {g.rank} has {want!r}, "
+                         f"rank {odd} has {asked[odd][0]!r}")
     if want == "send_recv":
         return NcclInterNode(g, t, comm)
-    v = ".".join(map(str, lib.version))
-    why = None if lib.features.rma_landing else (
-        f"NCCL {v} ({lib.path}) lacks one-sided RMA with windows (ncclPutSignal/ncclWaitSignal/ncclSignal, "
-        f"ncclMemAlloc; NCCL >= 2.29.2)")
-    whys = g.exchange(why)
-    ring = None
+    whys = [w for _, w in asked]
+    window = None
     if not any(whys):
-        o = g.options
         try:
-            # landing + send ring, whole VMM granules (2 MiB on current GPUs)
-            ring = comm.alloc_window(_round_up(2 * o.chunk_bytes * o.inflight_chunks, 2 << 20))
+            window = comm.register_window(addr, nbytes)
             stream = int(g.side_stream(t.device).cuda_stream)
             for i in range(len(comm.members)):
                 if i != comm.index:
                     comm.signal(i, stream)  # a first signal: RMA works between us (counted below)
-        except nccl.NcclError as e:
+        except Exception as e:  # noqa: BLE001 -- reported to every rank below
             why = f"NCCL {v}: {e}"
         whys = g.exchange(why)
     bad = next((r for r, w in enumerate(whys) if w), None)
@@ -412,12 +430,13 @@ def _nccl_net(g: Group, t: object) -> NcclInterNode:
         if want == "put_signal":
             comm.close()
             raise RuntimeError(f'inter_node="put_signal" is not available: rank {bad}: {whys[bad]}')
-        if not _fallback_logged:
-            _fallback_logged = True
-            log.warning('tide_triton: inter_node="auto" falls back to ncclSend/ncclRecv (SMs): rank %d: %s',
+        with _fallback_lock:
+            first, _fallback_logged = not _fallback_logged, True
+        if first:  # windows and first signals already made stay unused until close()
+            log.warning('inter_node="auto" falls back to ncclSend/ncclRecv (their kernels use SMs): rank %d: %s',
                         bad, whys[bad])
         return NcclInterNode(g, t, comm)
-    net = NcclPutSignalInterNode(g, t, comm, ring[0], ring[1])
+    net = NcclPutSignalInterNode(g, t, comm, addr, window)
     for i in range(len(comm.members)):  # the first signals are the peers' first events
         if i != comm.index:
             net.ring.base[i] = 1

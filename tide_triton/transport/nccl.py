@@ -256,29 +256,26 @@ class NcclComm:
     def register_window(self, ptr: int, nbytes: int) -> Any:
         """Collective over the members: register ``nbytes`` at ``ptr`` (one cuMem segment)
         as a symmetric window; returns the handle (deregistered by :meth:`close`)."""
+        import torch
+
         win = _P()
-        self.lib.check(self.lib.fn("ncclCommWindowRegister")(self._comm, _P(ptr), nbytes, C.byref(win),
-                                                              _WIN_COLL_SYMMETRIC),
-                       f"ncclCommWindowRegister({nbytes} bytes)")
+        with torch.cuda.device(self.device_index):
+            self.lib.check(self.lib.fn("ncclCommWindowRegister")(self._comm, _P(ptr), nbytes, C.byref(win),
+                                                                  _WIN_COLL_SYMMETRIC),
+                           f"ncclCommWindowRegister({nbytes} bytes)")
         self._windows.append(win)
         return win
 
-    def alloc_window(self, nbytes: int) -> tuple[int, Any]:
-        """Collective over the members: ``nbytes`` of ``ncclMemAlloc`` memory (one physical
-        cuMem segment, as a window needs) registered as a symmetric window.  Returns
-        ``(address, window)``; :meth:`close` deregisters and frees it."""
+    def mem_alloc(self, nbytes: int) -> int:
+        """``nbytes`` of ``ncclMemAlloc`` memory (one physical cuMem segment, as a window
+        needs; local, not collective).  Freed by :meth:`close`."""
         import torch
 
         ptr = _P()
         with torch.cuda.device(self.device_index):
             self.lib.check(self.lib.fn("ncclMemAlloc")(C.byref(ptr), nbytes), f"ncclMemAlloc({nbytes})")
-            try:
-                win = self.register_window(int(ptr.value), nbytes)
-            except BaseException:
-                self.lib.fn("ncclMemFree")(ptr)
-                raise
         self._memory.append(ptr)
-        return int(ptr.value), win
+        return int(ptr.value)
 
     def signal(self, peer: int, stream: int) -> None:
         """Raise this rank's signal counter at ``peer`` by one (enqueued on ``stream``,
