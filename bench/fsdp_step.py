@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, Triton interpreter")
+    ap.add_argument("--local-size", type=int, default=None,
+                    help="declare nodes of this many ranks for tide_triton's groups (sets LOCAL_WORLD_SIZE "
+                         "before enable(); stock FSDP2 is unaffected)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -136,7 +139,12 @@ def main(argv=None) -> int:
                 local.normal_(0.0, 0.02, generator=g)
     layer_numel = sum(p.numel() for p in model.layers[0].parameters())
     if args.mode != "stock":
+        if args.local_size:
+            os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)  # read when enable() makes the groups
         report = tide_triton.fsdp.enable(model, slot_reuse=args.mode == "slot")
+        if rank == 0:
+            nodes = {st["nodes"] for st in tide_triton.fsdp.stats(model).values() if st is not None}
+            print(f"tide_triton groups span {sorted(nodes)} node(s)", flush=True)
         stock = {k: v for k, v in report.items() if v is not None}
         if stock and rank == 0:
             print(f"stock path for: {stock}", flush=True)
@@ -179,6 +187,7 @@ def main(argv=None) -> int:
     if rank == 0:
         info = env_info(device)
         row = {"script": "fsdp_step", "mode": args.mode, "backend": args.backend, "world_size": W,
+               "local_size": args.local_size if args.mode != "stock" else None,
                "layers": cfg.n_layers, "layer_numel": layer_numel, "batch": args.batch, "seq": args.seq,
                "vocab": cfg.vocab, "ranks": rows, **info,
                "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
@@ -187,7 +196,8 @@ def main(argv=None) -> int:
                "layout_copy_us": max(r["layout_copy_us"] for r in rows)}
         mib = 1 << 20
         r0 = rows[0]
-        print(f"| {args.mode} | {args.backend} | {W} | {cfg.n_layers} | {row['step_ms']:.1f} | "
+        wl = f"{W} ({W // args.local_size}x{args.local_size})" if row["local_size"] else f"{W}"
+        print(f"| {args.mode} | {args.backend} | {wl} | {cfg.n_layers} | {row['step_ms']:.1f} | "
               f"{max(r['peak_allocated'] for r in rows) / mib:.0f} | {max(r['tide_heap'] for r in rows) / mib:.0f} | "
               f"{row['peak_total_bytes'] / mib:.0f} | {row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
               f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)

@@ -580,6 +580,27 @@ def test_fsdp_across_declared_nodes() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp_across_declared_nodes_on_one_gpu() -> None:
+    """As test_fsdp_across_declared_nodes, 4 processes on the GPU: the rails go through NCCL
+    (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else skipped), put/signal where it works."""
+    try:
+        from test_hier_cuda import _nccl_problem
+    except ImportError:  # pragma: no cover
+        from tests.test_hier_cuda import _nccl_problem
+    why = _nccl_problem(4)
+    if why:
+        pytest.skip(why)
+    env = {**MULTICAST_OFF, "LOCAL_WORLD_SIZE": "2", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    out = run_multiprocess(_child, 4, "cuda", ("bf16", "fp32", "slot"), timeout=500, env=env)
+    print(f"W=4 as 2x2 cuda scenario seconds (rank 0): {out[0]['_times']}")
+    _check(out, 4, "cuda")
+    for res in out:
+        for case in (res["bf16"]["tide"], res["fp32"]["tide"], res["slot"]["slot"]):
+            assert all(st["nodes"] == 2 for st in case["stats"].values()), case["stats"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp_processes_sharing_one_gpu(world_size: int) -> None:
     plan = ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "slot") \

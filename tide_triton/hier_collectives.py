@@ -41,9 +41,11 @@ The inter-node transport
     two-sided ``sendrecv`` of byte streams between rail peers (as ``ncclGroupStart``;
     ``ncclSend``/``ncclRecv`` per peer; ``ncclGroupEnd``), chunked and paced inside the
     transport.  Receivers name their own destination addresses, so data lands in
-    per-parameter storage without a staging copy on the interface.  The future NCCL
-    transport implements it (``ncclSend``/``ncclRecv``, or ``ncclPutSignal`` into a
-    registered window plus ``ncclWaitSignal``).
+    per-parameter storage without a staging copy on the interface.  On CUDA two NCCL
+    transports implement it, chosen by ``GroupOptions.inter_node`` (:func:`_nccl_net`):
+    :class:`NcclPutSignalInterNode` (one-sided ``ncclPutSignal`` / ``ncclWaitSignal`` /
+    ``ncclSignal`` through per-rank windows, copy engines, no SMs) and
+    :class:`NcclInterNode` (grouped ``ncclSend`` / ``ncclRecv``, SM kernels).
 
     :class:`HostInterNode` implements it for CPU tensors over the host transport's
     ``/dev/shm`` heaps, which every rank of the test maps (all "nodes" share one host).
