@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--local-size", type=int, default=None,
                     help="declare nodes of this many ranks for tide_triton's groups (sets LOCAL_WORLD_SIZE "
                          "before enable(); stock FSDP2 is unaffected)")
+    ap.add_argument("--chunk-mib", type=int, default=None,
+                    help="one tide_triton group for every module, with this inter-node chunk (MiB)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -141,7 +143,10 @@ def main(argv=None) -> int:
     if args.mode != "stock":
         if args.local_size:
             os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)  # read when enable() makes the groups
-        report = tide_triton.fsdp.enable(model, slot_reuse=args.mode == "slot")
+        group = None
+        if args.chunk_mib:
+            group = tide_triton.init(local_size=args.local_size, chunk_bytes=args.chunk_mib << 20, agree="first")
+        report = tide_triton.fsdp.enable(model, group=group, slot_reuse=args.mode == "slot")
         if rank == 0:
             nodes = {st["nodes"] for st in tide_triton.fsdp.stats(model).values() if st is not None}
             print(f"tide_triton groups span {sorted(nodes)} node(s)", flush=True)
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
     if rank == 0:
         info = env_info(device)
         row = {"script": "fsdp_step", "mode": args.mode, "backend": args.backend, "world_size": W,
-               "local_size": args.local_size if args.mode != "stock" else None,
+               "local_size": args.local_size if args.mode != "stock" else None, "chunk_mib": args.chunk_mib,
                "layers": cfg.n_layers, "layer_numel": layer_numel, "batch": args.batch, "seq": args.seq,
                "vocab": cfg.vocab, "ranks": rows, **info,
                "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
