@@ -327,3 +327,27 @@ def test_single_process_mode_with_declared_nodes() -> None:
             assert torch.equal(params[p], full[p].to(torch.bfloat16))
     for g in groups:
         g.close()
+
+
+def _mixed_params(rank: int, W: int, L: int) -> str:
+    import tide_triton as tt
+    from tide_triton.group import ArgumentMismatchError
+
+    g = tt.init(local_size=L, timeout_s=30)
+    shapes = [(W + 1, 3)]  # padded rows differ from the full ones
+    layout = ShardLayout(shapes, W)
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank, padded=True)]
+    params = [torch.empty(s) for s in (layout.padded_shapes if rank == 1 else shapes)]
+    try:
+        tt.all_gather(shards, params, group=g)
+        return "no error"
+    except ArgumentMismatchError as e:
+        return str(e)
+    finally:
+        g.close()
+
+
+def test_cross_node_all_gather_refuses_mixed_full_and_padded_params_on_every_rank() -> None:
+    out = run_multiprocess(_mixed_params, 4, 2, timeout=120)
+    for r, msg in enumerate(out):
+        assert msg.startswith("ranks disagree on the collective's arguments") and "params shapes" in msg, (r, msg)

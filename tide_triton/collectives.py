@@ -417,6 +417,8 @@ def all_gather(
         c = layout.rows_per_rank
         sig = ("all_gather", tuple((ci, *s[1:]) for ci, s in zip(c, layout.shapes)),
                dtype_name(pdt), dtype_name(sdt), device.type)
+        if g.nodes > 1:  # the rounds forward other ranks' rows through params: all full or all padded
+            sig += (("params shapes", layout.shapes),)
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)

@@ -771,12 +771,8 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
                async_op: bool = False) -> Work:
     """The cross-node all-gather (arguments already checked and agreed)."""
     # The rounds forward other ranks' shards through this rank's params, so every rank must
-    # hold the same rows: full params on some ranks and padded on others cannot forward.
-    shapes = g.exchange(layout.shapes)
-    bad = [r for r, s in enumerate(shapes) if s != shapes[0]]
-    if bad:
-        raise ValueError(f"params must have the same shapes on every rank across nodes (all full or all "
-                         f"padded): rank 0 has {shapes[0]}, rank {bad[0]} has {shapes[bad[0]]}")
+    # hold the same rows: the params' shapes are part of the signature agreed across nodes
+    # (collectives.all_gather), so full params on some ranks and padded on others raise there.
     t = g.transport(device)
     topo = g.topology
     L, N, me = topo.local_size, topo.nodes, g.rank
