@@ -67,6 +67,8 @@ def _net(rank: int, rail: tuple[int, ...], chunk: int):
     net.rank, net.rail, net.chunk_bytes, net.stream = rank, rail, chunk, _Stream()
     net.comm = _RecordingComm()
     net.bytes_sent = net.bytes_received = net.chunks_sent = 0
+    net.watched = []
+    net._watch_after = lambda peers, what: net.watched.append((peers, what))  # no CUDA events here
     return net
 
 
@@ -80,8 +82,9 @@ def test_nccl_internode_splits_pieces_in_order_and_counts() -> None:
     assert sends == [(1000, 100, 2), (1100, 100, 2), (1200, 50, 2), (6000, 100, 2), (7000, 30, 0)]
     assert recvs == [(2000, 100, 3), (2100, 1, 3)]
     assert (net.bytes_sent, net.bytes_received, net.chunks_sent) == (380, 101, 5)
+    assert net.watched == [((1, 9, 13), "ncclSend/ncclRecv of the inter-node hop")]
     net.sendrecv([], [(9, [(3000, 0)])], timeout_s=1.0)  # nothing to move: no NCCL group
-    assert len(net.comm.calls) == 1
+    assert len(net.comm.calls) == 1 and len(net.watched) == 1
     with pytest.raises(ValueError, match=r"sends: rank 6 is not a rail peer of rank 5 \(rail \(1, 5, 9, 13\)\)"):
         net.sendrecv([(6, [(0, 4)])], [], timeout_s=1.0)
     with pytest.raises(ValueError, match="recvs: rank 5 is not a rail peer of rank 5"):
@@ -121,6 +124,8 @@ def test_put_signal_internode_runs_the_landing_ring_program() -> None:
     net.comm, net.t, net.ring = _RmaComm(), _CopyTransport(), LandingRing(100, 2)
     net.window_addr, net.window, net.puts = 0x10000, "W", 0
     net.bytes_sent = net.bytes_received = net.chunks_sent = 0
+    net.watched = []
+    net._watch_after = lambda peers, what: net.watched.append((peers, what))  # no CUDA events here
     net.ring.base[2] = 1  # the first signal every rail peer sends at set-up
     # rank 9 is rail index 2; 250 bytes each way in 100-byte chunks through 2 slots; the
     # window is [landing ring 0..200 | send ring 200..400]
@@ -144,6 +149,8 @@ def test_put_signal_internode_runs_the_landing_ring_program() -> None:
                             ([2100], [W + 100], [100], st), ([2200], [W], [50], st)]
     assert (net.bytes_sent, net.bytes_received, net.chunks_sent, net.puts) == (250, 250, 3, 3)
     assert net.ring.base[2] == 6 and net.ring.waited[2] == 6
+    # every wait is watched, naming the global rank it waits for
+    assert net.watched == [((9,), "its ncclPutSignal/ncclSignal in the inter-node hop")] * 4
     with pytest.raises(ValueError, match=r"one peer per call, got ranks \[9, 13\]"):
         net.sendrecv([(9, [(0, 4)]), (13, [(8, 4)])], [], timeout_s=1.0)
     with pytest.raises(ValueError, match="recvs: rank 6 is not a rail peer of rank 5"):
@@ -151,6 +158,26 @@ def test_put_signal_internode_runs_the_landing_ring_program() -> None:
     n = len(net.comm.calls)
     net.sendrecv([(9, [(0, 0)])], [(13, [])], timeout_s=1.0)  # nothing to move: no operation
     assert len(net.comm.calls) == n
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_stuck_names_the_oldest_nccl_wait_not_passed() -> None:
+    from tide_triton.hier_collectives import NcclInterNode
+
+    net = object.__new__(NcclInterNode)
+    net._watch = [(_Event(True), (9,), "a"), (_Event(False), (13,), "b"), (_Event(False), (1, 9), "c")]
+    assert net.stuck() == ((13,), "b")
+    net._watch[1][0].done = True
+    assert net.stuck() == ((1, 9), "c")
+    net._watch[2][0].done = True
+    assert net.stuck() is None and net._watch == []
 
 
 def test_cuda_several_nodes_single_process_mode_is_refused() -> None:

@@ -501,5 +501,8 @@ def synchronize(group: object = None, *, device: object = None, stream: object =
         return
     t = g.transport(dev)
     limit = g.options.timeout_s if timeout_s is None else timeout_s
+    if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
+        from .hier_collectives import synchronize_side
+        synchronize_side(g, dev, limit)
     t.synchronize(timeout_s=limit)
     t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev))

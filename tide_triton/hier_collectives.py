@@ -282,6 +282,25 @@ class NcclInterNode:
         self.stream = g.side_stream(t.device)  # the stream _Order runs the collective on
         self.chunk_bytes = g.options.chunk_bytes
         self.bytes_sent = self.bytes_received = self.chunks_sent = 0
+        self._watch: list[tuple[object, tuple[int, ...], str]] = []
+
+    # NCCL's stream-side waits have no timeout: after each operation that can wait on a peer an
+    # event is recorded, and stuck() names the peers of the oldest one not passed yet (for
+    # tide_triton.synchronize's PeerTimeoutError).
+    def _watch_after(self, peers: tuple[int, ...], what: str) -> None:
+        while self._watch and self._watch[0][0].query():
+            self._watch.pop(0)
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self._watch.append((ev, peers, what))
+
+    def stuck(self) -> tuple[tuple[int, ...], str] | None:
+        """``(global ranks, what)`` of the oldest NCCL operation still waiting, or None."""
+        for ev, peers, what in self._watch:
+            if not ev.query():
+                return peers, what
+        self._watch.clear()
+        return None
 
     def _index(self, peer: int, name: str) -> int:
         if peer == self.rank or peer not in self.rail:
@@ -304,6 +323,8 @@ class NcclInterNode:
         r_ops, r_bytes = self._ops(recvs, "recvs")
         if s_ops or r_ops:
             self.comm.send_recv(s_ops, r_ops, int(self.stream.cuda_stream))
+            peers = tuple(sorted({p for p, iov in (*sends, *recvs) if any(n for _, n in iov)}))
+            self._watch_after(peers, f"ncclSend/ncclRecv of {what or 'the inter-node hop'}")
         self.bytes_sent += s_bytes
         self.bytes_received += r_bytes
         self.chunks_sent += len(s_ops)
@@ -360,6 +381,7 @@ class NcclPutSignalInterNode(NcclInterNode):
                 self.puts += 1
             elif kind == "wait":
                 comm.wait_signals({op[1]: op[2]}, s)
+                self._watch_after((self.rail[op[1]],), f"its ncclPutSignal/ncclSignal in {what or 'the inter-node hop'}")
             elif kind == "signal":
                 comm.signal(op[1], s)
             elif kind == "pack":  # my pieces into my send ring
@@ -510,6 +532,28 @@ def stats(group: Group, device: object = "cpu") -> dict:
         return {"reduce_scatter": 0, "all_gather": 0, "last": {}}
     return {**st.calls, "last": dict(st.last), "inter_node": st.net.path, "bytes_sent": st.net.bytes_sent,
             "bytes_received": st.net.bytes_received, "chunks_sent": st.net.chunks_sent}
+
+
+def synchronize_side(g: Group, device: torch.device, timeout_s: float) -> None:
+    """Wait for the cross-node executor's side stream (:func:`tide_triton.synchronize`):
+    after ``timeout_s`` a ``PeerTimeoutError`` names the peer of a node-local flag wait that
+    is still short, else of the oldest NCCL wait that has not passed."""
+    t = g._transports.get(device.type)
+    st = g._extras.get(("hier", id(t))) if t is not None else None
+    if st is None:
+        return
+    try:
+        t.synchronize(timeout_s=timeout_s, stream=g.side_stream(device))
+    except PeerTimeoutError:
+        raise
+    except TimeoutError as e:
+        stuck = getattr(st.net, "stuck", None)
+        hit = stuck() if stuck is not None else None
+        if hit is None:
+            raise
+        peers, what = hit
+        raise PeerTimeoutError(peers[0], what if len(peers) == 1 else f"{what}; or rank {peers[1:]}",
+                               timeout_s) from e
 
 
 class _OnStream:
