@@ -79,3 +79,54 @@ def test_declared_topology_exact_on_gpu(nodes: int, local: int, net: str, inter_
     if inter_node != "auto":
         assert paths == {inter_node}
     print(f"{nodes}x{local} {net} inter_node={inter_node}: took {paths.pop()}")
+
+
+def _late_rank(rank: int, W: int, local: int) -> dict:
+    """Rank W-1 joins a reduce-scatter 6 s late: the others' ``synchronize(timeout_s=2)``
+    names who they wait for, then every rank finishes once it has joined."""
+    import time
+
+    import torch.distributed as dist
+
+    import tide_triton as tt
+    from tide_triton.layout import ShardLayout
+    from tide_triton.transport.base import PeerTimeoutError
+
+    torch.cuda.set_device(0)
+    g = tt.init(local_size=local, timeout_s=60, chunk_bytes=1 << 20)
+    shapes = [(W * 64, 256), (W * 8 + 3,)]
+    layout = ShardLayout(shapes, W)
+    grads = [torch.ones(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+    shards = [torch.empty(s, device="cuda") for s in layout.shard_shapes(rank)]
+    tt.reduce_scatter(grads, shards, group=g)  # set-up (communicators, windows) on every rank
+    tt.synchronize(g)
+    dist.barrier()
+    out: dict = {"path": __import__("tide_triton.hier_collectives", fromlist=["stats"]).stats(g, "cuda")["inter_node"]}
+    if rank == W - 1:
+        time.sleep(6)
+    tt.reduce_scatter(grads, shards, group=g)
+    if rank != W - 1:
+        try:
+            tt.synchronize(g, timeout_s=2)
+            out["err"] = None
+        except PeerTimeoutError as e:
+            out["err"] = (e.peer, str(e))
+    tt.synchronize(g)  # completes once the late rank has joined
+    out["exact"] = all(bool((x[:k] == W).all()) for x, k in
+                       zip([s.view(-1) for s in shards], [n for n in layout.shard_numels(rank)]))
+    g.close()
+    return out
+
+
+def test_a_late_rank_is_named_by_synchronize_across_nodes() -> None:
+    W, local = 4, 2
+    why = _nccl_problem(W)
+    if why:
+        pytest.skip(why)
+    env = {**MULTICAST_OFF, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    out = run_multiprocess(_late_rank, W, local, timeout=120, env=env)
+    print([o.get("err") for o in out], out[0]["path"])
+    assert all(o["exact"] for o in out)
+    # rank 2 waits for rank 3's node-local push (a flag); rank 1 for its rail peer 3 (NCCL);
+    # rank 0 for its rail peer 2, itself held up by rank 3 (NCCL)
+    assert [o["err"][0] for o in out[:3]] == [2, 3, 3], out
