@@ -93,18 +93,19 @@ def _late_rank(rank: int, W: int, local: int) -> dict:
     from tide_triton.transport.base import PeerTimeoutError
 
     torch.cuda.set_device(0)
-    g = tt.init(local_size=local, timeout_s=60, chunk_bytes=1 << 20)
+    # agree="first": the late call's signature is known, so no host exchange holds the others
+    g = tt.init(local_size=local, timeout_s=60, chunk_bytes=1 << 20, agree="first")
     shapes = [(W * 64, 256), (W * 8 + 3,)]
     layout = ShardLayout(shapes, W)
     grads = [torch.ones(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     shards = [torch.empty(s, device="cuda") for s in layout.shard_shapes(rank)]
-    tt.reduce_scatter(grads, shards, group=g)  # set-up (communicators, windows) on every rank
+    tt.reduce_scatter(grads, shards, op="sum", group=g)  # set-up (communicators, windows) everywhere
     tt.synchronize(g)
     dist.barrier()
     out: dict = {"path": __import__("tide_triton.hier_collectives", fromlist=["stats"]).stats(g, "cuda")["inter_node"]}
     if rank == W - 1:
         time.sleep(6)
-    tt.reduce_scatter(grads, shards, group=g)
+    tt.reduce_scatter(grads, shards, op="sum", group=g)
     if rank != W - 1:
         try:
             tt.synchronize(g, timeout_s=2)

@@ -303,8 +303,10 @@ class NcclComm:
         global _fallback_logged
         if not _fallback_logged:
             _fallback_logged = True
-            log.warning("NCCL %s: the inter-node hop uses ncclSend/ncclRecv, whose kernels take SMs "
-                        "(one-sided put/signal needs NCCL >= 2.29.2)", ".".join(map(str, self.lib.version)))
+            why = ("chosen by GroupOptions.inter_node, or the fallback of 'auto'" if self.lib.features.one_sided
+                   else "one-sided put/signal needs NCCL >= 2.29.2")
+            log.warning("NCCL %s: the inter-node hop uses ncclSend/ncclRecv, whose kernels take SMs (%s)",
+                        ".".join(map(str, self.lib.version)), why)
         send, recv = self.lib.fn("ncclSend"), self.lib.fn("ncclRecv")
         self.lib.check(self.lib.fn("ncclGroupStart")(), "ncclGroupStart")
         try:
