@@ -180,6 +180,44 @@ def test_stuck_names_the_oldest_nccl_wait_not_passed() -> None:
     assert net.stuck() is None and net._watch == []
 
 
+def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None:
+    from types import SimpleNamespace
+
+    from tide_triton.hier_collectives import _State, synchronize_side
+    from tide_triton.transport.base import PeerTimeoutError
+
+    class _T:
+        def __init__(self, exc):
+            self.exc, self.streams = exc, []
+
+        def synchronize(self, *, timeout_s, stream):
+            self.streams.append(stream)
+            if self.exc is not None:
+                raise self.exc
+
+    def group(t, stuck):
+        net = SimpleNamespace(stuck=lambda: stuck)
+        return SimpleNamespace(_transports={"cuda": t}, _extras={("hier", id(t)): _State(net)},
+                               side_stream=lambda device: "SIDE")
+
+    dev = torch.device("cuda", 0)
+    t = _T(None)
+    synchronize_side(group(t, None), dev, 1.0)  # idle: nothing raised, the side stream was waited
+    assert t.streams == ["SIDE"]
+    flag = PeerTimeoutError(3, "rank 3's node-local reduce-scatter contribution", 1.0)
+    with pytest.raises(PeerTimeoutError) as e:  # a short flag wait is named as it is
+        synchronize_side(group(_T(flag), ((9,), "x")), dev, 1.0)
+    assert e.value is flag
+    with pytest.raises(PeerTimeoutError, match=r"waiting for rank 9 \(its ncclPutSignal\)") as e:
+        synchronize_side(group(_T(TimeoutError("busy")), ((9,), "its ncclPutSignal")), dev, 1.0)
+    assert e.value.peer == 9
+    with pytest.raises(PeerTimeoutError, match=r"rank 1 \(send/recv; or rank \(13,\)\)"):
+        synchronize_side(group(_T(TimeoutError("busy")), ((1, 13), "send/recv")), dev, 1.0)
+    with pytest.raises(TimeoutError, match="busy"):  # nothing of NCCL's is stuck: the plain timeout
+        synchronize_side(group(_T(TimeoutError("busy")), None), dev, 1.0)
+    synchronize_side(SimpleNamespace(_transports={}, _extras={}), dev, 1.0)  # no cross-node state: no-op
+
+
 def test_cuda_several_nodes_single_process_mode_is_refused() -> None:
     import tide_triton as tt
 

@@ -552,8 +552,8 @@ def synchronize_side(g: Group, device: torch.device, timeout_s: float) -> None:
         if hit is None:
             raise
         peers, what = hit
-        raise PeerTimeoutError(peers[0], what if len(peers) == 1 else f"{what}; or rank {peers[1:]}",
-                               timeout_s) from e
+        more = "" if len(peers) == 1 else f"; or rank {', '.join(map(str, peers[1:]))}"
+        raise PeerTimeoutError(peers[0], what + more, timeout_s) from e
 
 
 class _OnStream:
