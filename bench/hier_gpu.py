@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-bytes", type=int, default=64 << 20)
     ap.add_argument("--inter-node", default="auto", choices=["auto", "put_signal", "send_recv"])
     ap.add_argument("--inflight-chunks", type=int, default=2)
+    ap.add_argument("--gpu-per-node", action="store_true",
+                    help="node n on GPU n (several GPUs: rails cross GPUs, as between real nodes); "
+                         "default: rank r on GPU r % count")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
 
     dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    n_gpu = torch.cuda.device_count()
+    torch.cuda.set_device((rank // args.local_size if args.gpu_per_node else rank) % n_gpu)
     dev = torch.device("cuda", torch.cuda.current_device())
     g = tt.init(local_size=args.local_size, ring_bytes=args.ring_bytes, chunk_bytes=args.chunk_bytes,
                 inflight_chunks=args.inflight_chunks, inter_node=args.inter_node, agree="first", timeout_s=300)
@@ -109,7 +113,8 @@ def main(argv=None) -> int:
                    "chunk_bytes": args.chunk_bytes, "inflight_chunks": args.inflight_chunks, "model": args.model, "world_size": W,
                    "local_size": args.local_size, "nodes": W // args.local_size, "ms": max(r["ms"] for r in got),
                    "inter_node_bytes_per_rank_max": inter, "ranks": got,
-                   "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"), **env_info(dev)}
+                   "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"), "gpus": n_gpu,
+                   "gpu_per_node": args.gpu_per_node, **env_info(dev)}
             rows.append(row)
             nccl_ms = max(r.get("nccl_us", 0.0) for r in got) / 1e3
             tide_ms = max(r.get("tide_us", 0.0) for r in got) / 1e3
