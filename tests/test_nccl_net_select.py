@@ -1,4 +1,4 @@
-"""How ``hier_collectives._nccl_net`` picks the cross-node hop, without a GPU or NCCL.
+"""How ``transport.internode.nccl_hop`` picks the cross-node hop, without a GPU or NCCL.
 
 ``load`` and ``NcclComm`` are replaced by fakes, and the ranks of a multi-node group run as
 threads of this process over a Barrier-based all-gather, so the decision is taken
@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from tide_triton import hier_collectives as hc
+from tide_triton.transport import internode as inode
 from tide_triton.group import GroupOptions
 from tide_triton.transport import nccl
 
@@ -82,7 +83,7 @@ class _FakeComm:
 
 
 def _run(monkeypatch, w: _World, inter_node: str) -> dict:
-    """``_nccl_net`` on every rank of ``w``, one thread each: rank -> hop or exception."""
+    """``nccl_hop`` on every rank of ``w``, one thread each: rank -> hop or exception."""
     monkeypatch.setattr(nccl, "load", w.load)
     monkeypatch.setattr(nccl, "NcclComm", _FakeComm)
     def opts(rank: int) -> GroupOptions:
@@ -97,7 +98,7 @@ def _run(monkeypatch, w: _World, inter_node: str) -> dict:
                             exchange=lambda obj: w.exchange(rank, obj),
                             side_stream=lambda device: SimpleNamespace(cuda_stream=1234))
         try:
-            out[rank] = hc._nccl_net(g, t)
+            out[rank] = inode.nccl_hop(g, t)
         except Exception as e:  # noqa: BLE001 -- the test looks at it
             out[rank] = e
 
@@ -134,7 +135,7 @@ def test_send_recv_asked_touches_no_window(monkeypatch, caplog, world) -> None:
 
 
 def test_auto_falls_back_everywhere_when_one_library_lacks_rma(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(hc, "_fallback_logged", False)
+    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(4, 2, no_rma=[3])
     with caplog.at_level(logging.WARNING, logger="tide_triton"):
         out = _run(monkeypatch, w, "auto")
@@ -154,7 +155,7 @@ def test_put_signal_refused_on_every_rank_naming_the_one_without_rma(monkeypatch
 
 
 def test_auto_falls_back_everywhere_when_one_window_fails(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(hc, "_fallback_logged", False)
+    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(6, 2, bad_window=[4])
     with caplog.at_level(logging.WARNING, logger="tide_triton"):
         out = _run(monkeypatch, w, "auto")
@@ -176,7 +177,7 @@ def test_put_signal_refused_when_one_window_fails(monkeypatch) -> None:
 @pytest.mark.parametrize("inter_node", ["auto", "put_signal"])
 @pytest.mark.parametrize("world", [4, 6])
 def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world) -> None:
-    monkeypatch.setattr(hc, "_fallback_logged", False)
+    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(world, 2)
     with caplog.at_level(logging.WARNING, logger="tide_triton"):
         out = _run(monkeypatch, w, inter_node)
@@ -196,7 +197,7 @@ def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world
 def test_auto_falls_back_before_any_registration_when_one_allocation_fails(monkeypatch, caplog) -> None:
     # Registration is collective per rail: a rank whose memory allocation failed must not
     # leave its rail peers inside ncclCommWindowRegister -- nobody registers.
-    monkeypatch.setattr(hc, "_fallback_logged", False)
+    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(4, 2, bad_alloc=[1])
     with caplog.at_level(logging.WARNING, logger="tide_triton"):
         out = _run(monkeypatch, w, "auto")

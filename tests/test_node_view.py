@@ -61,7 +61,7 @@ class _Stream:
 
 
 def _net(rank: int, rail: tuple[int, ...], chunk: int):
-    from tide_triton.hier_collectives import NcclInterNode
+    from tide_triton.transport.internode import NcclInterNode
 
     net = object.__new__(NcclInterNode)  # no library, no GPU: only the message logic
     net.rank, net.rail, net.chunk_bytes, net.stream = rank, rail, chunk, _Stream()
@@ -116,7 +116,7 @@ class _CopyTransport:
 
 
 def test_put_signal_internode_runs_the_landing_ring_program() -> None:
-    from tide_triton.hier_collectives import NcclPutSignalInterNode
+    from tide_triton.transport.internode import NcclPutSignalInterNode
     from tide_triton.transport.rma_protocol import LandingRing
 
     net = object.__new__(NcclPutSignalInterNode)  # no library, no GPU: only the translation
@@ -169,7 +169,7 @@ class _Event:
 
 
 def test_stuck_names_the_oldest_nccl_wait_not_passed() -> None:
-    from tide_triton.hier_collectives import NcclInterNode
+    from tide_triton.transport.internode import NcclInterNode
 
     net = object.__new__(NcclInterNode)
     net._watch = [(_Event(True), (9,), "a"), (_Event(False), (13,), "b"), (_Event(False), (1, 9), "c")]
