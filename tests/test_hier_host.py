@@ -141,12 +141,17 @@ def _hier(pg, rank: int, W: int, L: int, seed: int, device: str = "cpu", **optio
             mine.append(x)
         pshapes = layout.padded_shapes if padded_params else layout.shapes
         params = [torch.full(s, -9.0, dtype=pdt, device=dev) for s in pshapes]
-        tt.all_gather(on(mine), params, group=g)
-        ag_calls += 1
-        for p, (x, f) in enumerate(zip([x.cpu() for x in params], full)):
-            assert torch.equal(x[: f.shape[0]], f.to(pdt)), (padded_shards, pdt, padded_params, p)
-            if padded_params:
-                assert bool((x[f.shape[0]:] == 0).all()), "padding rows of a padded param"
+        shards_in = on(mine)
+        for again in (False, True):  # the second call reuses what the first prepared
+            if again:
+                for x in params:
+                    x.fill_(-9.0)
+            tt.all_gather(shards_in, params, group=g)
+            ag_calls += 1
+            for p, (x, f) in enumerate(zip([x.cpu() for x in params], full)):
+                assert torch.equal(x[: f.shape[0]], f.to(pdt)), (padded_shards, pdt, padded_params, again, p)
+                if padded_params:
+                    assert bool((x[f.shape[0]:] == 0).all()), "padding rows of a padded param"
         ag_layout = ShardLayout(pshapes, W)
         want = AllGatherPlan(ag_layout, topo, elem_bytes=pdt.itemsize).sent_bytes()
         last = hc.stats(g, device)["last"]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -88,21 +89,29 @@ class _Regions:
     ag_off: int
 
 
+def fixed_end(g: Group) -> int:
+    """Where the cross-node path's fixed heap areas (flags, wire ring, reduce-scatter ring) end."""
+    o = g.options
+    net_off = _round_up(g.n_flags * 8, 4096)
+    rs_off = net_off + _round_up(HostInterNode.region_bytes(o.chunk_bytes, o.inflight_chunks), 4096)
+    return rs_off + _round_up(o.ring_bytes, 4096)
+
+
 def _regions(g: Group) -> _Regions:
     """Heap layout of the cross-node path: ``[flags | wire ring (host) | reduce-scatter ring |
     named regions | all-gather block]`` (regions: :meth:`Group.heap_region`, placed past
     :func:`fixed_end`; the all-gather block moves past them)."""
-    o = g.options
+    end = fixed_end(g)
+    rs_off = end - _round_up(g.options.ring_bytes, 4096)
     net_off = _round_up(g.n_flags * 8, 4096)
-    rs_off = net_off + _round_up(HostInterNode.region_bytes(o.chunk_bytes, o.inflight_chunks), 4096)
-    return _Regions(net_off, rs_off, max(rs_off + _round_up(o.ring_bytes, 4096), _round_up(g.heap_regions_end, 4096)))
+    return _Regions(net_off, rs_off, max(end, _round_up(g.heap_regions_end, 4096)))
 
 
-def fixed_end(g: Group) -> int:
-    """Where the cross-node path's fixed heap areas (flags, wire ring, reduce-scatter ring) end."""
-    o = g.options
-    r = _regions(g)
-    return r.rs_off + _round_up(o.ring_bytes, 4096)
+def _existing_state(g: Group, device_type: str) -> "tuple[object, _State] | tuple[None, None]":
+    """The transport and cross-node state of ``device_type``, if a collective made them."""
+    t = g._transports.get(device_type)
+    st = g._extras.get(("hier", id(t))) if t is not None else None
+    return (t, st) if st is not None else (None, None)
 
 
 def _state(g: Group, t: object) -> _State:
@@ -126,8 +135,7 @@ def stats(group: Group, device: object = "cpu") -> dict:
     :meth:`ReduceScatterPlan.sent_bytes` predict); ``"rs intra"``: gradient bytes pushed to
     node peers; ``"ag intra"``: bytes read from node peers' rails.  ``"inter_node"``: how
     bytes crossed -- ``"put_signal"`` or ``"send_recv"`` (NCCL), ``"host"`` (shared memory)."""
-    t = group._transports.get(torch.device(device).type)
-    st = group._extras.get(("hier", id(t))) if t is not None else None
+    _, st = _existing_state(group, torch.device(device).type)
     if st is None:
         return {"reduce_scatter": 0, "all_gather": 0, "last": {}}
     return {**st.calls, "last": dict(st.last), "inter_node": st.net.path, "bytes_sent": st.net.bytes_sent,
@@ -138,8 +146,7 @@ def synchronize_side(g: Group, device: torch.device, timeout_s: float) -> None:
     """Wait for the cross-node executor's side stream (:func:`tide_triton.synchronize`):
     after ``timeout_s`` a ``PeerTimeoutError`` names the peer of a node-local flag wait that
     is still short, else of the oldest NCCL wait that has not passed."""
-    t = g._transports.get(device.type)
-    st = g._extras.get(("hier", id(t))) if t is not None else None
+    t, st = _existing_state(g, device.type)
     if st is None:
         return
     try:
@@ -167,6 +174,9 @@ class _OnStream:
 
     def copy(self, *a: object, **k: object) -> None:
         self.t.copy(*a, stream=self.stream, **k)
+
+    def copy_prepared(self, *a: object, **k: object) -> None:
+        self.t.copy_prepared(*a, stream=self.stream, **k)
 
     def signal(self, *a: object, **k: object) -> None:
         self.t.signal(*a, stream=self.stream, **k)
@@ -214,6 +224,16 @@ class _Order:
             return Work(ev)
         self.user.wait_stream(self.stream)
         return Work()
+
+
+@lru_cache(maxsize=32)
+def _rs_plan(layout: ShardLayout, topo: object, ring_bytes: int, grad_bytes: int, stages: int) -> ReduceScatterPlan:
+    return ReduceScatterPlan(layout, topo, ring_bytes=ring_bytes, grad_bytes=grad_bytes, wire_bytes=4, stages=stages)
+
+
+@lru_cache(maxsize=32)
+def _ag_plan(layout: ShardLayout, topo: object, elem_bytes: int, chunk_bytes: int, inflight: int) -> AllGatherPlan:
+    return AllGatherPlan(layout, topo, elem_bytes=elem_bytes, chunk_bytes=chunk_bytes, max_inflight=inflight)
 
 
 def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int, ...],
@@ -287,7 +307,7 @@ def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, lay
                 dsts.append(base + (m * win + x - lo) * gb)
                 srcs.append(gptrs[p] + e * gb)
                 sizes.append(k * gb)
-            pushes[d] = (dsts, srcs, sizes)
+            pushes[d] = (t.prepare_copies(dsts, srcs, sizes), sum(sizes))
         # 1'. node-local sum, contributors in local order 0..L-1 (mine read in place)
         P = t.address(me, sb + p_rel)
         R = t.address(me, sb + r_rel)
@@ -349,8 +369,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     L, me = topo.local_size, g.rank
     n = me // L
     ring_bytes = staging.nbytes if staging is not None else g.options.ring_bytes
-    plan = ReduceScatterPlan(layout, topo, ring_bytes=ring_bytes, grad_bytes=gdt.itemsize,
-                             wire_bytes=4, stages=g.options.stages)
+    plan = _rs_plan(layout, topo, ring_bytes, gdt.itemsize, g.options.stages)
     reg = _regions(g)
     t.ensure_heap(reg.ag_off)
     if staging is not None:
@@ -386,8 +405,9 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
                 t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
                            timeout_s=timeout, what=f"rank {{peer}} to free cross-node reduce-scatter slot (stage {s})")
                 for d in peers:
-                    t.copy(*pushes[d])
-                    last["rs intra"] += sum(pushes[d][2])
+                    copies, nbytes = pushes[d]
+                    t.copy_prepared(copies)
+                    last["rs intra"] += nbytes
                     t.signal(d, fm.rs_ready(s, me), v)
                     g.rs_last[(d, s)] = v
                 t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers, timeout_s=timeout,
@@ -410,6 +430,66 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
 
 
 # --------------------------------------------------------------------------- all-gather
+@dataclass
+class _PreparedAG:
+    own: object          # my shard into my params: prepared copies, or the cast's Binding
+    pads: object         # zeros into my missing rows (prepared copies)
+    rounds: list         # per round along the rail: (sends, recvs) messages
+    publish: object      # my rail into my heap block (prepared copies)
+    pickups: list        # per node peer r: (r, prepared copies from r's block, bytes)
+
+
+def _prepare_ag(g: Group, t: object, reg: _Regions, plan: AllGatherPlan, layout: ShardLayout,
+                pptrs: tuple[int, ...], sptrs: tuple[int, ...], have: tuple[int, ...], zero: int,
+                pdt: torch.dtype, sdt: torch.dtype, device: torch.device) -> _PreparedAG:
+    """Every copy list, message and binding of the cross-node all-gather that depends only on
+    addresses (cached by the caller)."""
+    topo = plan.topology
+    L, N, me = topo.local_size, topo.nodes, g.rank
+    n, l = divmod(me, L)
+    es = pdt.itemsize
+    S, offs, flat = layout.padded_shard_numels, layout.flat_offsets, layout.flat_shard_numel
+    real = layout.shard_numels(me)
+    if pdt == sdt:
+        own = t.prepare_copies([pptrs[p] + me * S[p] * es for p in range(len(layout))], list(sptrs),
+                               [k * es for k in have])
+    else:
+        own = _binding(pdt, sdt, pptrs, [(p, me * S[p], (x,), k) for p, (x, k) in enumerate(zip(sptrs, have)) if k],
+                       1, g.options.max_ctas, device)
+    pads = [(p, k, r - k) for p, (k, r) in enumerate(zip(have, real)) if r > k]
+    pad_copies = t.prepare_copies([pptrs[p] + (me * S[p] + k) * es for p, k, _ in pads], [zero] * len(pads),
+                                  [m * es for _, _, m in pads])
+    rr = _RailRuns(layout, topo)
+    rounds = []
+    for rnd in plan.node_rounds:
+        sends, recvs = [], []
+        for sn, dn, nodes in rnd:
+            if sn == n or dn == n:
+                iov = [(pptrs[p] + e * es, c * es) for p, e, c in _pieces(rr.all_runs(l, nodes))]
+                if sn == n:
+                    sends.append((dn * L + l, iov))
+                if dn == n:
+                    recvs.append((sn * L + l, iov))
+        rounds.append((sends, recvs))
+
+    def rail_copies(lr: int, block: int, into_params: bool) -> tuple[object, int]:
+        dsts, srcs, sizes = [], [], []
+        for m in range(N):
+            r = m * L + lr
+            for p, k in enumerate(layout.shard_numels(r)):
+                if k:
+                    a, b = pptrs[p] + r * S[p] * es, block + (m * flat + offs[p]) * es
+                    dsts.append(a if into_params else b)
+                    srcs.append(b if into_params else a)
+                    sizes.append(k * es)
+        return t.prepare_copies(dsts, srcs, sizes), sum(sizes)
+
+    peers = [n * L + c for c in range(L) if c != l]
+    publish = rail_copies(l, t.address(me, reg.ag_off), False)[0] if L > 1 else None
+    pickups = [(r, *rail_copies(r % L, t.address(r, reg.ag_off), True)) for r in peers]
+    return _PreparedAG(own, pad_copies, rounds, publish, pickups)
+
+
 def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tensor], layout: ShardLayout,
                pdt: torch.dtype, sdt: torch.dtype, device: torch.device, stream: object = None,
                async_op: bool = False) -> Work:
@@ -420,79 +500,52 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     t = g.transport(device)
     topo = g.topology
     L, N, me = topo.local_size, topo.nodes, g.rank
-    n, l = divmod(me, L)
     es = pdt.itemsize
     reg = _regions(g)
-    flat = layout.flat_shard_numel
-    t.ensure_heap(reg.ag_off + _round_up(N * flat * es, 16))
+    t.ensure_heap(reg.ag_off + _round_up(N * layout.flat_shard_numel * es, 16))
     st = _state(g, t)
     net = st.net
     fm, timeout = g.flags, g.options.timeout_s
-    S, offs = layout.padded_shard_numels, layout.flat_offsets
-    pptrs = [x.data_ptr() for x in params_l]
-    plan = AllGatherPlan(layout, topo, elem_bytes=es, chunk_bytes=g.options.chunk_bytes,
-                         max_inflight=g.options.inflight_chunks)
-    rr = _RailRuns(layout, topo)
+    pptrs = tuple(x.data_ptr() for x in params_l)
+    sptrs = tuple(x.data_ptr() for x in shards_l)
+    have = tuple(min(x.numel(), k) for x, k in zip(shards_l, layout.shard_numels(me)))
+    missing = max((r - k for k, r in zip(have, layout.shard_numels(me))), default=0)
+    zero = g.zeros(device, missing * es).data_ptr() if missing else 0
+    plan = _ag_plan(layout, topo, es, g.options.chunk_bytes, g.options.inflight_chunks)
+    key = ("hier ag", layout, pdt, sdt, pptrs, sptrs, have, zero, reg.ag_off, g.options.chunk_bytes,
+           g.options.inflight_chunks)
+    prep = g.cached(key)
+    if prep is None:
+        prep = g.cache(key, _prepare_ag(g, t, reg, plan, layout, pptrs, sptrs, have, zero, pdt, sdt, device))
     last = {**{f"ag inter {k}": 0 for k in range(len(plan.node_rounds))}, "ag intra": 0}
     order = _Order(g, t, device, stream, async_op)
     t = order.t
     with order.ctx:
         # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
-        real = layout.shard_numels(me)
-        have = [min(x.numel(), k) for x, k in zip(shards_l, real)]
         if pdt == sdt:
-            t.copy([pptrs[p] + me * S[p] * es for p in range(len(layout))], [x.data_ptr() for x in shards_l],
-                   [k * es for k in have])
+            t.copy_prepared(prep.own)
         else:
-            _binding(pdt, sdt, tuple(pptrs), [(p, me * S[p], (x.data_ptr(),), k)
-                                              for p, (x, k) in enumerate(zip(shards_l, have)) if k],
-                     1, g.options.max_ctas, device).launch(check_addresses=False)
-        pads = [(p, k, r - k) for p, (k, r) in enumerate(zip(have, real)) if r > k]
-        if pads:
-            z = g.zeros(device, max(m for _, _, m in pads) * es)
-            t.copy([pptrs[p] + (me * S[p] + k) * es for p, k, _ in pads], [z.data_ptr()] * len(pads),
-                   [m * es for _, _, m in pads])
+            prep.own.launch(check_addresses=False)
+        t.copy_prepared(prep.pads)
         # 2. rounds along my rail, params to params
-        for k, rnd in enumerate(plan.node_rounds):
-            sends, recvs = [], []
-            for sn, dn, nodes in rnd:
-                if sn == n or dn == n:
-                    iov = [(pptrs[p] + e * es, c * es) for p, e, c in _pieces(rr.all_runs(l, nodes))]
-                    if sn == n:
-                        sends.append((dn * L + l, iov))
-                    if dn == n:
-                        recvs.append((sn * L + l, iov))
+        for k, (sends, recvs) in enumerate(prep.rounds):
             before = net.bytes_sent
             net.sendrecv(sends, recvs, timeout_s=timeout, what=f"all-gather round {k}")
             last[f"ag inter {k}"] = net.bytes_sent - before
         # 3. node-local pickup of the peers' rails
         if L > 1:
-            peers = [n * L + c for c in range(L) if c != l]
+            peers = [r for r, _, _ in prep.pickups]
             g.ag_epoch += 1
             e = g.ag_epoch
             if e > 1:  # my rail block is free once my node peers finished the previous epoch
                 t.wait_all([fm.ag_done(r) for r in peers], [e - 1] * len(peers), peers=peers, timeout_s=timeout,
                            what="rank {peer} to finish reading my all-gather rail")
-
-            def rail_copies(lr: int, block: int, into_params: bool):
-                dsts, srcs, sizes = [], [], []
-                for m in range(N):
-                    r = m * L + lr
-                    for p, k in enumerate(layout.shard_numels(r)):
-                        if k:
-                            a, b = pptrs[p] + r * S[p] * es, block + (m * flat + offs[p]) * es
-                            dsts.append(a if into_params else b)
-                            srcs.append(b if into_params else a)
-                            sizes.append(k * es)
-                return dsts, srcs, sizes
-
-            t.copy(*rail_copies(l, t.address(me, reg.ag_off), False))
+            t.copy_prepared(prep.publish)
             t.signal_all(peers, [fm.ag_ready(me)] * len(peers), [e] * len(peers))
-            for r in peers:
+            for r, copies, nbytes in prep.pickups:
                 t.wait(fm.ag_ready(r), e, peer=r, timeout_s=timeout, what=f"rank {r}'s all-gather rail")
-                cp = rail_copies(r % L, t.address(r, reg.ag_off), True)
-                t.copy(*cp)
-                last["ag intra"] += sum(cp[2])
+                t.copy_prepared(copies)
+                last["ag intra"] += nbytes
             t.signal_all(peers, [fm.ag_done(me)] * len(peers), [e] * len(peers))
         st.calls["all_gather"] += 1
         st.last = last

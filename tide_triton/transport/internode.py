@@ -36,6 +36,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from .base import PeerTimeoutError
+from .rma_protocol import LandingRing
 
 __all__ = ["Iov", "Message", "InterNodeTransport", "HostInterNode", "NcclInterNode", "NcclPutSignalInterNode",
            "nccl_hop"]
@@ -308,12 +309,11 @@ class NcclPutSignalInterNode(NcclInterNode):
 
     path = "put_signal"
 
-    def __init__(self, g: Any, t: object, comm: object, window_addr: int, window: object) -> None:
-        from .rma_protocol import LandingRing
-
+    def __init__(self, g: Any, t: object, comm: object, ring: LandingRing, window_addr: int,
+                 window: object) -> None:
         super().__init__(g, t, comm)
         self.t = t
-        self.ring = LandingRing(g.options.chunk_bytes, g.options.inflight_chunks)
+        self.ring = ring
         self.window_addr, self.window = window_addr, window
         self.puts = 0
 
@@ -375,7 +375,8 @@ def nccl_hop(g: Any, t: object) -> NcclInterNode:
     lib = nccl.load(o.nccl_library)
     comm = nccl.NcclComm(lib, _rail(g), g.rank, g.exchange, device_index=t.device.index)
     v = ".".join(map(str, lib.version))
-    nbytes = _round_up(2 * o.chunk_bytes * o.inflight_chunks, 2 << 20)  # landing + send ring, whole granules
+    ring = LandingRing(o.chunk_bytes, o.inflight_chunks)
+    nbytes = _round_up(ring.window_bytes, 2 << 20)  # landing + send ring, whole VMM granules
     why, addr = None, None
     if want != "send_recv":
         if not lib.features.rma_landing:
@@ -417,8 +418,7 @@ def nccl_hop(g: Any, t: object) -> NcclInterNode:
             log.warning('inter_node="auto" falls back to ncclSend/ncclRecv (their kernels use SMs): rank %d: %s',
                         bad, whys[bad])
         return NcclInterNode(g, t, comm)
-    net = NcclPutSignalInterNode(g, t, comm, addr, window)
     for i in range(len(comm.members)):  # the first signals are the peers' first events
         if i != comm.index:
-            net.ring.base[i] = 1
-    return net
+            ring.base[i] = 1
+    return NcclPutSignalInterNode(g, t, comm, ring, addr, window)
