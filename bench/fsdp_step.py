@@ -221,7 +221,6 @@ HEADER = ("| mode | backend | W | layers | step (ms, rank max) | torch peak / ra
           "memcpy (ms, rank 0) | loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
-    if "--header" in sys.argv:
-        print(HEADER)
-        sys.exit(0)
-    sys.exit(main())
+    from tide_triton.bench import script_main
+
+    sys.exit(script_main(main, HEADER))

@@ -135,7 +135,6 @@ HEADER = ("| model | nodes x local | inter-node hop | collective | ms (rank max)
           "NCCL kernels = hop SM time (ms, one call) | tide kernels (ms, one call) |\n|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
-    if "--header" in sys.argv:
-        print(HEADER)
-        sys.exit(0)
-    sys.exit(main())
+    from tide_triton.bench import script_main
+
+    sys.exit(script_main(main, HEADER))

@@ -221,3 +221,33 @@ def run_multiprocess(
 
 def _format_errors(errors: Mapping[int, str]) -> str:
     return "".join(f"\n--- rank {r} ---\n{errors[r].rstrip()}" for r in sorted(errors))
+
+
+def run_threads(fn: Callable[[int], Any], world_size: int, *, timeout: float = 120) -> list[Any]:
+    """``fn(rank)`` for every rank, one thread each (the single-process mode's ranks);
+    returns the results by rank.  A rank's exception is re-raised here with its rank; a rank
+    still running after ``timeout`` is an error naming it."""
+    import threading
+
+    out: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+
+    def one(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # reported below, not lost in the thread
+            errors[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world_size)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        r = min(errors)
+        raise RuntimeError(f"rank {r} failed: {type(errors[r]).__name__}: {errors[r]}") from errors[r]
+    late = [r for r in range(world_size) if r not in out]
+    if late:
+        raise RuntimeError(f"rank(s) {late} did not finish within {timeout} s")
+    return [out[r] for r in range(world_size)]

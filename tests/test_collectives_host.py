@@ -15,9 +15,9 @@ import pytest
 import torch
 
 try:
-    from _dist import run_multiprocess
+    from _dist import run_multiprocess, run_threads
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import run_multiprocess, run_threads
 
 from tide_triton.schedule import ring_plan
 from tide_triton.layout import ShardLayout
@@ -242,8 +242,6 @@ def test_receive_staging_is_constant_in_world_size(ring_bytes: int) -> None:
 # ----------------------------------------------------------------------- one process, W ranks
 def run_single_process_mode(device: str = "cpu") -> None:
     # local_groups: one thread per rank, each with its own heap, the same collective code.
-    import threading
-
     import tide_triton as tt
 
     W = 4
@@ -254,9 +252,8 @@ def run_single_process_mode(device: str = "cpu") -> None:
     gen = torch.Generator().manual_seed(3)
     grads = [[_int_tensor(s, gen, device=dev) for s in shapes] for _ in range(W)]
     full = [torch.randn(s, generator=gen).to(dev) for s in shapes]
-    out: dict[int, object] = {}
 
-    def body(r: int) -> None:
+    def body(r: int) -> tuple:
         shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(r, padded=True)]
         tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
         mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
@@ -264,25 +261,16 @@ def run_single_process_mode(device: str = "cpu") -> None:
         tt.all_gather(mine, params, group=groups[r])
         if dev.type == "cuda":
             tt.synchronize(groups[r], timeout_s=30)
-        out[r] = ([x.cpu() for x in shards], [x.cpu() for x in params])
+        return [x.cpu() for x in shards], [x.cpu() for x in params]
 
-    def rank_main(r: int) -> None:
-        try:
-            if dev.type == "cuda":  # every rank its own compute stream, as on its own GPU
-                with torch.cuda.stream(torch.cuda.Stream(dev)):
-                    body(r)
-            else:
-                body(r)
-        except BaseException as e:  # reported below, not lost in the thread
-            out[r] = e
+    def rank_main(r: int) -> tuple:
+        if dev.type == "cuda":  # every rank its own compute stream, as on its own GPU
+            with torch.cuda.stream(torch.cuda.Stream(dev)):
+                return body(r)
+        return body(r)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = run_threads(rank_main, W, timeout=60)
     for r in range(W):
-        assert not isinstance(out[r], BaseException), out[r]
         shards, params = out[r]
         for p in range(len(shapes)):
             rows = layout.shard_rows(r)[p]

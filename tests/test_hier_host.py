@@ -18,9 +18,9 @@ import pytest
 import torch
 
 try:
-    from _dist import run_multiprocess
+    from _dist import run_multiprocess, run_threads
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import run_multiprocess, run_threads
 
 from tide_triton.hier_schedule import AllGatherPlan, ReduceScatterPlan
 from tide_triton.layout import ShardLayout
@@ -291,8 +291,6 @@ def test_options_and_local_groups_validation() -> None:
 
 def test_single_process_mode_with_declared_nodes() -> None:
     # local_groups(local_size=...): the same cross-node executor, ranks as threads.
-    import threading
-
     import tide_triton as tt
     from tide_triton import hier_collectives as hc
 
@@ -303,26 +301,17 @@ def test_single_process_mode_with_declared_nodes() -> None:
     gen = torch.Generator().manual_seed(5)
     grads = [[_int(s, gen) for s in shapes] for _ in range(W)]
     full = [torch.randn(s, generator=gen) for s in shapes]
-    out: dict[int, object] = {}
 
-    def body(r: int) -> None:
-        try:
-            shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
-            tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
-            mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
-            params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-            tt.all_gather(mine, params, group=groups[r])
-            out[r] = (shards, params, hc.stats(groups[r]))
-        except BaseException as e:  # reported below, not lost in the thread
-            out[r] = e
+    def body(r: int) -> tuple:
+        shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+        tt.reduce_scatter(grads[r], shards, group=groups[r], op="avg")
+        mine = [f[r * c: r * c + n] for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(r))]
+        params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        tt.all_gather(mine, params, group=groups[r])
+        return shards, params, hc.stats(groups[r])
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    out = run_threads(body, W)
     for r in range(W):
-        assert not isinstance(out[r], BaseException), out[r]
         shards, params, st = out[r]
         assert (st["reduce_scatter"], st["all_gather"]) == (1, 1) and st["bytes_sent"] > 0, st
         for p in range(len(shapes)):

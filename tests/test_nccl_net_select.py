@@ -17,9 +17,14 @@ from types import SimpleNamespace
 import pytest
 
 from tide_triton import hier_collectives as hc
-from tide_triton.transport import internode as inode
 from tide_triton.group import GroupOptions
+from tide_triton.transport import internode as inode
 from tide_triton.transport import nccl
+
+try:
+    from _dist import run_threads
+except ImportError:  # pragma: no cover
+    from tests._dist import run_threads
 
 CHUNK, INFLIGHT = 1_000_000, 3  # 2 * 3 MB = 6 MB of window -> 3 granules of 2 MiB
 WINDOW_BYTES = 3 << 21
@@ -90,28 +95,29 @@ def _run(monkeypatch, w: _World, inter_node: str) -> dict:
         return GroupOptions(inter_node=w.asks.get(rank, inter_node), chunk_bytes=CHUNK, inflight_chunks=INFLIGHT)
 
     t = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
-    out: dict = {}
 
-    def one(rank: int) -> None:
+    def one(rank: int) -> object:
         _here.rank, _here.world = rank, w
         g = SimpleNamespace(rank=rank, local_size=w.local, nodes=w.world // w.local, options=opts(rank),
                             exchange=lambda obj: w.exchange(rank, obj),
                             side_stream=lambda device: SimpleNamespace(cuda_stream=1234))
         try:
-            out[rank] = inode.nccl_hop(g, t)
+            return inode.nccl_hop(g, t)
         except Exception as e:  # noqa: BLE001 -- the test looks at it
-            out[rank] = e
+            return e
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(w.world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(10)
-    assert sorted(out) == list(range(w.world)), "a rank did not finish"
+    out = dict(enumerate(run_threads(one, w.world, timeout=10)))  # a rank that does not finish: error
     assert w.loaded == [None] * w.world  # GroupOptions.nccl_library, on every rank
     for r, c in w.comms.items():
         assert c.members == w.rail(r) and c.device_index == 0
     return out
+
+
+def _run_logged(monkeypatch, caplog, w: "_World", inter_node: str) -> dict:
+    """:func:`_run` with the once-only fallback warning re-armed and warnings captured."""
+    monkeypatch.setattr(inode, "_fallback_logged", False)
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        return _run(monkeypatch, w, inter_node)
 
 
 def _warnings(caplog) -> list[str]:
@@ -135,10 +141,8 @@ def test_send_recv_asked_touches_no_window(monkeypatch, caplog, world) -> None:
 
 
 def test_auto_falls_back_everywhere_when_one_library_lacks_rma(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(4, 2, no_rma=[3])
-    with caplog.at_level(logging.WARNING, logger="tide_triton"):
-        out = _run(monkeypatch, w, "auto")
+    out = _run_logged(monkeypatch, caplog, w, "auto")
     _assert_send_recv(w, out)  # ranks 0..2 could have, but the decision is collective
     assert all(c.windows == [] and c.signals == [] for c in w.comms.values())
     msgs = _warnings(caplog)
@@ -155,10 +159,8 @@ def test_put_signal_refused_on_every_rank_naming_the_one_without_rma(monkeypatch
 
 
 def test_auto_falls_back_everywhere_when_one_window_fails(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(6, 2, bad_window=[4])
-    with caplog.at_level(logging.WARNING, logger="tide_triton"):
-        out = _run(monkeypatch, w, "auto")
+    out = _run_logged(monkeypatch, caplog, w, "auto")
     _assert_send_recv(w, out)
     assert all(c.windows == [WINDOW_BYTES] for c in w.comms.values())  # everyone tried
     assert w.comms[4].signals == []  # the failing rank got no further
@@ -177,10 +179,8 @@ def test_put_signal_refused_when_one_window_fails(monkeypatch) -> None:
 @pytest.mark.parametrize("inter_node", ["auto", "put_signal"])
 @pytest.mark.parametrize("world", [4, 6])
 def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world) -> None:
-    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(world, 2)
-    with caplog.at_level(logging.WARNING, logger="tide_triton"):
-        out = _run(monkeypatch, w, inter_node)
+    out = _run_logged(monkeypatch, caplog, w, inter_node)
     assert _warnings(caplog) == []
     for r, net in out.items():
         assert type(net) is hc.NcclPutSignalInterNode and net.path == "put_signal", (r, net)
@@ -197,10 +197,8 @@ def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world
 def test_auto_falls_back_before_any_registration_when_one_allocation_fails(monkeypatch, caplog) -> None:
     # Registration is collective per rail: a rank whose memory allocation failed must not
     # leave its rail peers inside ncclCommWindowRegister -- nobody registers.
-    monkeypatch.setattr(inode, "_fallback_logged", False)
     w = _World(4, 2, bad_alloc=[1])
-    with caplog.at_level(logging.WARNING, logger="tide_triton"):
-        out = _run(monkeypatch, w, "auto")
+    out = _run_logged(monkeypatch, caplog, w, "auto")
     _assert_send_recv(w, out)
     assert all(c.allocs == [WINDOW_BYTES] and c.windows == [] and c.signals == [] for c in w.comms.values())
     msgs = _warnings(caplog)

@@ -24,6 +24,24 @@ pytestmark = pytest.mark.multiproc
 _SENTINEL = 0x5A
 
 
+def _vacate(region, *, late: float | None, seen: dict):
+    """Hand ``region`` over now, or -- ``late`` seconds from now, from a thread that is
+    returned -- after recording whether it was still untouched (``seen["untouched"]``)."""
+    if late is None:
+        region.vacate()
+        return None
+
+    def later() -> None:  # still "using" the region: nobody may write into it yet
+        time.sleep(late)
+        seen["untouched"] = bool((region.tensor(torch.uint8) == _SENTINEL).all())
+        seen["t"] = time.monotonic()
+        region.vacate()
+
+    th = threading.Thread(target=later)
+    th.start()
+    return th
+
+
 def _int_tensor(shape, gen, dtype=torch.bfloat16):
     return torch.randint(-8, 9, shape, generator=gen).to(dtype)
 
@@ -115,21 +133,12 @@ def _handover(rank: int, W: int, delay: float) -> dict:
     grads_all = [[_int_tensor(s, gen) for s in shapes] for _ in range(W)]
     owner = W - 1
     seen: dict = {}
-    if rank == owner:
-        def late() -> None:  # still "using" the region: nobody may write into it yet
-            time.sleep(delay)
-            seen["untouched"] = bool((view == _SENTINEL).all())
-            seen["t"] = time.monotonic()
-            region.vacate()
-        th = threading.Thread(target=late)
-        th.start()
-    else:
-        region.vacate()
+    th = _vacate(region, late=delay if rank == owner else None, seen=seen)
     shards = [torch.empty(s) for s in layout.shard_shapes(rank)]
     t0 = time.monotonic()
     tt.reduce_scatter(grads_all[rank], shards, op="sum", staging=region)
     took = time.monotonic() - t0
-    if rank == owner:
+    if th is not None:
         th.join()
     for p, x in enumerate(shards):
         c, n = layout.rows_per_rank[p], layout.shard_rows(rank)[p]
@@ -276,20 +285,12 @@ def _across_nodes(rank: int, W: int, L: int, delay: float) -> dict:
     # hand-over: rank L-1 (node 0) vacates late; its node peers wait, other nodes do not
     owner = L - 1
     big.tensor(torch.uint8).fill_(_SENTINEL)
-    if rank == owner:
-        def late() -> None:
-            time.sleep(delay)
-            out["untouched"] = bool((big.tensor(torch.uint8) == _SENTINEL).all())
-            big.vacate()
-        th = threading.Thread(target=late)
-        th.start()
-    else:
-        big.vacate()
+    th = _vacate(big, late=delay if rank == owner else None, seen=out)
     shards = [torch.empty(s) for s in layout.shard_shapes(rank)]
     t0 = time.monotonic()
     tt.reduce_scatter(mine, shards, op="sum", staging=big)
     out["took"] = time.monotonic() - t0
-    if rank == owner:
+    if th is not None:
         th.join()
     for p, x in enumerate(shards):
         c, n = layout.rows_per_rank[p], layout.shard_rows(rank)[p]

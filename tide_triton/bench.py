@@ -52,6 +52,15 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def script_main(main, header: str, argv: list[str] | None = None) -> int:
+    """A benchmark script's entry point: ``--header`` prints its table header (for the
+    device scripts, before their rows), anything else runs ``main``."""
+    if "--header" in (sys.argv[1:] if argv is None else argv):
+        print(header)
+        return 0
+    return main()
+
+
 def env_info(device: torch.device) -> dict:
     """GPU, versions, git SHA and date: carried by every result row."""
     import triton
