@@ -10,7 +10,10 @@ put_signal`` (one-sided ncclPutSignal into landing rings, copy engines, no SMs),
 (grouped ncclSend / ncclRecv, NCCL's kernels) or ``auto``.  Per collective: median wall time of ``--iters`` calls (each ended by
 ``tide_triton.synchronize`` and a barrier), bytes this rank sent across nodes per round
 (``hier_collectives.stats``, what the plans predict), and from one profiled call the device
-time of NCCL's kernels (the inter-node hop's SM time) and of tide_triton's kernels.
+time of NCCL's kernels (the inter-node hop's SM time) and of tide_triton's kernels.  On one
+GPU every byte the ranks move between them is read and written once in its memory, so the
+rows also report those bytes per unit of time as a fraction of the device-copy ceiling rank 0
+measures at the start of the same run (not on several GPUs, where links set the ceiling).
 Rank 0 prints one row per collective and appends them to ``--json``.
 """
 from __future__ import annotations
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
 
     import tide_triton as tt
     from tide_triton import hier_collectives as hc
-    from tide_triton.bench import env_info
+    from tide_triton.bench import copy_ceiling, env_info
     from tide_triton.workloads import layer_shapes
 
     dist.init_process_group("gloo")
@@ -73,6 +76,9 @@ def main(argv=None) -> int:
     n_gpu = torch.cuda.device_count()
     torch.cuda.set_device((rank // args.local_size if args.gpu_per_node else rank) % n_gpu)
     dev = torch.device("cuda", torch.cuda.current_device())
+    # The device-copy ceiling of this run, measured by rank 0 alone (the others wait).
+    ceiling_gbps = copy_ceiling(dev, 1 << 30).gbps() if rank == 0 else 0.0
+    dist.barrier()
     g = tt.init(local_size=args.local_size, ring_bytes=args.ring_bytes, chunk_bytes=args.chunk_bytes,
                 inflight_chunks=args.inflight_chunks, inter_node=args.inter_node, agree="first", timeout_s=300)
     shapes = layer_shapes(args.model)
@@ -109,10 +115,15 @@ def main(argv=None) -> int:
         dist.all_gather_object(got, mine)
         if rank == 0:
             inter = max(sum(v for k, v in r["last"].items() if "inter" in k) for r in got)
+            # every byte the ranks moved between them (across and within nodes) is read and
+            # written once on this GPU: the rig's copy rate against its device-copy ceiling
+            moved = 2 * sum(sum(r["last"].values()) for r in got)
+            frac = moved / (max(r["ms"] for r in got) * 1e6) / ceiling_gbps if n_gpu == 1 else None
             row = {"script": "hier_gpu", "collective": name, "inter_node": got[0]["inter_node"],
                    "chunk_bytes": args.chunk_bytes, "inflight_chunks": args.inflight_chunks, "model": args.model, "world_size": W,
                    "local_size": args.local_size, "nodes": W // args.local_size, "ms": max(r["ms"] for r in got),
-                   "inter_node_bytes_per_rank_max": inter, "ranks": got,
+                   "inter_node_bytes_per_rank_max": inter, "ranks": got, "moved_bytes_all_ranks": moved,
+                   "copy_ceiling_gbps": ceiling_gbps, "fraction_of_ceiling": frac,
                    "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"), "gpus": n_gpu,
                    "gpu_per_node": args.gpu_per_node, **env_info(dev)}
             rows.append(row)
@@ -120,7 +131,8 @@ def main(argv=None) -> int:
             tide_ms = max(r.get("tide_us", 0.0) for r in got) / 1e3
             print(f"| {args.model} | {W // args.local_size} x {args.local_size} | {row['inter_node']}"
                   f"{' (socket)' if row['nccl_p2p_disable'] == '1' else ''} | {name} | {row['ms']:.2f} | "
-                  f"{inter / 2**20:.1f} | {nccl_ms:.2f} | {tide_ms:.2f} |", flush=True)
+                  f"{inter / 2**20:.1f} | {nccl_ms:.2f} | {tide_ms:.2f} | "
+                  f"{'-' if frac is None else f'{100 * frac:.1f}% of {ceiling_gbps:.0f} GB/s'} |", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "a") as f:
             for r in rows:
@@ -132,7 +144,8 @@ def main(argv=None) -> int:
 
 
 HEADER = ("| model | nodes x local | inter-node hop | collective | ms (rank max) | sent across nodes / rank (MiB) | "
-          "NCCL kernels = hop SM time (ms, one call) | tide kernels (ms, one call) |\n|---|---|---|---|---|---|---|---|")
+          "NCCL kernels = hop SM time (ms, one call) | tide kernels (ms, one call) | bytes moved (all ranks, read + "
+          "write) per ms, of the copy ceiling (one GPU) |\n|---|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
     from tide_triton.bench import script_main
