@@ -18,6 +18,14 @@ from .kernels import (
 )
 from .collectives import Work, all_gather, reduce_scatter, synchronize
 from .group import Group, GroupOptions, init, local_groups
+from .errors import (
+    ArgumentMismatchError,
+    GroupBrokenError,
+    PeerAbortedError,
+    PeerArgumentError,
+    PeerTimeoutError,
+    TideTritonError,
+)
 from .layout import ShardLayout
 from .topology import Topology
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan
@@ -31,6 +39,8 @@ __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
+    "TideTritonError", "PeerTimeoutError", "PeerArgumentError", "ArgumentMismatchError",
+    "PeerAbortedError", "GroupBrokenError",
     "fsdp",
     "__version__",
 ]

@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from .errors import ArgumentMismatchError, PeerArgumentError
 from .schedule import FlagMap
 from .topology import Topology
 
@@ -36,18 +37,6 @@ _AGREED_KEEP = 4096
 
 _PREPARED_KEEP = 8
 """Prepared collectives kept per group: a training step's few (tensors, op) combinations."""
-
-
-class ArgumentMismatchError(ValueError):
-    """Ranks called the same collective with arguments that disagree."""
-
-
-class PeerArgumentError(ValueError):
-    """Another rank rejected its arguments; this rank raises too instead of hanging."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"rank {rank} rejected its arguments: {message}")
-        self.rank = rank
 
 
 @dataclass(frozen=True)

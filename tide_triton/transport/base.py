@@ -27,15 +27,9 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..errors import PeerTimeoutError
+
 __all__ = ["Transport", "PeerTimeoutError"]
-
-
-class PeerTimeoutError(TimeoutError):
-    """A wait on a peer's flag outlived its timeout; ``peer`` names the rank waited for."""
-
-    def __init__(self, peer: int, what: str, timeout_s: float) -> None:
-        super().__init__(f"timed out after {timeout_s:.1f} s waiting for rank {peer} ({what})")
-        self.peer = peer
 
 
 class Transport(Protocol):
