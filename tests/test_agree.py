@@ -1,6 +1,7 @@
 """``agree="first"``: a signature agreed once is trusted afterwards (no bootstrap round trip
 per collective), results unchanged; a rank with bad arguments on a repeated call raises
-alone and its peers time out naming it."""
+alone and publishes that it abandoned the call: its peers raise ``PeerArgumentError`` naming
+it at once (not after the timeout)."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +18,12 @@ pytestmark = pytest.mark.multiproc
 
 
 def _repeat(rank: int, W: int, bad_on_repeat: bool) -> dict:
+    import time
+
     import tide_triton as tt
     from tide_triton.transport.base import PeerTimeoutError
 
-    g = tt.init(timeout_s=3, agree="first")
+    g = tt.init(timeout_s=20, agree="first")
     exchanges = []
     real = g.exchange
     g.exchange = lambda obj: (exchanges.append(1), real(obj))[1]
@@ -32,10 +35,15 @@ def _repeat(rank: int, W: int, bad_on_repeat: bool) -> dict:
         shards = [torch.empty(s) for s in layout.shard_shapes(rank)]
         if bad_on_repeat and call == 2 and rank == 1:
             shards = shards[:1]  # wrong length: this rank's own error, raised at once
+        t0 = time.monotonic()
         try:
             tt.reduce_scatter(grads, shards, op="sum")
         except PeerTimeoutError as e:
             out[call] = f"timeout peer={e.peer}"
+            break
+        except tt.PeerArgumentError as e:
+            out[call] = f"peer error rank={e.rank}: {e}"
+            out["seconds"] = time.monotonic() - t0
             break
         except ValueError as e:
             out[call] = f"own error: {e}"
@@ -57,10 +65,12 @@ def test_agree_first_skips_the_exchange_for_a_known_signature() -> None:
         assert res["exchanges after 2"] == res["exchanges after 0"], res
 
 
-def test_agree_first_bad_repeat_raises_locally_and_peers_time_out_naming_it() -> None:
+def test_agree_first_bad_repeat_raises_locally_and_peers_raise_naming_it_at_once() -> None:
     out = run_multiprocess(_repeat, 2, True, timeout=120)
     assert out[1][2].startswith("own error: shards must have 2 entries"), out[1]
-    assert out[0][2] == "timeout peer=1", out[0]
+    assert out[0][2].startswith("peer error rank=1: rank 1 rejected its arguments: ValueError: shards must "
+                                "have 2 entries"), out[0]
+    assert out[0]["seconds"] < 5, out[0]  # the timeout is 20 s: the abort was seen, not waited out
 
 
 def test_agree_option_is_validated() -> None:

@@ -10,6 +10,7 @@ Heap layout of every rank: ``[flags | reduce-scatter ring | named regions | all-
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -120,13 +121,21 @@ def _check_staging(g: Group, staging: object, device: torch.device) -> None:
 
 
 def _scale(op: object, world: int) -> float | None:
-    if op == "sum":
+    if isinstance(op, str) and op == "sum":
         return None
-    if op == "avg":
+    if isinstance(op, str) and op == "avg":
         return 1.0 / world
     if isinstance(op, float) and not isinstance(op, bool):
+        if not math.isfinite(op):
+            raise ValueError(f"op as a scale must be a finite float, got {op!r} (every element would be "
+                             "NaN or infinite)")
         return op
     raise ValueError(f'op must be "sum", "avg" or a float (pre-multiplied sum), got {op!r}')
+
+
+def _check_stream(stream: object) -> None:
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
 
 
 @lru_cache(maxsize=256)
@@ -224,6 +233,11 @@ def reduce_scatter(
     its own copy, before or during this call, or its peers wait for it.
     """
     g = resolve(group)
+    with g.call("reduce_scatter"):
+        return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging)
+
+
+def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, staging) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
@@ -232,7 +246,10 @@ def reduce_scatter(
         check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True))
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         scale = _scale(op, W)
-        sig = ("reduce_scatter", layout.shapes, dtype_name(gdt), dtype_name(sdt), repr(op), bool(accumulate), device.type)
+        _check_stream(stream)
+        sig = ("reduce_scatter", ("grads shapes", layout.shapes), ("grads dtype", dtype_name(gdt)),
+               ("shards dtype", dtype_name(sdt)), ("op", repr(op)), ("accumulate", bool(accumulate)),
+               ("device", device.type))
         if staging is not None:
             _check_staging(g, staging, device)
             if g.nodes > 1:  # too small: ValueError
@@ -242,7 +259,7 @@ def reduce_scatter(
                                   wire_bytes=4, stages=g.options.stages)
             else:
                 ring_plan(layout, staging.nbytes, gdt.itemsize, g.options.stages)
-            sig += ((staging.key, staging.index, staging.offset, staging.nbytes),)
+            sig += (("staging", (staging.key, staging.index, staging.offset, staging.nbytes)),)
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
@@ -289,6 +306,9 @@ def reduce_scatter(
     base = g.rs_count
     with t.session(), st.kernels():
         t.fence_from(cs)  # grads are complete before the copy queue reads them
+        # The peers this rank exchanges data with learn this call's identity (and check it)
+        # before any of its data moves.
+        g.check_in(t, [d for d in peers if plan.chunks[d] or plan.chunks[me]])
         if staging is not None:  # nobody writes into a peer's region before the peer vacated it
             e = staging._begin_staging()
             dests = [d for d in peers if plan.chunks[d]]
@@ -407,6 +427,11 @@ def all_gather(
     nearest even, and every rank pulls the cast bytes on copy engines).
     """
     g = resolve(group)
+    with g.call("all_gather"):
+        return _all_gather(g, shards, params, stream, async_op)
+
+
+def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
@@ -414,11 +439,12 @@ def all_gather(
         params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, W)
         _check_gather_shards(shards_l, layout, me)
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
-        c = layout.rows_per_rank
-        sig = ("all_gather", tuple((ci, *s[1:]) for ci, s in zip(c, layout.shapes)),
-               dtype_name(pdt), dtype_name(sdt), device.type)
-        if g.nodes > 1:  # the rounds forward other ranks' rows through params: all full or all padded
-            sig += (("params shapes", layout.shapes),)
+        _check_stream(stream)
+        # The params' shapes (their dim 0 too) are agreed: a rank whose parameter has another
+        # dim 0 would place the others' rows by another layout (and pull rows they do not
+        # hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not be mixed.
+        sig = ("all_gather", ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
+               ("shards dtype", dtype_name(sdt)), ("device", device.type))
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
@@ -453,6 +479,7 @@ def all_gather(
     caster, stage_copies, pad_copies, _zeros = stage
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
+    g.check_in(t, [r for r in range(W) if r != me])  # every peer reads my block, I read theirs
     fm, timeout = g.flags, g.options.timeout_s
     g.ag_epoch += 1
     e = g.ag_epoch

@@ -9,21 +9,27 @@ waiting on a peer that will never come.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import math
 import os
 import threading
+import weakref
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
-from .errors import ArgumentMismatchError, PeerArgumentError
+from .bootstrap import Abort, Exchange, LocalKeyValue, StoreKeyValue
+from .errors import (ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError,
+                     PeerTimeoutError)
 from .schedule import FlagMap
 from .topology import Topology
 
-__all__ = ["GroupOptions", "Group", "init", "local_groups", "ArgumentMismatchError", "PeerArgumentError"]
+__all__ = ["GroupOptions", "Group", "init", "local_groups", "existing", "ArgumentMismatchError", "PeerArgumentError"]
 
 log = logging.getLogger("tide_triton")
 
@@ -58,9 +64,12 @@ class GroupOptions:
     group first, so bad arguments on one rank raise on every rank at once.  ``"first"``: only
     the first call with a given signature does; later ones start at once (training loops,
     where the same collectives repeat every step).  A rank whose arguments are bad then raises
-    alone, at once; its peers raise ``PeerTimeoutError`` naming it after ``timeout_s`` (or, in
-    a call whose signature is new to them, wait in the bootstrap exchange until the process
-    group's own timeout)."""
+    alone, at once, and publishes that it abandoned the call: its peers raise
+    ``PeerArgumentError`` naming it (on the host transport within ~50 ms; on CUDA their
+    stream waits cannot see it, so :func:`tide_triton.synchronize` or the next call raises
+    it, by ``timeout_s`` at the latest).  Either way every collective carries its identity
+    (call number and signature) to the peers before any data moves, so calls never pair
+    with other calls."""
     max_inflight_chunks: int = 8
     """How many reduce-scatter chunks the host may enqueue ahead of the GPU."""
     chunk_bytes: int = 4 << 20
@@ -118,11 +127,18 @@ class Group:
                  local_size: int | None = None,
                  _local: "_LocalExchange | None" = None, _rank: int = 0) -> None:
         self.options = options or GroupOptions()
+        self._seq = 0
+        """Collective calls started on this group (every rank counts the same calls)."""
+        self._call: _Call | None = None
+        self._broken: str | None = None
+        self._call_lock = threading.Lock()
+        self._setup_index = 0  # exchanges outside any call (creation): call number 0
+        self._sig_names: dict[int, str] = {}
         if _local is not None:  # single-process multi-rank mode (see local_groups)
             self.pg = None
             self.rank, self.world_size = _rank, _local.world_size
             self._local = _local
-            self._bootstrap = None
+            self._exchange = Exchange(_local.kv, "", self.rank, self.world_size)
         else:
             if not dist.is_initialized():
                 raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
@@ -130,10 +146,8 @@ class Group:
             self._local = None
             self.rank = dist.get_rank(self.pg)
             self.world_size = dist.get_world_size(self.pg)
-            if dist.get_backend(self.pg) == "gloo":
-                self._bootstrap = self.pg
-            else:  # object exchange needs a CPU-capable group
-                self._bootstrap = dist.new_group(dist.get_process_group_ranks(self.pg), backend="gloo")
+            self._exchange = Exchange(StoreKeyValue(_default_store()), _store_prefix(self.pg), self.rank,
+                                      self.world_size)
         self.topology = self._agree_topology(local_size)
         self.local_size = self.topology.local_size
         self.nodes = self.topology.nodes
@@ -157,6 +171,7 @@ class Group:
         self.heap_regions_end = 0
         """Heap bytes below which named regions lie (0: none); the all-gather block starts past it."""
         self._closed = False
+        _ALL.add(self)
 
     # ---- topology -----------------------------------------------------------------------
     def _topology_here(self, local_size: int | None) -> Topology:
@@ -198,40 +213,165 @@ class Group:
 
     # ---- bootstrap ----------------------------------------------------------------------
     def exchange(self, obj: object) -> list:
-        """All-gather one small picklable object per rank (rank order)."""
-        if self._local is not None:
-            return self._local.exchange(self.rank, obj, self.options.timeout_s)
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._bootstrap)
-        return out
+        """All-gather one small picklable object per rank (rank order), with the group's
+        deadline: ``PeerTimeoutError`` names the ranks that did not arrive; a peer that
+        abandons the current call raises its error here at once."""
+        c = self._call
+        if c is None:
+            self._setup_index += 1
+            call, index, what = 0, self._setup_index, "group set-up"
+        else:
+            c.index += 1
+            call, index, what = c.seq, c.index, f"call #{c.seq} ({c.name})"
+        return self._exchange.exchange(obj, call=call, index=index, timeout_s=self.options.timeout_s,
+                                       what=what, check=self._check_aborts if c is not None else None)
 
     def agree(self, signature: object, error: BaseException | None) -> None:
-        """Share this rank's (signature, error); raise on every rank if any rank failed or
-        the signatures differ."""
+        """Share this rank's (call number, signature, error); raise on every rank if any rank
+        failed or the signatures or call numbers differ.  With ``agree="first"`` a signature
+        agreed before is trusted without an exchange (the call's identity still reaches the
+        peers before any data moves: :meth:`check_in`)."""
+        c = self._call
+        if c is not None and signature is not None:
+            c.set_signature(signature)
         if self.options.agree == "first":
-            # Signatures agreed before are trusted: no exchange (a host round trip over the
-            # bootstrap group per collective, which stalls a training loop's run-ahead).  A
-            # rank that fails raises alone; its peers then time out naming it.
+            # Signatures agreed before are trusted: no exchange (a host round trip per
+            # collective, which stalls a training loop's run-ahead).  A rank that fails
+            # raises alone; the call's abort reaches its peers (see _Call).
             if error is not None:
                 raise error
             if signature in self._agreed:
                 return
         msg = None if error is None else f"{type(error).__name__}: {error}"
-        got = self.exchange((signature, msg))
+        seq = c.seq if c is not None else 0
+        got = self.exchange((seq, signature, msg))
         if error is not None:
             raise error
-        for r, (_, m) in enumerate(got):
+        for r, (_, _, m) in enumerate(got):
             if m is not None:
                 raise PeerArgumentError(r, m)
-        first = got[0][0]
-        bad = [r for r, (s, _) in enumerate(got) if s != first]
-        if bad:
-            raise ArgumentMismatchError(
-                f"ranks disagree on the collective's arguments: rank 0 has {first!r}, "
-                f"rank {bad[0]} has {got[bad[0]][0]!r}"
-            )
+        seqs = [q for q, _, _ in got]
+        if any(q != seq for q in seqs):
+            raise ArgumentMismatchError(f"ranks are at different calls of this group: rank {self.rank} at call "
+                                        f"#{seq}, " + ", ".join(f"rank {r} at #{q}" for r, q in enumerate(seqs)
+                                                                 if q != seq)
+                                        + "; every rank must make the same collective calls in the same order")
+        _check_same(got, self.rank)
+        for _, sgn, _ in got:
+            self._sig_names.setdefault(_sig32(sgn), _describe(sgn))
         if self.options.agree == "first" and len(self._agreed) < _AGREED_KEEP:
             self._agreed.add(signature)
+
+    # ---- call identity, aborts, broken state ------------------------------------------
+    def call(self, name: str) -> "_Call":
+        """``with g.call("reduce_scatter") as c:`` around one collective: numbers it, refuses
+        concurrent use and calls on a broken group, and on an error publishes the abort to
+        the peers (and marks the group broken when data may have moved)."""
+        self._check_open()
+        return _Call(self, name)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group is broken (see :class:`~tide_triton.errors.GroupBrokenError`), or None."""
+        return self._broken
+
+    def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+            log.error("tide_triton group (rank %d of %d) is broken: %s", self.rank, self.world_size, why)
+
+    def _peer_abort(self, r: int, seq: int) -> Abort | None:
+        a = self._exchange.abort_of(r)
+        return a if a is not None and a.call >= seq else None
+
+    def _raise_abort(self, r: int, a: Abort) -> None:
+        if a.kind == "argument":
+            raise PeerArgumentError(r, a.message)
+        raise PeerAbortedError(r, a.call, a.message)
+
+    def _check_aborts(self, ranks: Sequence[int]) -> None:
+        """Raise for the first of ``ranks`` that published an abort of this call or later."""
+        c = self._call
+        if c is None:
+            return
+        for r in ranks:
+            a = self._peer_abort(r, c.seq)
+            if a is not None:
+                self._raise_abort(r, a)
+
+    def _watch_flags(self, t: Any, seq: int) -> Any:
+        """A poll hook for the host transport's waits: raises once the peer waited for has
+        published an abort of this call (its abort flag) -- within one poll, not a timeout."""
+        slot = self.flags.abort
+
+        def watch(peer: int) -> None:
+            if t.read_flag(slot(peer)) >= seq:
+                a = self._peer_abort(peer, seq) or Abort((seq, "failed", "its call failed"))
+                self._raise_abort(peer, a)
+        return watch
+
+    def check_in(self, t: Any, peers: Sequence[int]) -> None:
+        """Before any data of the current call moves between this rank and ``peers``
+        (ranks of ``t``): tell them this call's identity (call number and signature) and
+        check theirs is the same.  A peer in another call raises
+        ``ArgumentMismatchError`` naming both calls; a peer that abandoned this call raises
+        its error.  On the host the check is done here; on CUDA the copy stream waits for
+        exactly the expected identity (a mismatch surfaces as a stuck wait, named by
+        :func:`tide_triton.synchronize` or the pacing)."""
+        c = self._call
+        if c is None:
+            raise RuntimeError("internal error: check_in outside a collective call")
+        peers = list(peers)
+        c.watch(t)
+        fm = self.flags
+        key = c.key
+        slot = fm.call(c.seq % 2, self.rank)
+        cuda = getattr(t, "device", None) is not None and t.device.type == "cuda"
+        if cuda and not hasattr(t, "wait_all_equal"):
+            c.moving = True
+            return  # a transport without exact waits: the identity is agreed by the exchange only
+        t.signal_all(peers, [slot] * len(peers), [key] * len(peers))
+        if cuda:
+            t.wait_all_equal([fm.call(c.seq % 2, p) for p in peers], [key] * len(peers), peers=peers,
+                             timeout_s=self.options.timeout_s, what=f"rank {{peer}} to enter call #{c.seq} "
+                             f"({c.name})")
+            c.moving = True
+            return
+        for p in peers:
+            ps = fm.call(c.seq % 2, p)
+            t.wait(ps, key & ~0xFFFFFFFF, peer=p, timeout_s=self.options.timeout_s,
+                   what=f"rank {p} to enter call #{c.seq} ({c.name})")
+            got = t.read_flag(ps)
+            if got != key:
+                self._mismatch(p, got, c)
+        c.moving = True
+
+    def _mismatch(self, p: int, got: int, c: "_Call") -> None:
+        seq, sig = got >> 32, got & 0xFFFFFFFF
+        mine = _describe(c.signature)
+        if seq != c.seq:
+            raise ArgumentMismatchError(
+                f"rank {p} is at call #{seq} of this group while rank {self.rank} is at call #{c.seq} ({mine}): "
+                f"rank {p} did not make this call; every rank must make the same collective calls in the "
+                "same order")
+        theirs = self._sig_names.get(sig, f"a signature this rank has not seen (hash {sig:#010x})")
+        raise ArgumentMismatchError(
+            f"ranks {self.rank} and {p} made different collectives as call #{c.seq} of this group: rank "
+            f"{self.rank}: {mine}; rank {p}: {theirs}")
+
+    def _publish_abort(self, seq: int, kind: str, message: str) -> None:
+        """Tell the peers this rank abandoned call ``seq``: in the bootstrap store (peers in
+        an exchange, and any that look up why) and in every peer's abort flag of every
+        transport this group has (the host transport's waits watch it)."""
+        self._exchange.publish_abort(seq, kind, message)
+        for t in list(self._transports.values()):
+            if getattr(t, "device", None) is None or t.device.type != "cpu":
+                continue  # CUDA: a stream write would queue behind the stuck waits; the store tells
+            try:
+                peers = [r for r in range(t.local_size) if r != t.rank]
+                t.signal_all(peers, [self.flags.abort(self.rank)] * len(peers), [seq] * len(peers))
+            except Exception:  # noqa: BLE001 -- best effort on the way out of an error
+                pass
 
     # ---- transports ---------------------------------------------------------------------
     def transport(self, device: torch.device):
@@ -374,12 +514,125 @@ class Group:
         self._transports.clear()
         if self.pg is not None and _GROUPS.get(id(self.pg)) is self:
             _GROUPS.pop(id(self.pg), None)
+        _ALL.discard(self)
 
     def __enter__(self) -> "Group":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Call:
+    """One collective call on a group (see :meth:`Group.call`)."""
+
+    def __init__(self, g: Group, name: str) -> None:
+        self.g = g
+        self.name = name
+        self.seq = 0
+        self.index = 0
+        self.signature: object = None
+        self.key = 0
+        self.moving = False
+        """Data of this call may have moved (or peers may be past its start): an error from
+        here on leaves the group broken."""
+        self._watched: list[Any] = []
+
+    def set_signature(self, signature: object) -> None:
+        self.signature = signature
+        self.key = (self.seq << 32) | _sig32(signature)
+
+    def watch(self, t: Any) -> None:
+        """Let ``t``'s host-side waits see the peers' aborts of this call."""
+        if hasattr(t, "watch") and t.watch is None:
+            t.watch = self.g._watch_flags(t, self.seq)
+            self._watched.append(t)
+
+    def __enter__(self) -> "_Call":
+        g = self.g
+        if not g._call_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"this tide_triton group (rank {g.rank}) is already in a collective call from another thread; "
+                "a group runs one collective at a time: serialise the calls, or make one group per thread "
+                "(tide_triton.init(pg) for another process group)")
+        g._seq += 1
+        self.seq = g._seq
+        if g._broken is not None:
+            why = g._broken
+            try:
+                g._publish_abort(self.seq, "broken", f"its group is broken: {why}")
+            finally:
+                g._call_lock.release()
+            raise GroupBrokenError(
+                f"this tide_triton group (rank {g.rank}) is broken and refuses call #{self.seq} ({self.name}): "
+                f"{why}.  Its staging and flags can no longer be trusted; close it (group.close()) and "
+                "create a new one (tide_triton.init)")
+        g._call = self
+        return self
+
+    def __exit__(self, et: Any, e: BaseException | None, tb: Any) -> None:
+        g = self.g
+        try:
+            for t in self._watched:
+                t.watch = None
+            if e is not None and isinstance(e, Exception):
+                self._failed(e)
+        finally:
+            g._call = None
+            g._call_lock.release()
+
+    def _failed(self, e: Exception) -> None:
+        """Publish the abort (peers waiting on this call raise at once instead of timing
+        out) and, unless nothing can have moved, mark the group broken."""
+        g = self.g
+        argument = isinstance(e, (TypeError, ValueError)) and not self.moving
+        g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}")
+        if not argument:
+            g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")
+
+
+def _sig32(signature: object) -> int:
+    """A 32-bit fingerprint of a signature (never 0), the same in every process."""
+    return (zlib.crc32(repr(signature).encode()) & 0xFFFFFFFF) or 1
+
+
+def _describe(signature: object) -> str:
+    """A signature as ``name(field=value, ...)`` (signatures are ``(name, (field, value)...)``)."""
+    if isinstance(signature, tuple) and signature and isinstance(signature[0], str) and all(
+            isinstance(f, tuple) and len(f) == 2 and isinstance(f[0], str) for f in signature[1:]):
+        return f"{signature[0]}(" + ", ".join(f"{k}={v!r}" for k, v in signature[1:]) + ")"
+    return repr(signature)
+
+
+def _check_same(got: list, me: int) -> None:
+    """Raise ``ArgumentMismatchError`` naming the field, the ranks and their values when the
+    signatures in ``got`` (``(seq, signature, error)`` per rank) differ."""
+    sigs = [s for _, s, _ in got]
+    if all(s == sigs[0] for s in sigs):
+        return
+    first = sigs[0]
+    named = all(isinstance(s, tuple) and s and isinstance(s[0], str) for s in sigs)
+    if named and all(s[0] == first[0] for s in sigs) and all(len(s) == len(first) for s in sigs):
+        for i in range(1, len(first)):
+            field = first[i][0] if isinstance(first[i], tuple) and len(first[i]) == 2 else f"argument {i}"
+            vals = [s[i][1] if isinstance(s[i], tuple) and len(s[i]) == 2 else s[i] for s in sigs]
+            if any(v != vals[0] for v in vals):
+                groups: dict[str, list[int]] = {}
+                for r, v in enumerate(vals):
+                    groups.setdefault(repr(v), []).append(r)
+                parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {v}" for v, rs in groups.items())
+                raise ArgumentMismatchError(f"ranks disagree on {first[0]}'s {field}: {parts}; every rank must "
+                                            "pass the same shapes, dtypes and options")
+    groups2: dict[str, list[int]] = {}
+    for r, s in enumerate(sigs):
+        groups2.setdefault(_describe(s), []).append(r)
+    parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {d}" for d, rs in groups2.items())
+    raise ArgumentMismatchError(f"ranks made different collective calls: {parts}; every rank must make the "
+                                "same collective calls in the same order")
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs)) if len(rs) <= 8 else f"{rs[0]}..{rs[-1]} ({len(rs)} ranks)"
 
 
 class _Pacer:
@@ -413,12 +666,12 @@ class _Pacer:
 
 
 class _LocalExchange:
-    """In-process all-gather for ranks driven by threads of one process."""
+    """What the ranks of one process share: the key-value store of their exchanges and
+    objects made once for all of them (e.g. the CUDA transports)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._barrier = threading.Barrier(world_size)
-        self._slots: list = [None] * world_size
+        self.kv = LocalKeyValue()
         self._lock = threading.Lock()
         self._shared: dict = {}
 
@@ -428,18 +681,6 @@ class _LocalExchange:
             if key not in self._shared:
                 self._shared[key] = make()
             return self._shared[key]
-
-    def exchange(self, rank: int, obj: object, timeout_s: float) -> list:
-        self._slots[rank] = obj
-        try:
-            self._barrier.wait(timeout_s)      # everyone has written
-            out = list(self._slots)
-            self._barrier.wait(timeout_s)      # everyone has read: slots may be reused
-        except threading.BrokenBarrierError:
-            raise TimeoutError(
-                f"rank {rank}: a local peer did not reach the exchange within {timeout_s} s"
-            ) from None
-        return out
 
 
 _MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -494,6 +735,82 @@ def local_groups(world_size: int, *, local_size: int | None = None, **options: A
 
 
 _GROUPS: dict[int, Group] = {}
+_ALL: "weakref.WeakSet[Group]" = weakref.WeakSet()
+"""Every open group of this process: closed at interpreter exit and when their process
+group is destroyed (a group left open there aborted the process in 3 of 27 exits)."""
+_INSTANCES: dict[str, int] = {}
+
+
+def _default_store() -> Any:
+    """The default process group's store (every process group's ranks reach it)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"tide_triton needs torch.distributed's default store for its bootstrap "
+                           f"exchanges, and none is reachable ({e}); call init_process_group first") from e
+
+
+def _store_prefix(pg: Any) -> str:
+    """Keys of one group instance: the process group's name and how many groups this process
+    made for it before (every rank makes them in the same order: creation is collective)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        name = c10d._get_process_group_name(pg)
+    except Exception:  # noqa: BLE001
+        name = "ranks-" + "-".join(map(str, dist.get_process_group_ranks(pg)))
+    n = _INSTANCES[name] = _INSTANCES.get(name, 0) + 1
+    return f"tide_triton/{name}/{n}/"
+
+
+def _close_all() -> None:
+    for g in list(_ALL):
+        try:
+            g.close()
+        except Exception as e:  # noqa: BLE001 -- at exit: log, never raise
+            log.warning("closing a tide_triton group at exit failed: %s", e)
+
+
+atexit.register(_close_all)
+
+_destroy_wrapped = False
+
+
+def _close_with_process_groups() -> None:
+    """Close groups when their process group is destroyed: ``dist.destroy_process_group``
+    is wrapped (once) to close the groups over that process group (all, for the world)
+    before torch tears it down."""
+    global _destroy_wrapped
+    if _destroy_wrapped:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    orig = c10d.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> Any:
+        for g in list(_ALL):
+            if g.pg is not None and (group is None or g.pg is group or group is dist.group.WORLD):
+                try:
+                    g.close()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("closing a tide_triton group before destroy_process_group failed: %s", e)
+        return orig(group)
+
+    destroy_process_group.__wrapped__ = orig  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = orig.__doc__
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+    _destroy_wrapped = True
+
+
+def existing(pg: dist.ProcessGroup | None = None) -> Group | None:
+    """The open tide_triton group of ``pg`` (default: the world group) made by :func:`init`,
+    or None.  Not collective."""
+    key_pg = pg if pg is not None else dist.group.WORLD
+    g = _GROUPS.get(id(key_pg))
+    return g if g is not None and not g.closed else None
 
 
 def init(pg: dist.ProcessGroup | None = None, *, local_size: int | None = None, **options: Any) -> Group:
@@ -513,6 +830,7 @@ def init(pg: dist.ProcessGroup | None = None, *, local_size: int | None = None, 
             raise ValueError(f"init: a group for this process group exists with local_size={g.local_size}, "
                              f"got local_size={local_size!r}")
         return g
+    _close_with_process_groups()
     g = Group(pg, GroupOptions(**options), local_size=local_size)
     _GROUPS[id(key_pg)] = g
     return g

@@ -261,6 +261,19 @@ def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int
     return Binding(prog, dst_stub, src_stub, k, max_ctas, known_ptrs=(dst_ptrs, src_ptrs))
 
 
+def _direct_peers(g: Group) -> list[int]:
+    """The ranks this rank exchanges data with directly: its node's ranks, and (where the
+    transport spans every node: the host) its rail's ranks.  The call-identity check runs
+    with them (:meth:`Group.check_in`)."""
+    L, me = g.local_size, g.rank
+    first = me - me % L
+    peers = [r for r in range(first, first + L) if r != me]
+    t = g._transports.get("cpu")
+    if t is not None and t.local_size == g.world_size:
+        peers += [r for r in range(me % L, g.world_size, L) if r != me]
+    return peers
+
+
 def _pieces(runs) -> list[tuple[int, int, int]]:
     return [pc for r in runs for pc in r.pieces()]
 
@@ -393,6 +406,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         net = st.net
         last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
         base = g.rs_count
+        g.check_in(t, _direct_peers(g))  # this call's identity, before any of its data moves
         if staging is not None:  # nobody writes into a node peer's region before it vacated it
             e = staging._begin_staging()
             t.wait_all([fm.vacated(staging.index, d) for d in peers], [e] * len(peers), peers=peers,
@@ -521,6 +535,7 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     order = _Order(g, t, device, stream, async_op)
     t = order.t
     with order.ctx:
+        g.check_in(t, _direct_peers(g))  # this call's identity, before any of its data moves
         # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
         if pdt == sdt:
             t.copy_prepared(prep.own)

@@ -130,6 +130,19 @@ class FlagMap:
             raise ValueError(f"region must be in [0, {self.regions}), got {region}")
         return (2 + 2 * self.stages) * self.local_size + region * self.local_size + owner
 
+    def _after_regions(self) -> int:
+        return (2 + 2 * self.stages + self.regions) * self.local_size
+
+    def call(self, parity: int, src: int) -> int:
+        """On every peer: the identity of ``src``'s current collective call, ``(call number
+        << 32) | signature fingerprint`` (two words, by call-number parity, so a peer already
+        in the next call does not overwrite the one being checked)."""
+        return self._after_regions() + (parity % 2) * self.local_size + src
+
+    def abort(self, src: int) -> int:
+        """On every peer: the number of the last call ``src`` abandoned (0: none)."""
+        return self._after_regions() + 2 * self.local_size + src
+
     @property
     def n_flags(self) -> int:
-        return (2 + 2 * self.stages + self.regions) * self.local_size
+        return self._after_regions() + 3 * self.local_size

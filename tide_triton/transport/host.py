@@ -24,7 +24,7 @@ import torch
 
 from .base import PeerTimeoutError
 
-__all__ = ["HostTransport"]
+__all__ = ["HostTransport", "remove_stale_files"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -51,6 +51,43 @@ def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset:
     return out
 
 
+_SHM_DIR = "/dev/shm"
+_SHM_PREFIX = "tide_triton."
+
+
+def remove_stale_files(directory: str = _SHM_DIR) -> list[str]:
+    """Remove heap files (``tide_triton.<pid>.<hex>.<rank>``) whose creating process is gone:
+    a process killed between creating its file and every peer opening it (where it is
+    unlinked) leaves one behind.  Returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for n in names:
+        if not n.startswith(_SHM_PREFIX):
+            continue
+        parts = n[len(_SHM_PREFIX):].split(".")
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        pid = int(parts[0])
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, n))
+            removed.append(os.path.join(directory, n))
+        except OSError:
+            pass
+    return removed
+
+
 class HostTransport:
     """Shared-memory heaps for ``local_size`` processes on one host.
 
@@ -66,13 +103,17 @@ class HostTransport:
         """Added to rank numbers in timeouts (a node-local transport of a several-node group)."""
         self.n_flags = n_flags
         self.device = torch.device("cpu")
+        self.watch: Callable[[int], None] | None = None
+        """Called with the peer's rank while a wait on it polls (the group's abort check: it
+        raises when the peer has abandoned the call)."""
         self._exchange = exchange
         self._closed = False
         self._bases: list[int] = []
         self._mapped: list[int] = [0] * local_size
         self._fds: list[int] = []
         self._size = 0
-        name = f"/dev/shm/tide_triton.{os.getpid()}.{uuid.uuid4().hex[:12]}.{rank}"
+        remove_stale_files()
+        name = f"{_SHM_DIR}/{_SHM_PREFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}.{rank}"
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             names = exchange(name)
@@ -160,6 +201,8 @@ class HostTransport:
         deadline = time.monotonic() + timeout_s
         pause = 1e-6
         while flag.value < value:
+            if self.watch is not None:
+                self.watch(peer)
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(peer + self.rank_offset, what or f"flag {slot} >= {value}, saw {flag.value}",
                                        timeout_s)

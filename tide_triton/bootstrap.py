@@ -1,0 +1,208 @@
+"""Bootstrap exchanges with deadlines: how a group's ranks swap small objects.
+
+Every collective's agreement, every transport's set-up (heap names, handles, sizes) and every
+heap growth exchanges one small picklable object per rank.  These exchanges go through a
+key-value store -- the process group's own ``torch.distributed`` store, or an in-process
+dictionary for the single-process mode -- never through a collective of the process group,
+so that:
+
+* every wait has the group's deadline (``timeout_s``) and, when it passes, raises
+  :class:`~tide_triton.errors.PeerTimeoutError` naming every rank that has not arrived
+  (a gloo collective waits for the process group's own timeout, 30 minutes by default, and
+  reports a socket error, not a rank);
+* a rank that abandons a call publishes that (:meth:`Exchange.publish_abort`) and peers
+  waiting in an exchange raise at once, naming it;
+* keys carry the group's call number and the exchange's index within the call, so an
+  exchange one rank skipped (its call failed before reaching it) can never pair with
+  another exchange of a later call.
+
+A key is written once by its owner, read by every peer, and deleted by its owner once a
+later exchange has completed (every peer has then written that later key, so it has read
+the earlier one).  Pure Python plus ``torch.distributed``'s store; no CUDA.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Protocol, Sequence
+
+from .errors import PeerTimeoutError
+
+__all__ = ["KeyValue", "StoreKeyValue", "LocalKeyValue", "Exchange", "Abort"]
+
+_POLL_S = 0.05
+"""How long one wait on the store lasts before the missing ranks and the abort keys are
+looked at again: a peer's abort is seen within about this long."""
+
+
+class KeyValue(Protocol):
+    """The few store operations an exchange needs (``torch.distributed.Store`` has them)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def present(self, key: str) -> bool: ...
+
+    def wait_all(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """True once every key exists; False after ``timeout_s``."""
+        ...
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+class StoreKeyValue:
+    """A ``torch.distributed.Store`` (TCPStore, FileStore, PrefixStore ...)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def present(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def wait_all(self, keys: Sequence[str], timeout_s: float) -> bool:
+        try:
+            self.store.wait(list(keys), timedelta(seconds=max(timeout_s, 1e-3)))
+            return True
+        except RuntimeError as e:  # DistStoreError: "Wait timeout"; anything else is real
+            if "timeout" in str(e).lower():
+                return False
+            raise
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        if hasattr(self.store, "multi_get"):
+            return list(self.store.multi_get(list(keys)))
+        return [self.store.get(k) for k in keys]
+
+    def delete(self, key: str) -> None:
+        self.store.delete_key(key)
+
+
+class LocalKeyValue:
+    """An in-process store for ranks driven by threads of one process."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._data[key] = value
+            self._cond.notify_all()
+
+    def present(self, key: str) -> bool:
+        with self._cond:
+            return key in self._data
+
+    def wait_all(self, keys: Sequence[str], timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(k in self._data for k in keys), timeout_s)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        with self._cond:
+            return [self._data[k] for k in keys]
+
+    def delete(self, key: str) -> None:
+        with self._cond:
+            self._data.pop(key, None)
+
+
+class Abort(tuple):
+    """What a rank published when it abandoned a call: ``(call, kind, message)``.  ``kind``:
+    ``"argument"`` (its arguments were bad; nothing of the call moved), ``"failed"`` (it
+    failed after data may have moved), ``"broken"`` (its group is broken)."""
+
+    @property
+    def call(self) -> int:
+        return self[0]
+
+    @property
+    def kind(self) -> str:
+        return self[1]
+
+    @property
+    def message(self) -> str:
+        return self[2]
+
+
+class Exchange:
+    """All-gathers of one small picklable object per rank, with a deadline.
+
+    ``kv``: the store; ``prefix``: this group's keys (unique per group instance, the same on
+    every rank); ``rank`` / ``world_size``: within the group; ``names``: how to call rank
+    ``r`` in errors (its rank in the group, or a global rank)."""
+
+    def __init__(self, kv: KeyValue, prefix: str, rank: int, world_size: int,
+                 name: Callable[[int], int] = lambda r: r) -> None:
+        self.kv = kv
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+        self.name = name
+        self._mine: list[str] = []  # my keys not yet deleted, oldest first
+
+    # ---- aborts -------------------------------------------------------------------------
+    def _abort_key(self, r: int) -> str:
+        return f"{self.prefix}abort/{r}"
+
+    def publish_abort(self, call: int, kind: str, message: str) -> None:
+        """Tell every peer that this rank abandoned call ``call`` (best effort: a store that
+        is gone cannot be told)."""
+        try:
+            self.kv.set(self._abort_key(self.rank), pickle.dumps(Abort((call, kind, message))))
+        except Exception:  # noqa: BLE001 -- the store may be gone with its host
+            pass
+
+    def abort_of(self, r: int) -> Abort | None:
+        """What rank ``r`` published last when it abandoned a call, or None."""
+        key = self._abort_key(r)
+        try:
+            if not self.kv.present(key):
+                return None
+            return pickle.loads(self.kv.get_many([key])[0])
+        except Exception:  # noqa: BLE001
+            return None
+
+    # ---- the exchange -------------------------------------------------------------------
+    def exchange(self, obj: object, *, call: int, index: int, timeout_s: float, what: str,
+                 check: Callable[[Sequence[int]], None] | None = None) -> list:
+        """Every rank's ``obj`` in rank order.  ``(call, index)`` names the exchange (the
+        group's call number and the exchange's place in that call).  While waiting,
+        ``check(missing_ranks)`` runs every :data:`_POLL_S` (it may raise, e.g. for a
+        peer's published abort).  After ``timeout_s`` raises ``PeerTimeoutError`` naming
+        the first missing rank and listing all of them."""
+        W, me = self.world_size, self.rank
+        tag = f"{self.prefix}x/{call}/{index}/"
+        mine = tag + str(me)
+        self.kv.set(mine, pickle.dumps(obj))
+        keys = [tag + str(r) for r in range(W)]
+        pending = [r for r in range(W) if r != me]
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if self.kv.wait_all([keys[r] for r in pending], min(_POLL_S, max(left, 0.0))):
+                break
+            pending = [r for r in pending if not self.kv.present(keys[r])]
+            if not pending:
+                break
+            if check is not None:
+                check(pending)
+            if time.monotonic() >= deadline:
+                names = [self.name(r) for r in pending]
+                more = "" if len(names) == 1 else f"; ranks {names} have not arrived"
+                raise PeerTimeoutError(names[0], f"{what}: its part of bootstrap exchange "
+                                       f"(call #{call}, step {index}){more}", timeout_s)
+        got = [pickle.loads(b) for b in self.kv.get_many(keys)]
+        # Every peer wrote this exchange's key, so it has read all my earlier keys.
+        for old in self._mine:
+            try:
+                self.kv.delete(old)
+            except Exception:  # noqa: BLE001 -- cleanup only
+                pass
+        self._mine = [mine]
+        return got
