@@ -1,0 +1,460 @@
+"""Faults that used to give wrong results without an error, or no deadline (issue: no silent
+wrong results).  Each case below failed on the code before this file existed:
+
+1. all_gather with another dim 0 on one rank: its last row silently became 0;
+2. agree="first": a call that failed locally on one rank paired with that rank's next call
+   (the peer returned its own contribution plus the next call's: 103 instead of 16);
+3. agree="first": ranks in different collectives, or the same collective on another agreed
+   layout of the same size: errors on some ranks, wrong results on others;
+4. after an interrupted collective, the next one returned stale data;
+5. under agree="always" a late, absent or dead rank was caught only by the process group's
+   own timeout (or a socket error), naming no rank;
+6. the process aborted at exit without ``group.close()``;
+7. a heap file of a killed process stayed in /dev/shm;
+8. two threads on one group aborted the process inside gloo;
+9. NaN ``op`` and a non-stream ``stream`` were accepted; the errors were not exported.
+
+Every case runs on the host transport (CPU, gloo); the data-path cases run with CUDA tensors
+too where a GPU exists (processes sharing it).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+try:
+    from _dist import run_multiprocess
+except ImportError:  # pragma: no cover
+    from tests._dist import run_multiprocess
+
+pytestmark = pytest.mark.multiproc
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _dev(kind: str, rank: int) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _sync(kind: str) -> None:
+    if kind == "cuda":
+        import tide_triton as tt
+
+        tt.synchronize()
+        torch.cuda.synchronize()
+
+
+def _outcome(fn, kind: str) -> str:
+    """Run ``fn`` (a collective and its check); name what happened."""
+    import tide_triton as tt
+
+    try:
+        r = fn()
+        _sync(kind)
+        return f"ok {r}" if r is not None else "ok"
+    except tt.GroupBrokenError as e:
+        return f"broken: {e}"
+    except tt.PeerAbortedError as e:
+        return f"aborted by {e.rank}: {e}"
+    except tt.PeerArgumentError as e:
+        return f"peer argument {e.rank}: {e}"
+    except tt.ArgumentMismatchError as e:
+        return f"mismatch: {e}"
+    except tt.PeerTimeoutError as e:
+        return f"timeout {e.peer}: {e}"
+    except (TypeError, ValueError) as e:
+        return f"own error: {e}"
+    except RuntimeError as e:
+        return f"error: {e}"
+
+
+# ---- 1. all_gather with another dim 0 on one rank -------------------------------------
+def _ag_dim0(rank: int, W: int, kind: str) -> str:
+    import tide_triton as tt
+
+    dev = _dev(kind, rank)
+    tt.init(timeout_s=20)
+    d0 = 8 if rank == 1 else 7
+    layout = tt.ShardLayout([(d0, 5)], W)
+    shards = [torch.full(s, float(rank + 1), device=dev) for s in layout.shard_shapes(rank)]
+    params = [torch.zeros((d0, 5), device=dev)]
+    return _outcome(lambda: tt.all_gather(shards, params), kind)
+
+
+@pytest.mark.parametrize("kind", _DEVICES)
+def test_all_gather_with_another_dim0_on_one_rank_raises_on_every_rank(kind: str) -> None:
+    out = run_multiprocess(_ag_dim0, 3, kind, timeout=120)
+    for r, o in enumerate(out):
+        assert o.startswith("mismatch: ranks disagree on all_gather's params shapes"), (r, o)
+        assert "rank 1: ((8, 5),)" in o and "ranks 0, 2: ((7, 5),)" in o, (r, o)
+
+
+# ---- 2. agree="first": a failed call must not pair with the next one -------------------
+def _first_fail_then_next(rank: int, W: int, kind: str, other_layout: bool) -> dict:
+    import tide_triton as tt
+
+    dev = _dev(kind, rank)
+    tt.init(timeout_s=20, agree="first")
+    shapes_a, shapes_b = [(6, 4)], [(4, 6)]  # two layouts of the same byte count
+    out = {}
+
+    def rs(shapes, value, drop=False):
+        layout = tt.ShardLayout(shapes, W)
+        grads = [torch.full(s, float(value), dtype=torch.bfloat16, device=dev) for s in shapes]
+        shards = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+        tt.reduce_scatter(grads[:0] if drop else grads, shards[:0] if drop else shards, op="sum")
+        _sync(kind)
+        return sorted({float(v) for x in shards for v in x.flatten().tolist()})
+
+    # agree both signatures first (each call exchanges once)
+    out["agree a"] = _outcome(lambda: rs(shapes_a, rank + 1), kind)
+    out["agree b"] = _outcome(lambda: rs(shapes_b, rank + 1), kind)
+    # rank 0: grads 3 (expected sum with rank 1's 13: 16); rank 1: a bad call, then its next
+    if rank == 0:
+        out["pending"] = _outcome(lambda: rs(shapes_a, 3), kind)
+    else:
+        out["pending"] = _outcome(lambda: rs(shapes_a, 13, drop=True), kind)
+        out["next"] = _outcome(lambda: rs(shapes_b if other_layout else shapes_a, 100), kind)
+    if rank == 0:  # rank 0's own next call pairs with rank 1's "next"
+        out["next"] = _outcome(lambda: rs(shapes_b if other_layout else shapes_a, 100), kind)
+    out["after"] = _outcome(lambda: rs(shapes_a, 7), kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", _DEVICES)
+@pytest.mark.parametrize("other_layout", [False, True], ids=["same-layout", "other-layout"])
+def test_agree_first_failed_call_never_pairs_with_the_next(kind: str, other_layout: bool) -> None:
+    out = run_multiprocess(_first_fail_then_next, 2, kind, other_layout, timeout=180)
+    r0, r1 = out
+    assert r0["agree a"] == r1["agree a"] == "ok [3.0]", out
+    assert r1["pending"].startswith("own error: grads must hold at least one tensor"), r1
+    # never 103 (3 + the next call's 100): the peer's abort is named
+    assert r0["pending"].startswith("peer argument 1: rank 1 rejected its arguments"), r0
+    # the failure moved no data: both next calls pair with each other and are exact
+    assert r0["next"] == r1["next"] == "ok [200.0]", out
+    assert r0["after"] == r1["after"] == "ok [14.0]", out
+
+
+# ---- 3. agree="first": different collectives, or other layouts, at the same call -------
+def _first_different_calls(rank: int, W: int, kind: str, how: str) -> dict:
+    import tide_triton as tt
+
+    dev = _dev(kind, rank)
+    tt.init(timeout_s=20, agree="first")
+    shapes_a, shapes_b = [(6, 4)], [(4, 6)]
+    out = {}
+
+    def rs(shapes, value):
+        layout = tt.ShardLayout(shapes, W)
+        grads = [torch.full(s, float(value), dtype=torch.bfloat16, device=dev) for s in shapes]
+        shards = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+        tt.reduce_scatter(grads, shards, op="sum")
+        _sync(kind)
+        return sorted({float(v) for x in shards for v in x.flatten().tolist()})
+
+    def ag(shapes, value):
+        layout = tt.ShardLayout(shapes, W)
+        shards = [torch.full(s, float(value), dtype=torch.bfloat16, device=dev) for s in layout.shard_shapes(rank)]
+        params = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+        tt.all_gather(shards, params)
+        _sync(kind)
+        return sorted({float(v) for x in params for v in x.flatten().tolist()})
+
+    out["agree"] = [_outcome(lambda: rs(shapes_a, 1), kind), _outcome(lambda: rs(shapes_b, 1), kind),
+                    _outcome(lambda: ag(shapes_a, 1), kind)]
+    if how == "ag-vs-rs":
+        out["diverge"] = _outcome(lambda: ag(shapes_a, 5) if rank == 0 else rs(shapes_a, 5), kind)
+    else:  # the same collective on another agreed layout of the same byte count
+        out["diverge"] = _outcome(lambda: rs(shapes_a if rank == 0 else shapes_b, 5), kind)
+    out["after"] = _outcome(lambda: rs(shapes_a, rank + 1), kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", _DEVICES)
+@pytest.mark.parametrize("how", ["ag-vs-rs", "other-layout"])
+def test_agree_first_different_calls_raise_on_every_rank(kind: str, how: str) -> None:
+    out = run_multiprocess(_first_different_calls, 2, kind, how, timeout=180)
+    for r, o in enumerate(out):
+        assert o["agree"] == ["ok [2.0]", "ok [2.0]", "ok [1.0]"], (r, o)
+        d = o["diverge"]
+        assert d.startswith(("mismatch: ranks 0 and 1 made different collectives as call #",
+                             "mismatch: ranks 1 and 0 made different collectives as call #",
+                             "peer argument")), (r, d)
+        # never a wrong result, and the group is still consistent afterwards
+        assert o["after"] in ("ok [3.0]",) or o["after"].startswith(("broken", "aborted")), (r, o)
+    names = " ".join(o["diverge"] for o in out)
+    if how == "ag-vs-rs":
+        assert "all_gather(" in names and "reduce_scatter(" in names, out
+    else:
+        assert "(6, 4)" in names and "(4, 6)" in names, out
+
+
+# ---- 4. an interrupted collective: never stale data afterwards -------------------------
+def _interrupted(rank: int, W: int, kind: str, agree: str) -> dict:
+    import tide_triton as tt
+
+    dev = _dev(kind, rank)
+    g = tt.init(timeout_s=20, agree=agree, ring_bytes=256)  # small ring: many chunks
+    shapes = [(64, 8)]
+    layout = tt.ShardLayout(shapes, W)
+    out = {}
+
+    def rs(value):
+        grads = [torch.full(s, float(value), dtype=torch.bfloat16, device=dev) for s in shapes]
+        shards = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+        tt.reduce_scatter(grads, shards, op="sum", group=g)
+        _sync(kind)
+        return sorted({float(v) for x in shards for v in x.flatten().tolist()})
+
+    out["first"] = _outcome(lambda: rs(rank + 1), kind)
+    t = g.transport(dev)
+    if rank == 1:  # an error inside the transport after the first chunk's copies
+        real, n = t.copy_prepared, [0]
+
+        def failing(*a, **k):
+            n[0] += 1
+            if n[0] == 2:
+                raise RuntimeError("injected transport failure")
+            return real(*a, **k)
+        t.copy_prepared = failing
+    t0 = time.monotonic()
+    out["interrupted"] = _outcome(lambda: rs(10 + rank), kind)
+    out["seconds"] = time.monotonic() - t0
+    if rank == 1:
+        del t.copy_prepared
+    out["next"] = _outcome(lambda: rs(15), kind)  # 30 on every element, or an error
+    g.close()
+    g2 = tt.init(timeout_s=20, agree=agree, ring_bytes=256)
+    out["new group"] = _outcome(lambda: (lambda v: v)(_rs_on(g2, layout, shapes, rank, dev, kind)), kind)
+    g2.close()
+    return out
+
+
+def _rs_on(g, layout, shapes, rank, dev, kind):
+    import tide_triton as tt
+
+    grads = [torch.full(s, 15.0, dtype=torch.bfloat16, device=dev) for s in shapes]
+    shards = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+    tt.reduce_scatter(grads, shards, op="sum", group=g)
+    _sync(kind)
+    return sorted({float(v) for x in shards for v in x.flatten().tolist()})
+
+
+@pytest.mark.parametrize("kind", _DEVICES)
+@pytest.mark.parametrize("agree", ["always", "first"])
+def test_interrupted_collective_leaves_no_stale_data(kind: str, agree: str) -> None:
+    out = run_multiprocess(_interrupted, 2, kind, agree, timeout=180)
+    r0, r1 = out
+    assert r0["first"] == r1["first"] == "ok [3.0]", out
+    assert "injected transport failure" in r1["interrupted"], r1
+    assert r0["interrupted"].startswith("aborted by 1: rank 1 abandoned collective call #"), r0
+    if kind == "cpu":
+        assert r0["seconds"] < 5, r0  # seen through the abort flag, not the 20 s timeout
+    for o in out:  # the next call never returns [21.0, 30.0]
+        assert o["next"].startswith("broken: this tide_triton group"), o
+        assert "create a new one" in o["next"], o
+        assert o["new group"] == "ok [30.0]", o
+
+
+# ---- 5. deadlines under agree="always" --------------------------------------------------
+def _late(rank: int, W: int, how: str) -> dict:
+    import tide_triton as tt
+
+    tt.init(timeout_s=3)
+    layout = tt.ShardLayout([(4, 2)], W)
+    grads = [torch.ones((4, 2), dtype=torch.bfloat16)]
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+    if rank == 1:
+        if how == "exits":
+            os._exit(0)
+        if how == "late":
+            time.sleep(8)
+        if how == "never":
+            time.sleep(8)
+            return {}
+    t0 = time.monotonic()
+    o = _outcome(lambda: tt.reduce_scatter(grads, shards, op="sum") and None, "cpu")
+    return {"outcome": o, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("how", ["late", "never", "exits"])
+def test_always_mode_honours_the_deadline_and_names_the_rank(how: str) -> None:
+    out = run_multiprocess(_late, 2, how, timeout=60, may_die=(1,))
+    r0 = out[0]
+    assert r0["outcome"].startswith("timeout 1: timed out after 3.0 s waiting for rank 1"), r0
+    assert r0["seconds"] < 6, r0
+
+
+# ---- 6. clean exits without close() ----------------------------------------------------
+_EXIT_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    import tide_triton as tt
+    rank, W, port = int(sys.argv[1]), 2, int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
+    layout = tt.ShardLayout([(6, 3)], W)
+    grads = [torch.full((6, 3), 1.0, dtype=torch.bfloat16)]
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+    tt.init(timeout_s=30)
+    tt.reduce_scatter(grads, shards, op="sum")
+    tt.all_gather(shards, [torch.zeros(6, 3)])
+    if sys.argv[3] == "destroy":
+        dist.destroy_process_group()   # no group.close(): the group closes itself
+""")
+
+
+def test_fifty_exits_without_close_never_abort(tmp_path) -> None:
+    from _dist import free_port
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    codes = []
+    for i in range(25):  # 25 runs x 2 ranks = 50 exits; half destroy the process group first
+        port = free_port()
+        how = "destroy" if i % 2 else "exit"
+        procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), how], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(2)]
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            codes.append((p.returncode, how, err.decode(errors="replace")[-400:]))
+    bad = [c for c in codes if c[0] != 0]
+    assert not bad, bad[:3]
+
+
+# ---- 7. stale heap files ---------------------------------------------------------------
+def test_stale_heap_file_of_a_dead_process_is_removed_at_the_next_init(tmp_path) -> None:
+    from tide_triton.transport.host import remove_stale_files
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dead = tmp_path / f"tide_triton.{p.pid}.0123456789ab.0"
+    dead.write_bytes(b"")
+    alive = tmp_path / f"tide_triton.{os.getppid()}.0123456789ab.1"  # a live process's: kept
+    alive.write_bytes(b"")
+    other = tmp_path / "tide_triton.notapid.x.0"
+    other.write_bytes(b"")
+    removed = remove_stale_files(str(tmp_path))
+    assert removed == [str(dead)]
+    assert not dead.exists() and alive.exists() and other.exists()
+
+
+def _killed_in_exchange(rank: int, W: int) -> dict:
+    import signal
+
+    import tide_triton as tt
+    from tide_triton.transport import host
+
+    tt.init(timeout_s=5)
+    if rank == 1:  # killed right after creating its heap file, inside the name exchange
+        real = host.HostTransport.__init__.__globals__["os"].open
+
+        def open_then_die(path, *a, **k):
+            fd = real(path, *a, **k)
+            if str(path).startswith("/dev/shm/tide_triton."):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return fd
+        host.os.open = open_then_die
+    layout = tt.ShardLayout([(4, 2)], W)
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+    grads = [torch.ones((4, 2), dtype=torch.bfloat16)]
+    o = _outcome(lambda: tt.reduce_scatter(grads, shards, op="sum"), "cpu")
+    return {"outcome": o}
+
+
+def test_rank_killed_inside_the_name_exchange_leaves_no_file_after_the_next_init() -> None:
+    out = run_multiprocess(_killed_in_exchange, 2, timeout=60, may_die=(1,))
+    assert out[0]["outcome"].startswith("timeout 1"), out
+    from tide_triton.transport.host import remove_stale_files
+
+    remove_stale_files()  # what the next init on this host does first
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("tide_triton.")
+            and not os.path.exists(f"/proc/{n.split('.')[1]}")]
+    assert not left, left
+
+
+# ---- 8. two threads on one group -------------------------------------------------------
+def _two_threads(rank: int, W: int) -> dict:
+    import threading
+
+    import tide_triton as tt
+
+    g = tt.init(timeout_s=20)
+    layout = tt.ShardLayout([(4, 2)], W)
+    out = {}
+
+    def call(tag):
+        grads = [torch.ones((4, 2), dtype=torch.bfloat16)]
+        shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+        try:
+            tt.reduce_scatter(grads, shards, op="sum", group=g)
+            out[tag] = "ok " + str(sorted({float(v) for v in shards[0].flatten().tolist()}))
+        except RuntimeError as e:
+            out[tag] = f"error: {e}"
+
+    if rank == 0:
+        a = threading.Thread(target=call, args=("a",))
+        a.start()
+        time.sleep(1.0)  # thread a waits for rank 1 in its call
+        call("b")        # a second thread on the same group: a clear error, no abort
+        a.join()
+    else:
+        time.sleep(2.0)
+        call("a")
+    return out
+
+
+def test_two_threads_on_one_group_get_a_clear_error() -> None:
+    r0, r1 = run_multiprocess(_two_threads, 2, timeout=60)
+    assert r0["a"] == r1["a"] == "ok [2.0]", (r0, r1)
+    assert r0["b"].startswith("error: this tide_triton group (rank 0) is already in a collective call from "
+                              "another thread"), r0
+
+
+# ---- 9. validation and exports ---------------------------------------------------------
+def _validation(rank: int, W: int) -> dict:
+    import tide_triton as tt
+
+    tt.init(timeout_s=10)
+    layout = tt.ShardLayout([(4, 2)], W)
+    grads = [torch.ones((4, 2), dtype=torch.bfloat16)]
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+    out = {}
+    for name, kw in {"nan": {"op": float("nan")}, "inf": {"op": float("inf")},
+                     "stream": {"stream": "not-a-stream"}}.items():
+        out[name] = _outcome(lambda: tt.reduce_scatter(grads, shards, **kw), "cpu")
+    out["ag stream"] = _outcome(lambda: tt.all_gather(shards, [torch.zeros(4, 2)], stream=3), "cpu")
+    out["ok after"] = _outcome(lambda: tt.reduce_scatter(grads, shards, op="sum") and None, "cpu")
+    return out
+
+
+def test_nan_op_and_bad_stream_raise_on_every_rank() -> None:
+    for o in run_multiprocess(_validation, 2, timeout=60):
+        assert o["nan"].startswith("own error: op as a scale must be a finite float, got nan"), o
+        assert o["inf"].startswith("own error: op as a scale must be a finite float, got inf"), o
+        assert o["stream"] == "own error: stream must be None or a torch.cuda.Stream, got str", o
+        assert o["ag stream"] == "own error: stream must be None or a torch.cuda.Stream, got int", o
+        assert o["ok after"] == "ok", o
+
+
+def test_errors_are_exported_with_one_base() -> None:
+    import tide_triton as tt
+
+    for name in ("PeerTimeoutError", "PeerArgumentError", "ArgumentMismatchError", "PeerAbortedError",
+                 "GroupBrokenError"):
+        cls = getattr(tt, name)
+        assert issubclass(cls, tt.TideTritonError), name
+        assert name in tt.__all__, name
+    assert issubclass(tt.PeerTimeoutError, TimeoutError)
+    assert issubclass(tt.ArgumentMismatchError, ValueError)
