@@ -142,6 +142,8 @@ def _scenario_slot(W, rank, device):
     its own; stock vs tide_triton vs tide_triton + Slot-Reuse, two bf16 steps, then one more
     after disable()."""
     import tide_triton as tt
+    from tide_triton.fsdp._torch_adapter import param_groups
+    from tide_triton.fsdp.install import group_state
 
     cfg = LlamaConfig(vocab=13, dim=8, n_layers=3, n_heads=2, hidden=12, tied=True, bias=True, head_gain=True)
     pool, tt.fsdp.SLOT_POOL = tt.fsdp.SLOT_POOL, 2
@@ -157,8 +159,8 @@ def _scenario_slot(W, rank, device):
             if slot:
                 slots = {}
                 for m in [model, *model.layers]:
-                    for pg in tt.fsdp._param_groups(m._get_fsdp_state()):  # 2.11: one; 2.13: a list
-                        st = pg._tide_state
+                    for pg in param_groups(m):  # 2.11: one; 2.13: a list
+                        st = group_state(pg)
                         slots[st.fqn] = (st.slot.region.key, st.slot.region.offset, st.slot.private)
                         view = st.slot.region.tensor(torch.uint8)
                         for fp in pg.fsdp_params:  # the unsharded storage is the slot
@@ -166,7 +168,8 @@ def _scenario_slot(W, rank, device):
                             assert view.data_ptr() <= ptr < view.data_ptr() + view.numel(), st.fqn
                 res["slots"] = slots
                 res["slot_bytes"] = sum({st.slot.region.key: st.slot.region.nbytes for m in [model, *model.layers]
-                                         for st in [tt.fsdp._param_groups(m._get_fsdp_state())[0]._tide_state]}.values())
+                                         for st in [group_state(param_groups(m)[0])]}.values())
+                res["attrs_written"] = _tide_attrs(model)
             if tide:
                 res["heap_bytes"] = tt.fsdp.heap_bytes(model)
             if slot:
@@ -184,6 +187,23 @@ def _scenario_slot(W, rank, device):
     finally:
         tt.fsdp.SLOT_POOL = pool
     return out
+
+
+def _tide_attrs(model) -> list[str]:
+    """Attributes named ``_tide*`` on FSDP2's parameter groups and parameters and on the
+    tide_triton groups: tide_triton keeps its records in its own weak registries instead."""
+    from tide_triton.fsdp._torch_adapter import param_groups
+    from tide_triton.fsdp.install import group_state
+
+    found = []
+    for name, m in model.named_modules():
+        if not hasattr(m, "_get_fsdp_state"):
+            continue
+        for pg in param_groups(m):
+            st = group_state(pg)
+            for obj in [pg, *pg.fsdp_params, *([st.group] if st is not None else [])]:
+                found += [f"{name}: {type(obj).__name__}.{a}" for a in vars(obj) if a.startswith("_tide")]
+    return found
 
 
 def _scenario_divide(W, rank, device):
@@ -242,14 +262,30 @@ def _scenario_disable(W, rank, device):
     restored = (fpg.foreach_reduce is fc.foreach_reduce and fpg.foreach_all_gather is fc.foreach_all_gather
                 and fpg.foreach_all_gather_copy_out is fc.foreach_all_gather_copy_out)
     losses += [_step(model, opt, rank, s, device) for s in range(2, 4)]
+    from tide_triton.fsdp import _state
+    from tide_triton.fsdp._torch_adapter import param_groups
+
+    pgs = [pg for m in [model, *model.layers] for pg in param_groups(m)]
+    left_after_disable = sum(pg in _state.GROUPS for pg in pgs) + sum(
+        fp in _state.PARAMS for pg in pgs for fp in pg.fsdp_params)
+    # A model dropped while enabled takes its records along (nothing keeps its groups alive).
+    other, _, _ = _build(W, device, "bf16", True)
+    import weakref
+
+    refs = [weakref.ref(pg) for m in [other, *other.layers] for pg in param_groups(m)]
+    enabled_other = sum(r() in _state.GROUPS for r in refs)
+    del other
+    gc.collect()
     return {"patched": patched, "restored": restored, "enabled_after": tt.fsdp.is_enabled(model),
-            "losses": losses, "params": _params(model)}
+            "losses": losses, "params": _params(model), "left_after_disable": left_after_disable,
+            "enabled_other": enabled_other, "other_alive": sum(r() is not None for r in refs),
+            "attrs_written": _tide_attrs(model)}
 
 
 def _scenario_fallbacks(W, rank, device):
     """Each unsupported configuration: stock for that module, one log line, stock results."""
     import tide_triton as tt
-    import tide_triton.fsdp as tfsdp
+    from tide_triton.fsdp import _torch_adapter as tfsdp
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
@@ -330,12 +366,19 @@ def _scenario_errors(W, rank, device):
         ("no_fsdp", lambda: tt.fsdp.enable(torch.nn.Linear(2, 2))),
         ("disable_module", lambda: tt.fsdp.disable(None)),
         ("stats_module", lambda: tt.fsdp.stats([])),
+        ("slot_pool", lambda: tt.fsdp.enable(model, slot_reuse=True)),
     ]:
+        pool = tt.fsdp.SLOT_POOL
+        if name == "slot_pool":
+            tt.fsdp.SLOT_POOL = 0
         try:
             call()
             errs[name] = None
         except Exception as e:  # noqa: BLE001 - the type and message are what is checked
             errs[name] = f"{type(e).__name__}: {e}"
+        finally:
+            tt.fsdp.SLOT_POOL = pool
+    errs["enabled_after_errors"] = tt.fsdp.is_enabled(model)
     return errs
 
 
@@ -488,6 +531,8 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         for rank, res in enumerate(out):
             m = res["disable"]["mixed"]
             assert m["patched"] and m["restored"] and not m["enabled_after"], (rank, m)
+            assert m["left_after_disable"] == 0 and m["attrs_written"] == [], (rank, m)
+            assert m["enabled_other"] > 0 and m["other_alive"] == 0, (rank, m)
             close(m["losses"], res["disable"]["stock"]["losses"], f"enable->disable losses rank {rank}")
         close(r0["disable"]["mixed"]["params"], r0["disable"]["stock"]["params"], "enable->disable params")
     if "fallbacks" in r0:
@@ -525,6 +570,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             close(sl["slot"]["losses"], sl["stock"]["losses"], f"slot-reuse losses rank {rank}")
             close(sl["slot"]["losses"], sl["tide"]["losses"], f"slot-reuse vs tide losses rank {rank}")
             close(sl["slot"]["after_disable"], sl["stock"]["after_disable"], f"slot-reuse then disable, rank {rank}")
+            assert sl["slot"]["attrs_written"] == [], sl["slot"]["attrs_written"]
             assert sl["slot"]["reenable"].startswith("enable(slot_reuse=False): <root> is enabled already with "
                                                      "Slot-Reuse; disable it first"), sl["slot"]["reenable"]
             # heap_bytes counts the heap once per group: the ring (tide), slots on top (slot).
@@ -546,6 +592,8 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         assert e["no_fsdp"].startswith("ValueError: module must contain a fully_shard-ed module"), e
         assert e["disable_module"].startswith("TypeError: module must be"), e
         assert e["stats_module"].startswith("TypeError: module must be"), e
+        assert e["slot_pool"].startswith("ValueError: tide_triton.fsdp.SLOT_POOL must be an int >= 1, got 0"), e
+        assert e["enabled_after_errors"] is False, e
 
 
 # W=2 carries every scenario (sums of two are exact: bit-for-bit checks); W=3 (1/3 is inexact,
@@ -613,11 +661,12 @@ def test_fsdp_processes_sharing_one_gpu(world_size: int) -> None:
 
 def test_supported_torch_versions() -> None:
     import tide_triton.fsdp as tf
+    from tide_triton.fsdp import _torch_adapter
 
     assert [tf.supported_torch_version(v) for v in ("2.8.0", "2.9.1", "2.11.0+cu130", "2.14.1", "2.15.0.dev20260926",
                                                     "2.16.0", "nonsense")] == \
         [None, "2.9-2.14", "2.9-2.14", "2.9-2.14", "2.15", None, None]
     # The installed torch's foreach_reduce result layout is read from its source.
-    assert tf._load_api().reduce_order[:4] in (
+    assert _torch_adapter.load_api().reduce_order[:4] in (
         ("reduce_scatter_input", "reduce_scatter_event", "post_reduce_stream", "post_reduce_event"),
         ("reduce_scatter_input", "reduce_scatter_event", "post_reduce_event", "all_reduce_input"))

@@ -1,0 +1,78 @@
+"""FSDP2 drop-in: ``enable(model)`` switches ``fully_shard`` training to tide_triton's
+collectives, ``disable(model)`` switches it back.
+
+What changes for an enabled parameter group (torch 2.9-2.15, dim-0 sharding):
+
+* all-gather: no copy-in and no copy-out.  :func:`tide_triton.all_gather` reads every
+  parameter's padded shard (``FSDPParam._sharded_param_data``, the optimizer's dtype) and
+  writes each rank's rows straight into every parameter's unsharded storage
+  (``FSDPParam.all_gather_outputs[0]``), casting fp32 -> ``param_dtype`` on the way (round to
+  nearest even, as ``_foreach_copy_`` does).  The flat ``all_gather_output`` buffer is gone.
+* reduce-scatter: no ``chunk_cat`` and no flat reduce-dtype input.
+  :func:`tide_triton.reduce_scatter` reads the autograd gradients as they are (bf16 under
+  ``param_dtype=bf16``) and sums them in fp32, in rank order, into the sharded gradients:
+  straight into an existing ``.grad`` (gradient accumulation, same pass) when every
+  parameter of the group has one, otherwise into one flat output whose per-parameter views
+  become the ``.grad`` DTensors exactly as in stock FSDP2.  Post-accumulate-grad hooks fire.
+  Ops: AVG (default), ``set_gradient_divide_factor`` (a pre-multiplied sum),
+  ``set_force_sum_reduction_for_comms`` (a sum, then the post-divide), the all-reduce hook.
+
+Falls back to stock FSDP2 for a group, with one log line (logger ``"tide_triton"``) saying
+why: Shard(dim > 0), HSDP / replicate meshes, a post-forward reshard mesh, CPU offload,
+mixed parameter dtypes, an fp16 reduction (FSDP2 pre/post-divides it), DTensor (TP/EP)
+parameters, all-gather extensions, custom comms, world size 1, an unknown torch version.
+
+Slot-Reuse (``enable(..., slot_reuse=True)``): every group's unsharded storage lives in a heap
+slot (:mod:`.slots`; :data:`SLOT_POOL` slots shared by the groups that reshard after forward).
+After backward's reshard the post-backward reduce-scatter vacates the slot
+(``HeapRegion.vacate`` on the reduce-scatter stream) and stages the peers' contributions in it
+(``reduce_scatter(..., staging=slot)``) -- only when every group of the slot is resharded,
+otherwise through the ring.  The next all-gather into a slot waits for the frees and the last
+staged reduce-scatter (CUDA events), and raises if another group still holds it.
+
+The parts, one module each: :mod:`._torch_adapter` (which torch, FSDP2's internals checked
+once, readers of its objects), :mod:`.install` (enable / disable and the patching),
+:mod:`.slots` (the Slot-Reuse allocator), :mod:`.wrappers` (the all-gather, copy-out and
+reduce-scatter that stand in for FSDP2's), :mod:`._state` (tide_triton's records, keyed
+weakly by FSDP2's objects).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import install as _install
+from ._torch_adapter import supported_torch_version
+from .install import disable, heap_bytes, is_enabled, stats
+
+__all__ = ["SLOT_POOL", "disable", "enable", "heap_bytes", "is_enabled", "stats", "supported_torch_version"]
+
+SLOT_POOL = 2
+"""Heap slots shared by the parameter groups that reshard after forward (Slot-Reuse), set
+before :func:`enable`.  Two hold the group computing and the one prefetched (one ahead, as
+FSDP2 prefetches by default); the slot of the group whose reduce-scatter stages in it is the
+next prefetch's, so on a GPU that all-gather waits for the reduce-scatter.  3 lets them
+overlap at the cost of one more unsharded group; deeper prefetching needs more (an
+all-gather into a slot another group still holds raises, naming both)."""
+
+
+def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) -> dict[str, str | None]:
+    """Route every ``fully_shard``-ed module inside ``module`` (itself included) through
+    tide_triton's all-gather and reduce-scatter.  Call it on every rank, after ``fully_shard``
+    and between steps (not inside forward/backward).
+
+    ``group``: the tide_triton group (or the process group to build it on) for the
+    collectives; default: one per FSDP2 shard process group.  It must span the same ranks.
+    ``slot_reuse``: Slot-Reuse -- every group's unsharded parameters live in a heap slot
+    (:data:`SLOT_POOL` slots shared by the groups that reshard after forward, a private one for
+    each group that does not, e.g. the root), and its reduce-scatter stages the peers'
+    contributions in that slot once backward has vacated it, instead of in a receive ring.
+    A tide_triton group created here then gets a 4 MiB ring (for reduce-scatters that
+    cannot stage: no reshard after backward).  Call it before the first step;
+    the heap slots are never freed (a later enable makes new ones).
+
+    Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
+    stock module's reason is also logged once (logger ``"tide_triton"``).
+    """
+    return _install.enable(module, group=group, slot_reuse=slot_reuse, slot_pool=SLOT_POOL)

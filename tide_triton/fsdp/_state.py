@@ -1,0 +1,77 @@
+"""tide_triton.fsdp's own records about FSDP2's objects, kept here rather than written onto them.
+
+* :data:`GROUPS`: ``FSDPParamGroup -> GroupState`` for every enabled parameter group;
+* :data:`PARAMS`: ``FSDPParam -> GroupState`` (FSDP2 hands the wrappers lists of FSDPParams:
+  the group's own list for the all-gather, a filtered copy for the reduce-scatter);
+* :data:`active`: the :class:`~._torch_adapter.TorchApi` whose functions the installed
+  wrappers stand in for (None while nothing is installed).
+
+All keyed weakly: a model that is dropped takes its records with it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ._torch_adapter import TorchApi
+    from .slots import Slot
+
+__all__ = ["GROUPS", "PARAMS", "GroupState", "active", "set_active", "state_of"]
+
+
+@dataclass(eq=False)
+class GroupState:
+    """What tide_triton keeps for one enabled FSDPParamGroup."""
+
+    group: Any
+    """The tide_triton Group running its collectives."""
+    fqn: str
+    """The module's name (``"<root>"``, ``"layers.0"``, ``"layers.0[1]"``), for messages."""
+    sentinel: torch.Tensor
+    """The empty ``all_gather_output`` of every AllGatherResult tide_triton returns: the data is
+    already in the parameters (the copy-out wrapper recognises it by identity)."""
+    pg_ref: weakref.ref[Any]
+    """The FSDPParamGroup, weakly: the registries' values must not keep their keys alive."""
+    reduce_fallback_logged: bool = False
+    all_gathers: int = 0
+    """Calls served by tide_triton.all_gather."""
+    reduce_scatters: int = 0
+    """Calls served by tide_triton.reduce_scatter."""
+    direct_accumulations: int = 0
+    """Of those, summed straight into an existing ``.grad``."""
+    slot: Slot | None = None
+    """Slot-Reuse: the heap slot holding the unsharded parameters."""
+    staged_reduce_scatters: int = 0
+    """Reduce-scatters staged in the vacated slot (Slot-Reuse)."""
+
+    @property
+    def pg(self) -> Any:
+        return self.pg_ref()
+
+
+GROUPS: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+PARAMS: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+active: TorchApi | None = None
+
+
+def set_active(api: TorchApi | None) -> None:
+    global active
+    active = api
+
+
+def state_of(fsdp_params: Any) -> GroupState | None:
+    """The state shared by all of ``fsdp_params`` (a group's parameters carry the same one),
+    or None (not enabled, or parameters of different groups)."""
+    if not fsdp_params:
+        return None
+    st = PARAMS.get(fsdp_params[0])
+    if st is None:
+        return None
+    for p in fsdp_params:
+        if PARAMS.get(p) is not st:
+            return None
+    return st

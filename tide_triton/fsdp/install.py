@@ -1,0 +1,248 @@
+"""Switching parameter groups between stock FSDP2 and tide_triton: :func:`enable`,
+:func:`disable`, and the patching behind them.
+
+FSDP2's ``_fsdp_param_group`` module calls ``foreach_all_gather``,
+``foreach_all_gather_copy_out`` and ``foreach_reduce`` by name, and ``_fsdp_param`` calls
+``alloc_storage`` / ``free_storage``.  The first :func:`enable` that enables a group puts
+:mod:`.wrappers`' functions (and :mod:`.slots`' storage functions) into those modules; when no
+group is enabled any more, :func:`disable` puts FSDP2's own back.  These module attributes are
+the only writes onto torch's objects besides FSDP2's ``FSDPParam.all_gather_outputs`` (Slot-Reuse
+points them at heap slots; FSDP2 all-gathers into them) and deleting a stale
+``FSDPParam._unsharded_param`` (FSDP2 rebuilds it from ``all_gather_outputs``).  What
+tide_triton knows about a group is in :mod:`._state`, keyed by it.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _state, slots, wrappers
+from ._state import GroupState
+from ._torch_adapter import (
+    TorchApi,
+    all_sharded,
+    fsdp_modules,
+    load_api,
+    param_groups,
+    why_stock,
+)
+
+__all__ = ["disable", "enable", "group_state", "heap_bytes", "is_enabled", "stats"]
+
+log = logging.getLogger("tide_triton")
+
+
+# --------------------------------------------------------------------------- patching
+def _install(api: TorchApi) -> None:
+    fpg = api.fpg
+    if getattr(fpg.foreach_reduce, "_tide_wrapper", False):
+        return
+    _state.set_active(api)
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam
+
+    if not getattr(fparam.free_storage, "_tide_wrapper", False):  # pass-through but for heap slots
+        slots.ORIG_STORAGE[:] = [fparam.alloc_storage, fparam.free_storage]
+        fparam.alloc_storage, fparam.free_storage = slots.alloc_storage, slots.free_storage
+    fpg.foreach_all_gather = wrappers.all_gather
+    fpg.foreach_all_gather_copy_out = wrappers.copy_out
+    fpg.foreach_reduce = wrappers.reduce
+
+
+def _uninstall(api: TorchApi) -> None:
+    fpg = api.fpg
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam
+
+    if slots.ORIG_STORAGE and fparam.free_storage is slots.free_storage \
+            and fparam.alloc_storage is slots.alloc_storage:
+        fparam.alloc_storage, fparam.free_storage = slots.ORIG_STORAGE
+        slots.ORIG_STORAGE.clear()
+    for name, ours, orig in (("foreach_all_gather", wrappers.all_gather, api.orig_ag),
+                             ("foreach_all_gather_copy_out", wrappers.copy_out, api.orig_copy_out),
+                             ("foreach_reduce", wrappers.reduce, api.orig_reduce)):
+        if getattr(fpg, name) is ours:
+            setattr(fpg, name, orig)
+        else:  # someone patched over us: leave theirs, our wrapper is no longer reachable
+            log.warning("tide_triton.fsdp: %s was replaced by someone else; not restoring it", name)
+
+
+# --------------------------------------------------------------------------- groups
+def _existing_group(pg: dist.ProcessGroup) -> Any:
+    """The open tide_triton group ``init(pg)`` would return, or None (creates nothing)."""
+    # COORDINATOR: replace with group.existing
+    from .. import group as _group
+
+    g = _group._GROUPS.get(id(pg))
+    return None if g is None or g.closed else g
+
+
+def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) -> Any:
+    """The tide_triton group for FSDP2's shard process group ``pg``."""
+    from ..group import Group, init
+
+    if group is None:
+        if slot_reuse and _existing_group(pg) is None:  # staging lives in the slots: a small ring
+            return init(pg, ring_bytes=slots.SLOT_REUSE_RING)
+        return init(pg)
+    if isinstance(group, dist.ProcessGroup):
+        g = init(group)
+    elif isinstance(group, Group):
+        g = group
+    else:
+        raise TypeError(f"group must be None, a ProcessGroup or a tide_triton Group, got {type(group).__name__}")
+    if g.world_size != pg.size() or g.rank != pg.rank():
+        raise ValueError(f"group must span FSDP2's shard group (size {pg.size()}, this rank {pg.rank()}), "
+                         f"got size {g.world_size}, rank {g.rank}")
+    if g.pg is not None and dist.get_process_group_ranks(g.pg) != dist.get_process_group_ranks(pg):
+        raise ValueError(f"group must hold FSDP2's shard ranks {dist.get_process_group_ranks(pg)}, "
+                         f"got {dist.get_process_group_ranks(g.pg)}")
+    return g
+
+
+def _sentinel(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device)
+
+
+def _why_no_slot(pg: Any) -> str | None:
+    if not all_sharded(pg.fsdp_params):
+        return "slot_reuse: its parameters are unsharded now (call enable before the first step)"
+    return None
+
+
+def _attach(pg: Any, st: GroupState) -> None:
+    _state.GROUPS[pg] = st
+    for fp in pg.fsdp_params:
+        _state.PARAMS[fp] = st
+
+
+def _drop(pg: Any) -> None:
+    st = _state.GROUPS.pop(pg, None)
+    if st is not None:
+        slots.unbind(pg, st)
+    for fp in pg.fsdp_params:
+        _state.PARAMS.pop(fp, None)
+
+
+def group_state(pg: Any) -> GroupState | None:
+    """tide_triton's record of an FSDPParamGroup (None: on the stock path)."""
+    return _state.GROUPS.get(pg)
+
+
+# --------------------------------------------------------------------------- public
+def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False, slot_pool: int = 2) -> dict[str, str | None]:
+    """Implementation of :func:`tide_triton.fsdp.enable` (``slot_pool``: its SLOT_POOL)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(slot_reuse, bool):
+        raise TypeError(f"slot_reuse must be a bool, got {type(slot_reuse).__name__}")
+    if slot_reuse and (isinstance(slot_pool, bool) or not isinstance(slot_pool, int) or slot_pool < 1):
+        raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
+                         "set it to 2 (default) or more before enable()")
+    if group is not None:
+        from ..group import Group
+
+        if not isinstance(group, (Group, dist.ProcessGroup)):
+            raise TypeError(f"group must be None, a ProcessGroup or a tide_triton Group, got {type(group).__name__}")
+    mods = fsdp_modules(module)
+    if not mods:
+        raise ValueError("module must contain a fully_shard-ed module (an FSDPModule), found none")
+    try:
+        api = load_api()
+    except RuntimeError as e:
+        log.warning("tide_triton.fsdp: stock FSDP2 for all modules: %s", e)
+        return {name: str(e) for name, _ in mods}
+    for name, m in mods:
+        for pg in param_groups(m):
+            if pg._training_state.name != "IDLE" or pg._all_gather_result is not None:
+                raise RuntimeError(f"enable: {name} is in {pg._training_state.name}; call enable between steps")
+            have = _state.GROUPS.get(pg)
+            if have is not None and (slot_reuse or have.slot is not None):
+                raise RuntimeError(f"enable(slot_reuse={slot_reuse}): {name} is enabled already"
+                                   f"{' with Slot-Reuse' if have.slot is not None else ''}; disable it first")
+    result: dict[str, str | None] = {}
+    for name, m in mods:
+        groups = param_groups(m)
+        reasons = []
+        for i, pg in enumerate(groups):
+            label = name if len(groups) == 1 else f"{name}[{i}]"
+            why = why_stock(pg, api)
+            if why is None and slot_reuse:
+                why = _why_no_slot(pg)
+            if why is None:
+                g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
+                _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg)))
+            else:
+                _drop(pg)
+                log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
+                reasons.append(why)
+        if groups:
+            result[name] = "; ".join(reasons) if reasons else None
+    if slot_reuse:
+        slots.assign_slots(mods, slot_pool)
+    if len(_state.GROUPS):
+        _install(api)
+    return result
+
+
+def disable(module: nn.Module) -> None:
+    """Put every FSDP2 module inside ``module`` back on the stock path (between steps).
+    Once no group anywhere is enabled, FSDP2's own functions are restored."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, m in fsdp_modules(module):
+        for pg in param_groups(m):
+            st = _state.GROUPS.get(pg)
+            if st is not None and pg._all_gather_result is not None:
+                raise RuntimeError(f"disable: {name} has an all-gather in flight; call disable between steps")
+            if st is not None and st.slot is not None and _why_no_slot(pg) is not None:
+                raise RuntimeError(f"disable: {name} holds unsharded parameters in a heap slot; "
+                                   "call disable between steps")
+    for _, m in fsdp_modules(module):
+        for pg in param_groups(m):
+            _drop(pg)
+    if not len(_state.GROUPS) and _state.active is not None:
+        _uninstall(_state.active)
+
+
+def is_enabled(module: nn.Module) -> bool:
+    """True when every FSDP2 parameter group inside ``module`` runs on tide_triton."""
+    groups = [pg for _, m in fsdp_modules(module) for pg in param_groups(m)]
+    return bool(groups) and all(pg in _state.GROUPS for pg in groups)
+
+
+def heap_bytes(module: nn.Module) -> int:
+    """Bytes of the heaps (this rank's) that tide_triton maps outside torch's allocator for the
+    groups enabled inside ``module``: receive ring, Slot-Reuse slots, flags.  Each tide_triton
+    group and device counts once."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    seen: dict[tuple[int, str], int] = {}
+    for _, m in fsdp_modules(module):
+        for pg in param_groups(m):
+            st = _state.GROUPS.get(pg)
+            if st is not None and not st.group.closed:
+                key = (id(st.group), pg.device.type)
+                if key not in seen:
+                    seen[key] = st.group.heap_nbytes(pg.device)
+    return sum(seen.values())
+
+
+def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
+    """Per FSDP2 module inside ``module``: how many all-gathers and reduce-scatters
+    tide_triton has served since :func:`enable` (None for a module on the stock path), and
+    the nodes of its group (more than one: the cross-node collectives)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    out: dict[str, dict[str, int] | None] = {}
+    for name, m in fsdp_modules(module):
+        for i, pg in enumerate(groups := param_groups(m)):
+            st = _state.GROUPS.get(pg)
+            out[name if len(groups) == 1 else f"{name}[{i}]"] = None if st is None else {
+                "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
+                "direct_accumulations": st.direct_accumulations,
+                "staged_reduce_scatters": st.staged_reduce_scatters, "nodes": st.group.nodes}
+    return out

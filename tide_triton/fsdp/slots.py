@@ -1,0 +1,176 @@
+"""Slot-Reuse: the heap slots that hold the enabled groups' unsharded parameters.
+
+Every group's unsharded storage (FSDP2's ``FSDPParam.all_gather_outputs``) is a view of a heap
+region of its tide_triton group (:meth:`tide_triton.Group.heap_region`): ``pool`` slots shared
+round-robin by the groups that reshard after forward, a private slot for the outermost module
+(FSDP2 keeps the root unsharded after forward) and for any group without a reshard after
+forward.  FSDP2's ``free_storage`` / ``alloc_storage`` (``resize_``) pass through except for
+these views, where they do nothing (a free records a CUDA event: the next writer waits for it).
+
+What the slots cost: their bytes stay mapped for the tide_triton group's life (a heap region
+is never returned), so they add to every phase's peak -- the optimizer step's too, where stock
+FSDP2 holds no unsharded parameters.  Returning them between a step's last reduce-scatter and
+the next step's first all-gather needs the transport to unmap a region's physical pages on
+every rank of the node and map new ones at the same addresses; it cannot do that yet.  The
+pool is as small as FSDP2's default prefetching allows: two slots.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _state
+from ._torch_adapter import all_sharded, param_groups
+
+__all__ = [
+    "SLOT_REUSE_RING",
+    "Slot",
+    "alloc_storage",
+    "assign_slots",
+    "free_storage",
+    "group_layout",
+    "heap_slot",
+    "unbind",
+]
+
+SLOT_REUSE_RING = 4 << 20
+"""Receive ring of a tide_triton group created for Slot-Reuse (only reduce-scatters that
+cannot stage in their slot, e.g. without a reshard after backward, use it)."""
+
+_ALIGN = 64
+_HEAP_STORAGES: dict[tuple[str, int], Slot] = {}  # (device type, storage data_ptr) -> slot
+_ENABLES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+"""tide_triton Group -> how many Slot-Reuse enables made regions in it (their key prefix)."""
+ORIG_STORAGE: list = []
+"""FSDP2's ``(alloc_storage, free_storage)`` while ours stand in for them (set by install)."""
+
+
+class Slot:
+    """A heap region holding the unsharded parameters of one or more parameter groups
+    (never two at once: checked at every all-gather and reduce-scatter)."""
+
+    def __init__(self, region: Any, private: bool, pool: int) -> None:
+        self.region = region
+        self.private = private
+        self.pool = pool
+        """The SLOT_POOL it was made under (named by the error of an overfull pool)."""
+        self.members: weakref.WeakSet[Any] = weakref.WeakSet()   # FSDPParamGroups
+        self.freed: list = []  # CUDA events: a member's reshard (its compute is done with it)
+
+    def live_others(self, pg: Any) -> list:
+        """Members other than ``pg`` whose parameters are unsharded (in the slot) now."""
+        return [m for m in self.members if m is not pg and not all_sharded(m.fsdp_params)]
+
+
+def group_layout(pg: Any, W: int) -> tuple[torch.dtype, list[tuple[int, int]], int]:
+    """Unsharded storage of a group in one heap slot: (dtype, [(byte offset, numel)], bytes)."""
+    dt = None
+    out, off = [], 0
+    for fp in pg.fsdp_params:
+        dt = pg.mp_policy.param_dtype or fp.sharded_param.dtype  # what FSDP2 all-gathers into
+        n = W * fp.padded_sharded_param_size.numel()
+        off = -(-off // _ALIGN) * _ALIGN
+        out.append((off, n))
+        off += n * dt.itemsize
+    return dt, out, off
+
+
+def assign_slots(mods: list[tuple[str, nn.Module]], pool: int) -> None:
+    """Heap slots for the enabled groups' unsharded parameters (collective: every rank walks
+    the same modules in the same order).  Groups that may stay unsharded across other groups'
+    work (the outermost FSDP module -- FSDP2 keeps the root unsharded after forward -- and any
+    group without a reshard after forward) get a private slot; the others share ``pool``
+    slots round-robin."""
+    names = [n for n, _ in mods]
+    pools: dict[int, list] = {}  # id(tide group) -> [(pg, st)]
+    private: list = []
+    for name, m in mods:
+        outer = name == "<root>" or not any(o == "<root>" or name.startswith(o + ".") for o in names if o != name)
+        for pg in param_groups(m):
+            st = _state.GROUPS.get(pg)
+            if st is None:
+                continue
+            if outer or pg.post_forward_mesh_info is None:
+                private.append((pg, st))
+            else:
+                pools.setdefault(id(st.group), []).append((pg, st))
+    tag: dict[int, str] = {}
+    for _, st in private + [x for v in pools.values() for x in v]:
+        g = st.group
+        if id(g) not in tag:
+            _ENABLES[g] = _ENABLES.get(g, 0) + 1
+            tag[id(g)] = f"fsdp{_ENABLES[g]}"
+
+    def floor(g: Any) -> int:  # a staged reduce-scatter needs >= 16 bytes per slot and peer
+        return 16 * g.options.stages * max(1, g.world_size - 1)
+
+    for pg, st in private:
+        g = st.group
+        nbytes = max(group_layout(pg, g.world_size)[2], floor(g))
+        _bind(pg, st, Slot(g.heap_region(f"{tag[id(g)]}:{st.fqn}", nbytes, pg.device), True, pool))
+    for members in pools.values():
+        g = members[0][1].group
+        need = max(max(group_layout(pg, g.world_size)[2] for pg, _ in members), floor(g))
+        slots = [Slot(g.heap_region(f"{tag[id(g)]}:slot{k}", need, members[0][0].device), False, pool)
+                 for k in range(min(pool, len(members)))]
+        for i, (pg, st) in enumerate(members):
+            _bind(pg, st, slots[i % len(slots)])
+
+
+def _bind(pg: Any, st: _state.GroupState, slot: Slot) -> None:
+    """The group's unsharded parameters become views of ``slot`` (FSDP2's
+    ``all_gather_outputs``; its ``init_all_gather_outputs`` keeps existing ones)."""
+    dt, offs, _ = group_layout(pg, st.group.world_size)
+    for fp, (off, n) in zip(pg.fsdp_params, offs):
+        view = slot.region.tensor(dt, n, off)
+        _HEAP_STORAGES[(view.device.type, view.untyped_storage().data_ptr())] = slot
+        fp.all_gather_outputs = [view]  # torch's attribute: FSDP2 all-gathers into it
+        if hasattr(fp, "_unsharded_param"):  # a stock-allocated one from before: made anew
+            del fp._unsharded_param
+    slot.members.add(pg)
+    st.slot = slot
+
+
+def unbind(pg: Any, st: _state.GroupState) -> None:
+    """Stock FSDP2 allocates the group's unsharded storage itself again."""
+    if st.slot is None:
+        return
+    for fp in pg.fsdp_params:
+        fp.all_gather_outputs = []
+        if hasattr(fp, "_unsharded_param"):
+            del fp._unsharded_param
+    st.slot.members.discard(pg)
+
+
+def heap_slot(tensor: torch.Tensor) -> Slot | None:
+    """The slot whose heap storage ``tensor`` views, or None."""
+    if not _HEAP_STORAGES:
+        return None
+    return _HEAP_STORAGES.get((tensor.device.type, tensor.untyped_storage().data_ptr()))
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """FSDP2's reshard frees unsharded storage with ``resize_(0)``; a heap slot stays (it is
+    not resizable): the compute that used it is recorded so the next writer waits for it."""
+    slot = heap_slot(tensor)
+    if slot is None:
+        return ORIG_STORAGE[1](tensor)
+    if tensor.device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(tensor.device))
+        slot.freed.append(ev)
+    return None
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """FSDP2's ``alloc_storage``, except for heap slots (always allocated)."""
+    if heap_slot(tensor) is None:
+        return ORIG_STORAGE[0](tensor)
+    return None
+
+
+free_storage._tide_wrapper = True  # type: ignore[attr-defined]
+alloc_storage._tide_wrapper = True  # type: ignore[attr-defined]

@@ -1,0 +1,285 @@
+"""The three functions that stand in for FSDP2's ``foreach_all_gather``,
+``foreach_all_gather_copy_out`` and ``foreach_reduce`` once :func:`~.install.install` has put
+them into ``_fsdp_param_group``.  Each runs tide_triton's path for an enabled parameter group
+and calls FSDP2's original, untouched, for every other group.
+
+Streams (CUDA): the all-gather allocates the unsharded storage on FSDP2's all-gather stream
+(after it waits for the copy-in stream), writes it there and records the event FSDP2's
+copy-out waits on; the storage is marked used by the consumer stream so that freeing it at
+reshard cannot hand it to the next all-gather early.  The reduce-scatter runs on FSDP2's
+reduce-scatter stream after it waits for the current stream; the autograd gradients are
+returned as the group's ``reduce_scatter_input`` so FSDP2 keeps them alive until the
+reduce-scatter event, as it does with its own staging buffer.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from . import _state
+from ._state import GroupState, state_of
+from ._torch_adapter import TorchApi, all_sharded, device_handle
+
+__all__ = ["all_gather", "copy_out", "reduce"]
+
+log = logging.getLogger("tide_triton")
+
+
+# --------------------------------------------------------------------------- all-gather
+def all_gather(*args: Any, **kwargs: Any):
+    """Stands in for FSDP2's ``foreach_all_gather``."""
+    api = _state.active
+    a = api.sig_ag.bind(*args, **kwargs).arguments
+    st = state_of(a["fsdp_params"])
+    if st is None or not _ag_ok(a["fsdp_params"]):
+        return api.orig_ag(*args, **kwargs)
+    return _tide_all_gather(st, api, a)
+
+
+all_gather._tide_wrapper = True  # type: ignore[attr-defined]
+
+
+def _ag_ok(fsdp_params: list) -> bool:
+    return all_sharded(fsdp_params) and not any(fp.offload_to_cpu for fp in fsdp_params)
+
+
+@torch.no_grad()
+def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
+    from ..collectives import all_gather as tide_all_gather
+
+    fsdp_params, pg, device = a["fsdp_params"], a["group"], a["device"]
+    copy_in_stream, ag_stream = a["all_gather_copy_in_stream"], a["all_gather_stream"]
+    W = pg.size()
+    handle = device_handle(device)
+    consumer = handle.current_stream()
+    cuda = device.type == "cuda"
+    ag_stream.wait_stream(copy_in_stream)  # inherits FSDP2's waits (copy-out, reshard events)
+    slot = st.slot
+    if slot is not None:  # Slot-Reuse: the slot must be free of other groups' parameters
+        live = slot.live_others(st.pg)
+        if live:
+            other = _state.GROUPS.get(live[0])
+            raise RuntimeError(
+                f"tide_triton.fsdp slot_reuse: all-gather of {st.fqn} into heap slot "
+                f"{slot.region.key!r}, which {other.fqn if other else 'another group'} still uses (unsharded); "
+                f"more groups are unsharded at once than tide_triton.fsdp.SLOT_POOL={slot.pool} slots "
+                "allow -- raise it before enable()")
+        if cuda:  # after the previous occupants' compute and the last staged reduce-scatter
+            for ev in slot.freed:
+                ag_stream.wait_event(ev)
+            slot.freed.clear()
+            slot.region.wait_consumed(ag_stream)
+    shards, outs, dtypes, numels = [], [], [], []
+    with handle.stream(ag_stream):
+        for fp in fsdp_params:
+            src = fp._sharded_param_data  # padded shard, 1-D, the optimizer's dtype
+            dt = fp.param_dtype or fp.orig_dtype
+            n = src.numel()
+            fp.init_all_gather_outputs([n], [dt], W, device)
+            fp.alloc_all_gather_outputs()
+            out = fp.all_gather_outputs[0]
+            size = fp.padded_sharded_param_size
+            rest = tuple(size[1:])
+            shards.append(src.view(size[0], *rest))
+            outs.append(out.view(W * size[0], *rest))
+            dtypes.append([dt])
+            numels.append([n])
+        tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None)
+        st.all_gathers += 1
+        event = ag_stream.record_event()
+    if cuda and consumer != ag_stream and slot is None:  # Stream objects compare by the stream, not identity
+        for out in outs:  # freed on the consumer stream at reshard: not reusable before it is done
+            out.record_stream(consumer)
+    return api.fc.AllGatherResult(
+        all_gather_output=st.sentinel, all_gather_event=event, all_gather_work=None,
+        param_all_gather_input_dtypes=dtypes, param_all_gather_input_numels=numels,
+        all_gather_input_split_sizes=[n[0] for n in numels])
+
+
+def copy_out(*args: Any, **kwargs: Any):
+    """Stands in for FSDP2's ``foreach_all_gather_copy_out``: for tide_triton's results the
+    data is in the parameters already -- wait for it, nothing to copy."""
+    api = _state.active
+    a = api.sig_copy_out.bind(*args, **kwargs).arguments
+    res = a["all_gather_result"]
+    st = state_of(a["fsdp_params"])
+    if st is None or res.all_gather_output is not st.sentinel:
+        return api.orig_copy_out(*args, **kwargs)
+    device = res.all_gather_output.device
+    if res.all_gather_event is not None:
+        device_handle(device).current_stream().wait_event(res.all_gather_event)
+    W = a["group"].size()
+    for numels, dtypes, fp in zip(res.param_all_gather_input_numels, res.param_all_gather_input_dtypes,
+                                  a["fsdp_params"]):
+        fp.init_all_gather_outputs(numels, dtypes, W, device)  # no-ops: done by the all-gather
+        fp.alloc_all_gather_outputs()
+    return None
+
+
+copy_out._tide_wrapper = True  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- reduce-scatter
+def reduce(*args: Any, **kwargs: Any):
+    """Stands in for FSDP2's ``foreach_reduce``."""
+    api = _state.active
+    ba = api.sig_reduce.bind(*args, **kwargs)
+    ba.apply_defaults()
+    a = ba.arguments
+    st = state_of(a["fsdp_params"])
+    if st is None:
+        return api.orig_reduce(*args, **kwargs)
+    plan = _reduce_plan(api, a)
+    if isinstance(plan, str):
+        if not st.reduce_fallback_logged:
+            st.reduce_fallback_logged = True
+            log.warning("tide_triton.fsdp: %s reduce-scatter on stock FSDP2: %s", st.fqn, plan)
+        return api.orig_reduce(*args, **kwargs)
+    return _tide_reduce(st, api, a, *plan)
+
+
+reduce._tide_wrapper = True  # type: ignore[attr-defined]
+
+
+def _reduce_plan(api: TorchApi, a: dict):
+    """(op, post_divide, orig_dtype) for tide_triton, or the reason to run stock."""
+    from torch.distributed import ReduceOp
+
+    grads, rs_group = a["unsharded_grads"], a["reduce_scatter_group"]
+    if a["all_reduce_group"] is not None or a["partial_reduce_output"] is not None:
+        return "HSDP all-reduce"
+    prep = a.get("prepare_reduce_scatter_inputs")  # torch 2.15: tide_triton lays out the inputs itself
+    if prep is not None and prep is not getattr(api.fc, "_default_reduce_scatter_input_fn", None):
+        return "a custom prepare_reduce_scatter_inputs callback"
+    if rs_group is None or rs_group.size() == 1:
+        return "world size 1"
+    if len({g.dtype for g in grads}) != 1:
+        return f"mixed gradient dtypes {sorted({str(g.dtype) for g in grads})}"
+    if any(fp.fsdp_placement.dim != 0 or fp.offload_to_cpu for fp in a["fsdp_params"]):
+        return "Shard(dim > 0) or CPU offload"
+    reduce_dtype = a["reduce_dtype"] or grads[0].dtype
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        return f"{reduce_dtype} reduction (pre/post-divide)"
+    device, factor = a["device"], a["gradient_divide_factor"]
+    force_sum = a.get("force_sum_reduction_for_comms", False)
+    try:
+        pre, post, rs_op, _ = api.fc._get_gradient_divide_factors(
+            rs_group, None, reduce_dtype, device.type, factor, force_sum)
+    except TypeError as e:
+        return f"_get_gradient_divide_factors has an unknown signature ({e})"
+    if pre is not None and pre != 1:
+        return "a pre-divide factor"
+    kind = rs_op if isinstance(rs_op, ReduceOp.RedOpType) else getattr(rs_op, "op", None)
+    if kind == ReduceOp.AVG:
+        op: str | float = "avg"
+    elif kind == ReduceOp.SUM:
+        op = "sum"
+    elif kind == ReduceOp.PREMUL_SUM and factor:
+        op = 1.0 / float(factor)
+    else:
+        return f"reduce op {rs_op!r}"
+    if "orig_dtype" in a:
+        orig_dtype = a["orig_dtype"]
+    else:  # torch 2.15 dropped the argument: the group's parameters carry it
+        orig_dtype = a["fsdp_params"][0].orig_dtype
+    return op, (post if post not in (None, 1) else None), orig_dtype
+
+
+def _combine(op: str | float, post: float, W: int) -> float:
+    base = 1.0 if op == "sum" else (1.0 / W if op == "avg" else float(op))
+    return base / post
+
+
+@torch.no_grad()
+def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: float | None,
+                 orig_dtype: torch.dtype | None):
+    from torch.distributed.tensor import DTensor
+
+    from ..collectives import reduce_scatter
+
+    fsdp_params, unsharded_grads = a["fsdp_params"], a["unsharded_grads"]
+    rs_group, rs_stream, device = a["reduce_scatter_group"], a["reduce_scatter_stream"], a["device"]
+    hook, ar_stream = a["all_reduce_hook"], a["all_reduce_stream"]
+    W = rs_group.size()
+    handle = device_handle(device)
+    cuda = device.type == "cuda"
+    current = handle.current_stream()
+    grads = [g if g.is_contiguous() else g.contiguous() for g in unsharded_grads]
+    unsharded_grads.clear()  # FSDP2's contract: the caller's list no longer owns them
+    reduce_dtype = a["reduce_dtype"] or grads[0].dtype
+    out_dtype = orig_dtype or reduce_dtype  # fp32 shards straight from the (bf16) grads
+    if hook is None and post is not None:  # fold force-sum's post-divide into the op
+        op, post = _combine(op, post, W), None
+
+    # Where the sums go: straight into existing .grad when every parameter has one.
+    locals_ = []
+    for fp in fsdp_params:
+        g = fp.sharded_param.grad
+        loc = g._local_tensor if isinstance(g, DTensor) else None
+        ok = (loc is not None and loc.dtype == out_dtype and loc.is_contiguous()
+              and tuple(loc.shape) == tuple(fp.sharded_size) and loc.device == device)
+        locals_.append(loc if ok else None)
+    direct = hook is None and all(x is not None for x in locals_)
+
+    rs_stream.wait_stream(current)
+    flat = None
+    with handle.stream(rs_stream):
+        if direct:
+            shards = locals_
+        else:
+            sizes = [fp.padded_sharded_param_size for fp in fsdp_params]
+            numels = [s.numel() for s in sizes]
+            flat = torch.empty(sum(numels), dtype=out_dtype, device=device)
+            shards, off = [], 0
+            for s, n in zip(sizes, numels):
+                shards.append(flat[off:off + n].view(s))
+                off += n
+        staging = None
+        if st.slot is not None and not st.slot.live_others(None):
+            # Slot-Reuse: every group of the slot is resharded, so backward has vacated it
+            # (on a GPU: once the work the reduce-scatter stream waited for is done).
+            staging = st.slot.region
+            staging.vacate(stream=rs_stream if cuda else None)
+        reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
+                       stream=rs_stream if cuda else None, staging=staging)
+        st.reduce_scatters += 1
+        st.staged_reduce_scatters += staging is not None
+        st.direct_accumulations += direct
+        reduce_scatter_event = rs_stream.record_event()
+    post_reduce_stream = rs_stream
+    if hook is not None:
+        post_reduce_stream = ar_stream
+        ar_stream.wait_stream(rs_stream)
+        with handle.stream(ar_stream):
+            hook(flat)
+    with handle.stream(post_reduce_stream):
+        if flat is not None:
+            if post is not None:
+                flat.div_(post)
+            off = 0
+            for fp in fsdp_params:
+                new = torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
+                                       storage_offset=off)
+                if fp.sharded_param.grad is not None:
+                    fp.sharded_param.grad._local_tensor += new
+                else:
+                    fp.sharded_param.grad = fp.to_sharded_dtensor(new)
+                off += fp.padded_sharded_param_size.numel()
+        for fp in fsdp_params:
+            for h in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
+                h(fp.sharded_param)
+        post_reduce_event = post_reduce_stream.record_event()
+    values = {
+        # The autograd grads stay referenced until FSDP2 has waited for this event (its
+        # ReduceScatterState), as its own staging buffer would: the copy queue reads them.
+        "reduce_scatter_input": grads,
+        "reduce_scatter_event": reduce_scatter_event,
+        "post_reduce_stream": post_reduce_stream,
+        "post_reduce_event": post_reduce_event,
+        "all_reduce_input": None,
+        "all_reduce_event": None,
+        "partial_reduce_output": None,
+    }
+    return tuple(None if n is None else values[n] for n in api.reduce_order)
