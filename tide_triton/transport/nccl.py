@@ -41,11 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .. import envs
+
 __all__ = ["NcclError", "NcclLibrary", "NcclComm", "find_library", "load", "ENV_LIBRARY"]
 
 log = logging.getLogger("tide_triton")
 
-ENV_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
+ENV_LIBRARY = envs.NCCL_LIBRARY
 _SONAME = "libnccl.so.2"
 
 _P = C.c_void_p
@@ -111,7 +113,7 @@ def find_library(path: str | os.PathLike | None = None) -> tuple[str, str]:
     """``(path or soname, how it was found)``: the argument > ``$TIDE_TRITON_NCCL_LIBRARY`` >
     the nvidia-nccl wheel > the system loader.  An explicit path that does not exist is an
     error naming where it came from (never silently replaced by another library)."""
-    for value, how in ((path, "path argument"), (os.environ.get(ENV_LIBRARY), f"${ENV_LIBRARY}")):
+    for value, how in ((path, "path argument"), (envs.nccl_library(), f"${ENV_LIBRARY}")):
         if value:
             p = Path(value)
             if not p.is_file():
@@ -335,7 +337,7 @@ class NcclComm:
             if code:
                 log.warning("ncclMemFree failed (ncclResult %d)", code)
         # Diagnostic switch (bench/NOTES.md): destroy (default) | abort | none (left to process exit).
-        how = os.environ.get("TIDE_TRITON_NCCL_CLOSE", "destroy")
+        how = envs.nccl_close()
         if how == "none":
             log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
             return
