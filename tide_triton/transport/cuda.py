@@ -22,6 +22,12 @@ offset 0 holds the transport's own words (:class:`~.signals.HiddenWords`).
 Devices: peers may share a GPU or sit on different GPUs of the node, in any mix.  Between
 distinct GPUs the creation checks ``cuDeviceCanAccessPeer`` both ways and every rank raises
 the same error, naming both ranks and devices, when two cannot reach each other.
+
+Why this module is ~770 lines: about half is the public surface (some 25 methods that the
+executors call, each a documented one-line delegation to a part); the rest is the two
+collective protocols that need every part at once (creation in three exchange rounds, heap
+growth in two).  Moving the growth round into vmm.py would make the heap module call the
+exchange and the fd channel, i.e. the heap would know its peers.
 """
 from __future__ import annotations
 
