@@ -29,7 +29,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_multiprocess"]
+__all__ = ["free_port", "run_multiprocess", "rank_device", "CHILD_ENV", "SHARE_GPU"]
+
+CHILD_ENV: dict[str, str] = {}
+"""Set in every child's environment under the test's own ``env`` (conftest puts
+``TRITON_INTERPRET=1`` here for CPU tests, so their children run the kernels through the
+interpreter also on a GPU machine, where the parent runs compiled Triton)."""
+
+SHARE_GPU = "TIDE_TESTS_SHARE_GPU"
+"""Environment variable of the test suite (set by ``pytest --share-gpu``, inherited by the
+children): ``1`` makes :func:`rank_device` put every rank on ``cuda:0``."""
+
+
+def rank_device(rank: int, *, share: bool | None = None) -> "torch.device":
+    """The device of ``rank`` in a test: the torchrun convention ``cuda:(rank % n)`` over
+    the ``n`` visible GPUs, or ``cuda:0`` for every rank when sharing one GPU (``share``,
+    default: ``$TIDE_TESTS_SHARE_GPU == "1"``)."""
+    n = torch.cuda.device_count()
+    if n < 1:
+        raise RuntimeError("rank_device needs a CUDA device (torch.cuda.device_count() is 0)")
+    if share is None:
+        share = os.environ.get(SHARE_GPU) == "1"
+    return torch.device("cuda", 0 if share else rank % n)
 
 _GRACE_S = 2.0
 """Seconds to wait for a dead child's last message, and for peers of a failed rank."""
@@ -145,6 +166,7 @@ def run_multiprocess(
     procs = []
     ok = False
     deadline = time.monotonic() + timeout
+    env = {**CHILD_ENV, **(env or {})}
     try:
         with _patched_environ(env):
             for rank in range(world_size):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 # The single-process multi-rank tests drive several ranks' streams from one process: they
 # must not share hardware queues (tide_triton.group._enough_hardware_queues).  Read when
@@ -29,6 +29,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 __all__ = [
     "HAS_CUDA",
+    "N_GPUS",
     "interpreting",
     "int_tensor",
     "scaled_shape",
@@ -46,7 +47,24 @@ def interpreting() -> bool:
 # ---------------------------------------------------------------------------------------
 # Markers and the device fixture
 # ---------------------------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--share-gpu", action="store_true", default=False,
+                     help="put every rank of the CUDA tests on cuda:0 (default: rank r on "
+                          "cuda:(r % device_count), the torchrun convention)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    for line in (
+        "gpu: needs a CUDA device (skipped without one)",
+        "multi_gpu: needs two or more CUDA devices (skipped with fewer)",
+        "interpreter: launches Triton kernels on CPU tensors in this process: needs "
+        "TRITON_INTERPRET=1 (skipped when compiled Triton runs, i.e. on a GPU machine "
+        "without it)",
+        "multiproc: spawns several processes",
+    ):
+        config.addinivalue_line("markers", line)
+    if config.getoption("--share-gpu", default=False):
+        os.environ["TIDE_TESTS_SHARE_GPU"] = "1"
     # Triton 3.6's interpreter turns 1-element arrays into ints the way numpy >= 1.25
     # deprecates, once per loop bound: thousands of lines of someone else's warning.
     config.addinivalue_line(
@@ -55,13 +73,61 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+_NEEDS_INTERPRETER = "(or the CPU under TRITON_INTERPRET=1), got cpu"
+"""The kernels' error for CPU tensors under compiled Triton (kernels/_segments.py)."""
+_INTERPRETER_REASON = ("launches Triton kernels on CPU tensors in this process: needs the interpreter "
+                       "(TRITON_INTERPRET=1); compiled Triton runs here because a GPU is present")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """One command for every machine: ``gpu`` tests skip without a GPU, ``multi_gpu`` tests
+    with fewer than two, ``interpreter`` tests when the kernels are compiled."""
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_multi = pytest.mark.skip(reason=f"needs >= 2 CUDA devices, {N_GPUS} visible")
+    skip_interp = pytest.mark.skip(reason=_INTERPRETER_REASON)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "multi_gpu" in item.keywords and N_GPUS < 2:
+            item.add_marker(skip_multi)
+        if "interpreter" in item.keywords and not interpreting():
+            item.add_marker(skip_interp)
+
+
+@pytest.fixture(autouse=True)
+def _children_interpret(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A CPU test's spawned ranks run the kernels through the interpreter, also where this
+    process runs compiled Triton (a GPU machine): they are fresh processes, so the CPU
+    tests of the multi-process kind run on every machine.  GPU tests' children inherit."""
+    try:
+        import _dist
+    except ImportError:  # pragma: no cover
+        from tests import _dist
+    cpu_test = "gpu" not in request.node.keywords
+    saved = dict(_dist.CHILD_ENV)
+    if cpu_test:
+        _dist.CHILD_ENV["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        _dist.CHILD_ENV.clear()
+        _dist.CHILD_ENV.update(saved)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Without the interpreter, a CPU test (not marked ``gpu``) that launches kernels on CPU
+    tensors in this process selects itself out: the kernels' own error for exactly that
+    case becomes a skip naming the reason.  The same test runs, and can fail, on every
+    machine where the interpreter is on (CPU CI, or ``TRITON_INTERPRET=1`` on a GPU)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if (rep.failed and call.excinfo is not None and not interpreting()
+            and "gpu" not in item.keywords and _NEEDS_INTERPRETER in str(call.excinfo.value)):
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {_INTERPRETER_REASON}")
 
 
 _DEVICES = [

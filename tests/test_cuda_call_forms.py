@@ -39,21 +39,24 @@ CUresult cuGetErrorString(int e, const char** s) { return errname(e, s); }
 SCRIPT = r"""
 import contextlib, sys, threading
 from cuda.bindings import driver as cu
-from tide_triton.transport.cuda import CudaTransport
+from tide_triton.transport.signals import CopyEngine, HiddenWords
+from tide_triton.transport.vmm import VmmHeap
+from tide_triton.transport.driver import Transaction
 
-t = object.__new__(CudaTransport)          # no constructor: no torch.cuda on this machine
-t._cu, t._guard, t._closed, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), False, 0, 4, 64
-t._copy_stream_int, t._streams_used, t._pending, t._tls = 0x5000, set(), {}, threading.local()
-t._own_va, t._user_off, t._bases = 0x7f0000000000, 4096, [0x7f0000000000 + r * (1 << 36) for r in range(4)]
-t._WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-t._GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
+t._cu, t._guard, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), 0, 4, 64
+t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
+t.words = HiddenWords(0, 32, 4096)
+t.own_va = 0x7f0000000000
+t.bases = [0x7f0000000000 + r * (1 << 36) for r in range(4)]
+t.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+t.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 t._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
 t._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
 a = cu.CUmemcpyAttributes()
 a.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 a.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
 t._attrs = [a]
-t.signal_path = "direct"
 base = 0x7f0000100000
 dsts, srcs, sizes = [base + 4096 * i for i in range(300)], [base + (1 << 30) + 8 * i for i in range(300)], [8] * 300
 sizes[7] = 0                               # dropped, as copy() drops empty pieces
@@ -62,15 +65,38 @@ for path in ("batch", "loop"):
     p = t.prepare_copies(dsts, srcs, sizes)
     assert len(p.nbytes) == 299 and len(p.dst_ptrs) == 299 and isinstance(p.dst_ptrs[0], cu.CUdeviceptr)
     t.copy_prepared(p)
-    t.copy(dsts[:3], srcs[:3], sizes[:3])
-for batch in (True, False):
-    t._memop_batch = batch
-    t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, what="rank {peer}")
-    t.signal_all([1, 2, 3], [4, 4, 4], [9, 9, 9])
-    t.signal(2, 3, 1 << 40)
-    t.wait(3, 1 << 40, peer=1, timeout_s=1.0)
-t._memops(t._copy_stream_int, [(t._WRITE_OP, base, 7, t._WRITE)] * 300, "write")  # > 255: two calls
+for sig in ("direct", "copy"):
+    t.signal_path = sig
+    for batch in (True, False):
+        t.memop_batch = batch
+        t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, what="rank {peer}")
+        t.signal_all([1, 2, 3], [4, 4, 4], [9, 9, 9])
+        t.signal(2, 3, 1 << 40)
+        t.wait(3, 1 << 40, peer=1, timeout_s=1.0)
+t._memops(t.copy_stream_int, [(t._WRITE_OP, base, 7, t.WRITE)] * 300, "write")  # > 255: two calls
 assert set(t._pending) == {1, 2, 3}, t._pending
+
+# Cross-device heap calls: one cuMemSetAccess with a descriptor per device that touches
+# the mapping (the single-process mode over GPUs 0, 1, 2), and the peer-access query.
+h = object.__new__(VmmHeap)
+h._cu, h._guard, h.rank = cu, contextlib.nullcontext(), 0
+h.H = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+prop = cu.CUmemAllocationProp()
+prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+prop.location.id = 0
+prop.requestedHandleTypes = h.H
+h._prop = prop
+h.access_devices = (0, 1, 2)
+h._access = h._access_descs(h.access_devices)
+assert [d.location.id for d in h._access] == [0, 1, 2]
+h.own_va, h.peer_va, h.peer_segments, h.segments, h.mapped = 0x7f0000000000, {1: 0x7f1000000000}, {1: []}, [], 0
+with Transaction() as tx:
+    handle = h.create_segment(0, 2 << 20, tx)
+    h.import_segment(1, 5, 0, 2 << 20, tx)
+    tx.commit()
+ok = cu.cuDeviceCanAccessPeer(cu.CUdevice(0), cu.CUdevice(1))
+assert int(ok[0]) == 0, ok
 print("call forms ok")
 """
 

@@ -143,3 +143,75 @@ def test_real_library_loads_and_makes_unique_ids() -> None:
     assert len(lib.unique_id()) == 128
     if lib.version >= (2, 29, 2):
         assert lib.features.one_sided and lib.features.windows
+
+
+class _ThreadExchange:
+    """An all-gather of objects among ``n`` threads (what the group's exchange does)."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.n = n
+        self.slots: list = [None] * n
+        self.barrier = threading.Barrier(n, timeout=30)
+
+    def for_rank(self, rank: int):
+        def exchange(obj):
+            self.slots[rank] = obj
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return exchange
+
+
+def _comm_on_every_rank(lib, W: int, L: int, device_of) -> list:
+    """Every rank of W (nodes of L) makes its rail communicator; returns each rank's error."""
+    import threading
+
+    ex = _ThreadExchange(W)
+    errs: list = [None] * W
+
+    def body(rank: int) -> None:
+        rail = tuple(m * L + rank % L for m in range(W // L))
+        try:
+            nccl.NcclComm(lib, rail, rank, ex.for_rank(rank), device_index=device_of(rank))
+        except Exception as e:  # noqa: BLE001 - compared below
+            errs[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errs
+
+
+def test_several_ranks_per_gpu_under_old_nccl_raise_on_every_rank(stubs, monkeypatch) -> None:
+    # torch 2.11's NCCL (2.28.9): W=4 as 2 nodes x 2; rail (0, 2) shares GPU 0, rail (1, 3)
+    # does not -- every rank raises the same error before ncclCommInitRank, naming the
+    # library's version and path and the two ways to point the project at another.
+    monkeypatch.setenv("STUB_NCCL_VERSION", "22809")
+    monkeypatch.setattr(nccl, "_device_key", lambda i: f"dev-{i}")
+    lib = nccl.NcclLibrary(stubs["plain"])
+    errs = _comm_on_every_rank(lib, 4, 2, device_of=lambda r: {0: 0, 1: 1, 2: 0, 3: 2}[r])
+    assert all(isinstance(e, RuntimeError) for e in errs), errs
+    msg = str(errs[3])
+    assert "ranks [0, 2] share a GPU" in msg and "NCCL >= 2.30" in msg
+    assert "2.28.9" in msg and str(stubs["plain"]) in msg
+    assert "TIDE_TRITON_NCCL_LIBRARY" in msg and "GroupOptions(nccl_library=" in msg
+    assert {str(e).rsplit("(rank", 1)[0] for e in errs} == {msg.rsplit("(rank", 1)[0]}
+
+
+class _FakeLib:
+    def __init__(self, version: tuple[int, int, int]) -> None:
+        self.version, self.path, self.found_by = version, "/x/libnccl.so.2", "test"
+
+
+def test_placement_check_passes_one_rank_per_gpu_or_new_nccl() -> None:
+    shared = [(b"u", "dev-0", (0, 1)), (None, "dev-0", (0, 1))]
+    distinct = [(b"u", "dev-0", (0, 1)), (None, "dev-1", (0, 1))]
+    nccl.check_placement(_FakeLib((2, 28, 9)), distinct, 0)
+    nccl.check_placement(_FakeLib((2, 30, 0)), shared, 0)
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] share a GPU .* NCCL is 2\.29\.7 from /x/libnccl\.so\.2"):
+        nccl.check_placement(_FakeLib((2, 29, 7)), shared, 1)

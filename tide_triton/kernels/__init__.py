@@ -3,16 +3,12 @@ bf16 -> fp32 accumulation).  Each launcher has a plain-torch ``*_ref``.
 
 Without a CUDA device, compiled Triton cannot run at all; the kernels then run on CPU
 tensors through Triton's interpreter.  Triton reads ``TRITON_INTERPRET`` when a kernel is
-defined, so it is set here, before the kernel modules are imported, unless the user set it.
+defined, so :func:`tide_triton.envs.use_interpreter_if_no_gpu` decides it here, before the
+kernel modules are imported (a value the user set is kept).
 """
-import logging as _logging
-import os as _os
+from .. import envs as _envs
 
-import torch as _torch
-
-if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
-    _os.environ["TRITON_INTERPRET"] = "1"
-    _logging.getLogger("tide_triton").info("no CUDA device: Triton kernels run through the interpreter")
+_envs.use_interpreter_if_no_gpu()
 
 from .accumulate import accumulate_shards, accumulate_shards_ref, bind_accumulate_shards  # noqa: E402
 from .pack import bind_pack_shards, pack_shards, pack_shards_ref  # noqa: E402

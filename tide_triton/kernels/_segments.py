@@ -11,7 +11,6 @@ the device.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import OrderedDict
 from functools import lru_cache
@@ -22,6 +21,7 @@ import torch
 import triton.language as tl
 from triton import knobs as _knobs
 
+from .. import envs
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
 
 __all__ = ["Run", "SegmentProgram", "Binding", "launch_config", "interpreting"]
@@ -36,7 +36,7 @@ _TL_DTYPES: dict[torch.dtype, str] = {
 # buffering and a handful of parameter groups sharing a layout.
 _POINTER_CACHE_SIZE = 16
 _INTERPRETER_LOCK = threading.Lock()
-_JIT_LAUNCH = os.environ.get("TIDE_TRITON_LAUNCH", "direct") == "jit"
+_JIT_LAUNCH = envs.launch_mode() == "jit"
 """Diagnostics: ``TIDE_TRITON_LAUNCH=jit`` launches through Triton's JIT entry point."""
 _COMPILED: dict = {}  # specialisation -> loaded CompiledKernel (see Binding.prepare)
 _COMPILED_LOCK = threading.Lock()
@@ -44,7 +44,7 @@ _COMPILED_LOCK = threading.Lock()
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 @dataclass(frozen=True)

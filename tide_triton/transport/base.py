@@ -1,57 +1,124 @@
-"""The interface every transport implements: a symmetric heap, copies, and flags.
+"""The interface the executors call on a transport: a symmetric heap, copies, and flags.
 
 A transport connects the ``local_size`` ranks of one node.  Each rank owns a *heap*: one
 byte range that every peer can address (host shared memory, or a VMM allocation exported
 as a POSIX file descriptor and mapped by every peer).  Collectives only ever name
 ``(rank, byte offset)`` pairs in the heap; the transport turns them into addresses.
 
-* ``ensure_heap(nbytes)`` -- collective over the node: every heap holds at least
-  ``nbytes`` (grown by whole segments; existing contents and addresses stay valid).
-* ``heap_tensor(rank, offset, numel, dtype)`` -- a tensor view of ``rank``'s heap.
-* ``copy(dsts, srcs, nbytes)`` -- byte copies (addresses), enqueued in order on the
-  transport's copy queue (copy engines on a GPU, ``memmove`` on the host).
-* ``signal(rank, slot, value)`` -- after every copy enqueued before it, write ``value`` into
-  flag ``slot`` of ``rank``'s flag array.
-* ``wait(slot, value, peer, timeout_s)`` -- later queue work waits until the local flag
-  ``slot`` is ``>= value``; a wait that outlives ``timeout_s`` raises naming ``peer``.
-* ``fence_from(stream)`` / ``fence_to(stream)`` -- order the copy queue after, or make a
-  compute stream wait for, work already enqueued.
-* ``close()`` -- idempotent; unmaps and frees everything.
+Flags are 64-bit words at the start of every heap (offsets ``[0, 8 * n_flags)``); values
+only grow (epochs), so no flag ever needs resetting.
 
-Flags are 64-bit words in a separate small region of every heap, ``n_flags`` per rank;
-values only grow (epochs), so no flag ever needs resetting.
+:class:`Transport` is what every transport implements (:class:`~.host.HostTransport`,
+:class:`~.cuda.CudaTransport`, :class:`~.node_view.GlobalRanks` around either);
+:class:`DeviceTransport` adds what only the GPU transports have (a copy stream, host waits
+on it).  ``tests/test_transport_protocol.py`` checks the three classes against both
+structurally, so the interface stays current: a method the executors start calling goes
+here first.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from ..errors import PeerTimeoutError
 
-__all__ = ["Transport", "PeerTimeoutError"]
+__all__ = ["Transport", "DeviceTransport", "PeerTimeoutError"]
 
 
+@runtime_checkable
 class Transport(Protocol):
+    """One rank's end of a node-local transport (see the module notes)."""
+
     rank: int
+    """This rank's number (global for :class:`~.node_view.GlobalRanks`)."""
     local_size: int
+    """Ranks the transport connects."""
     n_flags: int
+    """Flag words per rank."""
     device: torch.device
+    """Where this rank's heap views and streams live."""
 
-    def ensure_heap(self, nbytes: int) -> None: ...
+    def ensure_heap(self, nbytes: int) -> None:
+        """Collective over the node: every heap holds at least ``nbytes`` bytes (flags
+        included), grown by whole segments; existing contents and addresses stay valid.
+        No communication when every heap is large enough already."""
 
-    def heap_nbytes(self) -> int: ...
+    def heap_nbytes(self) -> int:
+        """Bytes in this rank's heap, flags included."""
 
-    def heap_tensor(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def address(self, rank: int, offset: int) -> int:
+        """Address, in this process, of byte ``offset`` of ``rank``'s heap (0 = flag 0)."""
 
-    def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> None: ...
+    def heap_tensor(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D ``dtype`` view of ``numel`` elements of ``rank``'s heap at byte ``offset``
+        (no copy; valid until :meth:`close`)."""
 
-    def signal(self, rank: int, slot: int, value: int) -> None: ...
+    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> Any:
+        """Check and convert byte copies ``srcs[i] -> dsts[i]`` (addresses) once, for
+        :meth:`copy_prepared` to enqueue many times."""
 
-    def wait(self, slot: int, value: int, *, peer: int, timeout_s: float) -> None: ...
+    def copy_prepared(self, prepared: Any, *, stream: Any = None) -> None:
+        """Enqueue a :meth:`prepare_copies` result on the copy queue (or ``stream``), after
+        everything already there; pieces may run in any order among themselves."""
 
-    def fence_from(self, stream: object) -> None: ...
+    def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
+             stream: Any = None) -> None:
+        """:meth:`prepare_copies` then :meth:`copy_prepared`, for one-off copies."""
 
-    def fence_to(self, stream: object) -> None: ...
+    def signal(self, rank: int, slot: int, value: int, *, stream: Any = None) -> None:
+        """After everything enqueued before it on the copy queue (or ``stream``), write
+        ``value`` into flag ``slot`` of ``rank``."""
 
-    def close(self) -> None: ...
+    def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
+                   stream: Any = None) -> None:
+        """:meth:`signal` to several flags of several ranks (one driver call where it can)."""
+
+    def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: Any = None,
+             what: str = "") -> None:
+        """Later queue work waits until local flag ``slot`` is ``>= value`` (set by
+        ``peer``); a wait that outlives ``timeout_s`` raises
+        :class:`~tide_triton.errors.PeerTimeoutError` naming ``peer`` (at once on the host,
+        at the next host wait on a GPU)."""
+
+    def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                 timeout_s: float, stream: Any = None, what: str = "") -> None:
+        """:meth:`wait` on several local flags; ``what`` may hold ``{peer}``."""
+
+    def read_flag(self, slot: int) -> int:
+        """The current value of this rank's flag ``slot``, read from the host."""
+
+    def host_wait_event(self, event: Any, *, timeout_s: float) -> None:
+        """Block the host until ``event`` completed (pacing); after ``timeout_s`` raise
+        ``PeerTimeoutError`` naming the peer of a pending wait still short."""
+
+    def fence_from(self, stream: Any) -> None:
+        """The copy queue waits for work already enqueued on ``stream``."""
+
+    def fence_to(self, stream: Any) -> None:
+        """``stream`` waits for work already enqueued on the copy queue."""
+
+    def session(self) -> ContextManager[Any]:
+        """A context that keeps the transport ready for many enqueues in a row (the CUDA
+        context held current); a no-op where there is nothing to hold."""
+
+    def close(self) -> None:
+        """Unmap and free everything this rank holds; local (no collective), idempotent."""
+
+
+@runtime_checkable
+class DeviceTransport(Transport, Protocol):
+    """A :class:`Transport` whose copy queue is a GPU stream."""
+
+    @property
+    def copy_stream(self) -> Any:
+        """The ``torch.cuda`` stream every copy (and by default every signal and wait) goes on."""
+
+    def synchronize(self, *, timeout_s: float, stream: Any = None) -> None:
+        """Block the host until the copy stream (or ``stream``) is idle; after ``timeout_s``
+        raise ``PeerTimeoutError`` naming the peer of a pending wait still short, else
+        ``TimeoutError``."""
+
+    def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float, what: str = "") -> int:
+        """Block the host until local flag ``slot`` >= ``value``; returns the value read;
+        ``PeerTimeoutError(peer)`` after ``timeout_s``."""

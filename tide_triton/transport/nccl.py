@@ -41,11 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["NcclError", "NcclLibrary", "NcclComm", "find_library", "load", "ENV_LIBRARY"]
+from .. import envs
+
+__all__ = ["NcclError", "NcclLibrary", "NcclComm", "find_library", "load", "check_placement", "ENV_LIBRARY",
+           "MULTI_RANK_PER_GPU"]
 
 log = logging.getLogger("tide_triton")
 
-ENV_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
+ENV_LIBRARY = envs.NCCL_LIBRARY
 _SONAME = "libnccl.so.2"
 
 _P = C.c_void_p
@@ -111,7 +114,7 @@ def find_library(path: str | os.PathLike | None = None) -> tuple[str, str]:
     """``(path or soname, how it was found)``: the argument > ``$TIDE_TRITON_NCCL_LIBRARY`` >
     the nvidia-nccl wheel > the system loader.  An explicit path that does not exist is an
     error naming where it came from (never silently replaced by another library)."""
-    for value, how in ((path, "path argument"), (os.environ.get(ENV_LIBRARY), f"${ENV_LIBRARY}")):
+    for value, how in ((path, "path argument"), (envs.nccl_library(), f"${ENV_LIBRARY}")):
         if value:
             p = Path(value)
             if not p.is_file():
@@ -219,11 +222,56 @@ def load(path: str | os.PathLike | None = None) -> NcclLibrary:
 
 _fallback_logged = False
 
+MULTI_RANK_PER_GPU = (2, 30, 0)
+"""The first NCCL that lets several ranks of one communicator share a GPU."""
+
+
+def _device_key(device_index: int) -> str:
+    """What tells GPUs apart across processes: the device UUID (ordinals differ under
+    per-process ``CUDA_VISIBLE_DEVICES``), else the ordinal."""
+    import torch
+
+    try:
+        return f"uuid-{torch.cuda.get_device_properties(device_index).uuid}"
+    except Exception:  # noqa: BLE001 - only used to tell devices apart
+        return f"ordinal-{device_index}"
+
+
+def check_placement(lib: "NcclLibrary", entries: Sequence[Any], rank: int) -> None:
+    """Raise, on every rank alike, when a communicator of the group would put several of its
+    ranks on one GPU and the loaded NCCL is older than 2.30.  ``entries[r]`` is rank ``r``'s
+    ``(unique id or None, device key, members)`` from the exchange (None for a rank outside
+    every communicator); the decision uses only ``entries``, so every rank reaches it."""
+    if lib.version >= MULTI_RANK_PER_GPU:
+        return
+    shared = []
+    seen: set[tuple[int, ...]] = set()
+    for e in entries:
+        if not e or tuple(e[2]) in seen:
+            continue
+        members = tuple(e[2])
+        seen.add(members)
+        by_dev: dict[str, list[int]] = {}
+        for m in members:
+            if 0 <= m < len(entries) and entries[m]:
+                by_dev.setdefault(entries[m][1], []).append(m)
+        shared += [ranks for ranks in by_dev.values() if len(ranks) > 1]
+    if shared:
+        v = ".".join(map(str, lib.version))
+        raise RuntimeError(
+            f"ranks {', '.join(map(str, shared))} share a GPU within one NCCL communicator, which "
+            f"needs NCCL >= 2.30 (with NCCL_MULTI_RANK_GPU_ENABLE=1); the loaded NCCL is {v} from "
+            f"{lib.path} (found by {lib.found_by}).  Point the project at a newer libnccl.so.2 with "
+            f"${ENV_LIBRARY}=/path/to/libnccl.so.2 or GroupOptions(nccl_library=...), e.g. from "
+            f"the nvidia-nccl-cu12/cu13 wheel >= 2.30, or place one rank per GPU (rank {rank})")
+
 
 class NcclComm:
     """A communicator over ``members`` (global ranks, e.g. one rail), made collectively by
-    every member: the first member's unique id travels through ``exchange`` (an all-gather
-    of small objects over the whole group; ranks outside ``members`` contribute None)."""
+    every rank of the group: the first member's unique id travels through ``exchange`` (an
+    all-gather of small objects over the whole group) with every rank's device, and
+    :func:`check_placement` refuses, on every rank, members sharing a GPU under NCCL < 2.30
+    (which fails inside ``ncclCommInitRank`` with "invalid usage")."""
 
     def __init__(self, lib: NcclLibrary, members: Sequence[int], rank: int,
                  exchange: Callable[[object], list], *, device_index: int) -> None:
@@ -239,8 +287,11 @@ class NcclComm:
         self._windows: list[Any] = []
         self._memory: list[Any] = []
         uid_bytes = lib.unique_id() if self.index == 0 else None
-        got = exchange(uid_bytes)
-        uid_bytes = got[self.members[0]]
+        # Every rank sends its device with the id: the placement check below needs to know
+        # which members share a GPU, and every rank decides it from the same list.
+        got = exchange((uid_bytes, _device_key(device_index), self.members))
+        check_placement(lib, got, rank)
+        uid_bytes = got[self.members[0]][0]
         if not isinstance(uid_bytes, (bytes, bytearray)) or len(uid_bytes) != C.sizeof(NcclUniqueId):
             raise RuntimeError(f"rank {self.members[0]} sent no NCCL unique id for communicator {self.members}")
         uid = NcclUniqueId.from_buffer_copy(uid_bytes)
@@ -335,7 +386,7 @@ class NcclComm:
             if code:
                 log.warning("ncclMemFree failed (ncclResult %d)", code)
         # Diagnostic switch (bench/NOTES.md): destroy (default) | abort | none (left to process exit).
-        how = os.environ.get("TIDE_TRITON_NCCL_CLOSE", "destroy")
+        how = envs.nccl_close()
         if how == "none":
             log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
             return

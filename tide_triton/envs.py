@@ -1,0 +1,157 @@
+"""Every environment variable tide_triton reads, documented in one place, with one reader each.
+
+Readers are functions, not module constants: they read ``os.environ`` when called, so a
+variable set after import (a test's ``monkeypatch.setenv``, a launcher) is seen.  Callers
+read a variable where the decision is made (a transport at creation, a communicator at
+close), never at import -- except :func:`use_interpreter_if_no_gpu`, which must run before
+Triton decorates the kernels.
+
+Variables of the package
+========================
+
+``TIDE_TRITON_NCCL_LIBRARY``
+    Path of the ``libnccl.so.2`` the inter-node hop loads (after an explicit
+    ``GroupOptions.nccl_library``, before the nvidia-nccl wheel and the system loader).  An
+    NCCL >= 2.30 is needed for several ranks per GPU.  (:mod:`tide_triton.transport.nccl`)
+``TIDE_TRITON_NCCL_CLOSE``
+    Diagnostics: how a communicator ends -- ``destroy`` (default), ``abort``, ``none``
+    (left to process exit).  (:mod:`tide_triton.transport.nccl`)
+``TIDE_TRITON_COPY_MODE``
+    Diagnostics: pins the CUDA transport's copy path when its ``copy_mode`` is ``"auto"``:
+    ``auto`` (default), ``batch`` (``cuMemcpyBatchAsync``) or ``loop`` (one
+    ``cuMemcpyAsync`` per piece).  (:mod:`tide_triton.transport.cuda`)
+``TIDE_TRITON_MEMOP_BATCH``
+    Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
+    ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
+``TIDE_TRITON_LAUNCH``
+    Diagnostics: ``jit`` launches kernels through Triton's JIT entry point instead of the
+    cached compiled kernel (``direct``, default).  Read once, when the segment engine is
+    imported.  (:mod:`tide_triton.kernels._segments`)
+
+Variables of other software, as the package reads them
+=======================================================
+
+``TRITON_INTERPRET``
+    Triton's own switch: kernels run through its CPU interpreter on CPU tensors.  Triton
+    reads it when ``@triton.jit`` decorates a kernel; the package reads it to tell which
+    tensors a launch accepts (:func:`triton_interpret`), and sets it when no GPU exists
+    (:func:`use_interpreter_if_no_gpu`).
+``CUDA_DEVICE_MAX_CONNECTIONS``
+    The driver's number of hardware queues per device, read when the CUDA context is
+    created; the single-process mode needs it >= 2 x ranks.  Read and set by
+    :mod:`tide_triton.group` (:func:`cuda_device_max_connections` reads it).
+``LOCAL_WORLD_SIZE``
+    torchrun's ranks per node: the default node size of a group.  Read by
+    :mod:`tide_triton.topology` (:func:`local_world_size` reads it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+__all__ = [
+    "NCCL_LIBRARY",
+    "nccl_library",
+    "nccl_close",
+    "copy_mode",
+    "memop_batch",
+    "launch_mode",
+    "triton_interpret",
+    "use_interpreter_if_no_gpu",
+    "cuda_device_max_connections",
+    "local_world_size",
+]
+
+log = logging.getLogger("tide_triton")
+
+NCCL_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
+
+_NCCL_CLOSE = ("destroy", "abort", "none")
+_COPY_MODES = ("auto", "batch", "loop")
+_LAUNCH_MODES = ("direct", "jit")
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip()
+    if value not in allowed:
+        raise ValueError(f"${name} must be one of {allowed}, got {raw!r}; unset it for {default!r}")
+    return value
+
+
+def nccl_library(env: Mapping[str, str] | None = None) -> str | None:
+    """``$TIDE_TRITON_NCCL_LIBRARY`` (a path), or None when unset or empty."""
+    raw = (os.environ if env is None else env).get(NCCL_LIBRARY)
+    return raw if raw else None
+
+
+def nccl_close(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_NCCL_CLOSE``: ``"destroy"`` (default), ``"abort"`` or ``"none"``."""
+    return _choice("TIDE_TRITON_NCCL_CLOSE", "destroy", _NCCL_CLOSE, env)
+
+
+def copy_mode(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_COPY_MODE``: ``"auto"`` (default), ``"batch"`` or ``"loop"``."""
+    return _choice("TIDE_TRITON_COPY_MODE", "auto", _COPY_MODES, env)
+
+
+def memop_batch(env: Mapping[str, str] | None = None) -> bool:
+    """``$TIDE_TRITON_MEMOP_BATCH``: False only when it is ``0`` (default True)."""
+    return (os.environ if env is None else env).get("TIDE_TRITON_MEMOP_BATCH", "1").strip() != "0"
+
+
+def launch_mode(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_LAUNCH``: ``"direct"`` (default) or ``"jit"``.  An unknown value is
+    treated as ``"direct"`` (it is read at import, where raising would break the package)."""
+    raw = (os.environ if env is None else env).get("TIDE_TRITON_LAUNCH", "direct").strip()
+    return raw if raw in _LAUNCH_MODES else "direct"
+
+
+def triton_interpret(env: Mapping[str, str] | None = None) -> bool:
+    """True when ``$TRITON_INTERPRET`` is set to something other than ``""`` / ``"0"``:
+    Triton's kernels then run through its CPU interpreter."""
+    return (os.environ if env is None else env).get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_interpreter_decided = False
+
+
+def use_interpreter_if_no_gpu() -> bool:
+    """Without a CUDA device, compiled Triton cannot run at all: set ``TRITON_INTERPRET=1``
+    so the kernels run through Triton's interpreter on CPU tensors.  A value the user set
+    is kept either way.  Called by :mod:`tide_triton.kernels` before its kernels are
+    defined (Triton reads the variable then); logged once.  Returns whether the
+    interpreter is on afterwards."""
+    global _interpreter_decided
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+            if not _interpreter_decided:
+                log.info("no CUDA device: Triton kernels run through the interpreter (TRITON_INTERPRET=1)")
+    _interpreter_decided = True
+    return triton_interpret()
+
+
+def cuda_device_max_connections(env: Mapping[str, str] | None = None) -> str | None:
+    """``$CUDA_DEVICE_MAX_CONNECTIONS`` as set (None when unset)."""
+    return (os.environ if env is None else env).get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int | None:
+    """``$LOCAL_WORLD_SIZE`` (torchrun's ranks per node) as an int >= 1, None when unset
+    or empty; ValueError naming the value otherwise."""
+    raw = (os.environ if env is None else env).get("LOCAL_WORLD_SIZE")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be an int, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be >= 1, got {n}")
+    return n

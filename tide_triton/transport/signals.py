@@ -1,0 +1,480 @@
+"""Copies and signals of the CUDA transport: copy engines, stream memory operations, host waits.
+
+Copies
+    On a dedicated stream (``copy_stream``, a ``torch.cuda`` stream object so events and the
+    caching allocator work with it): one ``cuMemcpyBatchAsync`` per call where the driver
+    has it (CUDA >= 12.8), otherwise one ``cuMemcpyAsync`` per piece; the path is chosen at
+    creation and logged once.  Addresses may lie on another GPU (a peer's heap mapped with
+    peer access): the copy engines of this rank's device move the bytes.
+
+Signals
+    ``signal`` writes a flag of a peer with ``cuStreamWriteValue64`` -- straight to the
+    peer's mapped address where a probe at creation shows that works (also across devices),
+    otherwise into a local scratch word followed by an 8-byte copy-engine copy (NCCL's
+    CE-collective recipe).  ``wait`` is ``cuStreamWaitValue64(GEQ)`` on the local flag.
+    Several of either go in one ``cuStreamBatchMemOp`` where the driver accepts it.  Neither
+    uses an SM.
+
+Host waits
+    Stream-side waits cannot time out; ``host_wait_flag``, ``host_wait_event`` and
+    ``synchronize`` wait from the host with a deadline and raise
+    :class:`~tide_triton.errors.PeerTimeoutError` naming the peer of a pending wait whose
+    flag is still short.
+
+Layout of the words this module uses (:class:`HiddenWords`): below heap offset 0 of every
+rank, ``local_size`` probe words then ``local_size * n_flags`` scratch words; the flags
+are the first ``n_flags`` words at offset 0.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .. import envs
+from ..errors import PeerTimeoutError
+from ._once import log_once, round_up
+from .driver import CtxGuard, CudaError, Transaction, check, driver_version
+
+__all__ = ["CopyEngine", "HiddenWords", "PreparedCopies", "SIGNAL_MODES", "COPY_MODES"]
+
+SIGNAL_MODES = ("auto", "direct", "copy")
+COPY_MODES = ("auto", "batch", "loop")
+
+PROBE_MAGIC = 0x7469_6465_0000_0000  # "tide" in the high half, the writer's rank below
+_CUDA_ERROR_NOT_READY = 600
+_BATCH_MIN_DRIVER = 12080
+_DATA_ALIGN = 4096
+_MEMOPS_PER_CALL = 255
+
+
+@dataclass(frozen=True)
+class HiddenWords:
+    """Byte offsets, from the start of a rank's mapping, of the transport's own words."""
+
+    probe_off: int
+    scratch_off: int
+    user_off: int
+    """Where heap offset 0 (flag 0) starts."""
+
+    @classmethod
+    def of(cls, local_size: int, n_flags: int) -> "HiddenWords":
+        scratch = 8 * local_size
+        return cls(0, scratch, round_up(scratch + 8 * local_size * n_flags, _DATA_ALIGN))
+
+
+@dataclass(frozen=True)
+class PreparedCopies:
+    """Copies checked and converted once (:meth:`CopyEngine.prepare_copies`)."""
+
+    dsts: list[int]
+    srcs: list[int]
+    nbytes: list[int]
+    dst_ptrs: list[Any]
+    src_ptrs: list[Any]
+
+
+def _check_value(value: Any, name: str = "value") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+
+
+class CopyEngine:
+    """The streams, copies, flags and host waits of one rank (see the module notes).
+
+    ``bases[r]`` is the address, in this process, of rank ``r``'s mapping (set by the
+    owner once the peers' ranges are known); ``rank_offset`` is added to rank numbers in
+    timeouts (a node-local transport of a several-node group names global ranks)."""
+
+    def __init__(self, cu: Any, guard: CtxGuard, *, rank: int, local_size: int, n_flags: int,
+                 device: torch.device, words: HiddenWords, tx: Transaction) -> None:
+        self._cu = cu
+        self._guard = guard
+        self.rank = rank
+        self.local_size = local_size
+        self.n_flags = n_flags
+        self.device = device
+        self.words = words
+        self.rank_offset = 0
+        self.own_va = 0
+        self.bases: list[int] = []
+        self.copy_path = "loop"
+        self.signal_path = "direct"
+        self.memop_batch = False
+        self._attrs: list[Any] = []
+        self._pending: dict[int, tuple[int, int, int, str]] = {}  # slot -> value, peer, stream, what
+        # Handles of the caller's streams that got waits/signals (drained at close).  Handles,
+        # not weak references: torch <= 2.12's Stream/Event deallocs leave weak references
+        # dangling (pytorch/pytorch#183403), which corrupted the heap and crashed the cyclic
+        # GC later (the segfaults seen on torch 2.11).
+        self.streams_used: set[int] = set()
+        self._tls = threading.local()
+        self.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+        self.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+        self._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
+        nb = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        with guard:
+            self._copy_handle = check(cu.cuStreamCreate(nb), "cuStreamCreate(copy)")
+            tx.on_rollback(self._destroy_stream, self._copy_handle)
+            self._host_stream = check(cu.cuStreamCreate(nb), "cuStreamCreate(host reads)")
+            tx.on_rollback(self._destroy_stream, self._host_stream)
+            self._host_buf = int(check(cu.cuMemAllocHost(8 * max(2, local_size)), "cuMemAllocHost"))
+            tx.on_rollback(self._free_host, self._host_buf)
+        self.copy_stream_int = int(self._copy_handle)
+        self.host_stream_int = int(self._host_stream)
+        self.copy_stream = torch.cuda.ExternalStream(self.copy_stream_int, device=device)
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_rank(self, name: str, rank: Any) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.local_size:
+            raise ValueError(f"{name} must be an int in [0, {self.local_size}), got {rank!r}")
+
+    def check_slot(self, slot: Any) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_flags:
+            raise ValueError(f"slot must be an int in [0, {self.n_flags}), got {slot!r}")
+
+    def flag_addr(self, rank: int, slot: int) -> int:
+        return self.bases[rank] + self.words.user_off + 8 * slot
+
+    def stream_int(self, stream: Any) -> int:
+        if stream is None:
+            return self.copy_stream_int
+        if isinstance(stream, torch.cuda.Stream):
+            h = int(stream.cuda_stream)
+            self.streams_used.add(h)
+            return h
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+
+    # ---- path probes ----------------------------------------------------------------------
+    def choose_copy_path(self, copy_mode: str) -> None:
+        """``batch`` where ``cuMemcpyBatchAsync`` copies a probe word, else ``loop``
+        (``copy_mode`` pins one; ``batch`` that cannot work raises)."""
+        cu = self._cu
+        why = ""
+        path = "loop"
+        if copy_mode == "loop":
+            why = "copy_mode='loop'"
+        elif not hasattr(cu, "cuMemcpyBatchAsync"):
+            why = "this cuda-python has no cuMemcpyBatchAsync"
+        elif driver_version() < _BATCH_MIN_DRIVER:
+            why = f"driver {driver_version()} < {_BATCH_MIN_DRIVER} (CUDA 12.8)"
+        else:
+            a = cu.CUmemcpyAttributes()
+            a.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            a.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+            self._attrs = [a]
+            try:  # 8 bytes from a probe word to a scratch word of our own heap
+                base = self.own_va
+                dp = cu.CUdeviceptr
+                with self._guard:
+                    check(cu.cuMemcpyBatchAsync([dp(base + self.words.scratch_off)],
+                                                [dp(base + self.words.probe_off)],
+                                                [8], 1, self._attrs, [0], 1, self.copy_stream_int),
+                          f"cuMemcpyBatchAsync(rank={self.rank}, probe)")
+                    check(cu.cuStreamSynchronize(self.copy_stream_int), "cuStreamSynchronize(copy)")
+                path, why = "batch", "cuMemcpyBatchAsync works"
+            except Exception as exc:  # noqa: BLE001
+                if copy_mode == "batch":
+                    raise
+                why = f"cuMemcpyBatchAsync failed: {exc}"
+        if copy_mode == "batch" and path != "batch":
+            raise RuntimeError(f"copy_mode='batch' but {why}")
+        self.copy_path = path
+        level = logging.INFO if path == "batch" else logging.WARNING
+        log_once(f"copy-{path}", level, "copies use %s (%s)",
+                 "cuMemcpyBatchAsync" if path == "batch" else "a cuMemcpyAsync loop", why)
+
+    def probe_write(self, peers: Sequence[int]) -> str | None:
+        """First half of the signal-path probe: write this rank's probe word into every
+        peer's mapping with a stream write; returns the error, if any."""
+        cu = self._cu
+        try:
+            with self._guard:
+                own_probe = self.own_va + self.words.probe_off + 8 * self.rank
+                check(cu.cuStreamWaitValue64(self._host_stream, own_probe, 0, self.GEQ),
+                      "cuStreamWaitValue64(probe)")
+                for p in peers:
+                    check(cu.cuStreamWriteValue64(self._host_stream,
+                                                  self.bases[p] + self.words.probe_off + 8 * self.rank,
+                                                  PROBE_MAGIC + self.rank, self.WRITE),
+                          f"cuStreamWriteValue64(rank={self.rank} -> peer={p})")
+                check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize(probe)")
+        except CudaError as exc:
+            return str(exc)
+        return None
+
+    def probe_read(self, peers: Sequence[int], err: str | None) -> tuple[bool, str]:
+        """Second half, once every peer's writes are done: ``(ok, why not)``."""
+        words = self.read_words(self.own_va + self.words.probe_off, self.local_size)
+        wrong = [p for p in peers if words[p] != PROBE_MAGIC + p]
+        why = err or (f"probe words from rank(s) {wrong} did not arrive" if wrong else "")
+        return err is None and not wrong, why
+
+    def choose_memop_path(self) -> None:
+        """Probe ``cuStreamBatchMemOp`` (a wait that is already satisfied and a write, on
+        this rank's own scratch word); fall back to one call per flag if refused."""
+        cu = self._cu
+        self.memop_batch = False
+        if not hasattr(cu, "cuStreamBatchMemOp") or not envs.memop_batch():
+            return
+        word = self.own_va + self.words.scratch_off
+        try:
+            self._memops(self.host_stream_int, [(self._WRITE_OP, word, 7, self.WRITE),
+                                                (self._WAIT_OP, word, 7, self.GEQ),
+                                                (self._WRITE_OP, word, 0, self.WRITE)], "probe")
+            with self._guard:
+                check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize(memop probe)")
+            self.memop_batch = True
+        except CudaError as exc:
+            log_once("memop-loop", logging.INFO,
+                     "flag waits and signals use one call each (cuStreamBatchMemOp: %s)", exc)
+
+    def zero_words(self, nbytes: int) -> None:
+        """Zero the first ``nbytes`` of the own mapping (probe, scratch and flag words)."""
+        cu = self._cu
+        with self._guard:
+            check(cu.cuMemsetD8Async(self.own_va, 0, nbytes, self._host_stream), "cuMemsetD8Async(flags)")
+            check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize")
+
+    # ---- copies ---------------------------------------------------------------------------
+    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> PreparedCopies:
+        n = len(nbytes)
+        if len(dsts) != n or len(srcs) != n:
+            raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got "
+                             f"{len(dsts)}, {len(srcs)} and {n}")
+        if any(b < 0 for b in nbytes):
+            raise ValueError(f"nbytes must be >= 0, got {min(nbytes)}")
+        keep = [i for i in range(n) if nbytes[i]]
+        d = [int(dsts[i]) for i in keep]
+        x = [int(srcs[i]) for i in keep]
+        b = [int(nbytes[i]) for i in keep]
+        dp = self._cu.CUdeviceptr
+        return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x])
+
+    def copy_prepared(self, prepared: PreparedCopies, *, stream: Any = None) -> None:
+        if not prepared.nbytes:
+            return
+        s = self.stream_int(stream)
+        cu = self._cu
+        with self._guard:
+            if self.copy_path == "batch" and s not in (0, 1, 2):  # legacy / per-thread default
+                check(cu.cuMemcpyBatchAsync(prepared.dst_ptrs, prepared.src_ptrs, prepared.nbytes,
+                                            len(prepared.nbytes), self._attrs, [0], 1, s),
+                      f"cuMemcpyBatchAsync(rank={self.rank}, {len(prepared.nbytes)} copies)")
+                return
+            if self.copy_path == "batch":
+                log_once("copy-legacy", logging.INFO, "copies on a default "
+                         "stream use a cuMemcpyAsync loop (cuMemcpyBatchAsync refuses it)")
+            for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
+                check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
+
+    # ---- signals and stream waits ---------------------------------------------------------
+    def signal(self, rank: int, slot: int, value: int, *, stream: Any = None) -> None:
+        self.check_rank("rank", rank)
+        self.check_slot(slot)
+        _check_value(value)
+        s = self.stream_int(stream)
+        cu = self._cu
+        addr = self.flag_addr(rank, slot)
+        with self._guard:
+            if rank == self.rank or self.signal_path == "direct":
+                check(cu.cuStreamWriteValue64(s, addr, value, self.WRITE),
+                      f"cuStreamWriteValue64(rank={self.rank} -> {rank}, slot={slot})")
+                return
+            scratch = self.own_va + self.words.scratch_off + 8 * (rank * self.n_flags + slot)
+            check(cu.cuStreamWriteValue64(s, scratch, value, self.WRITE),
+                  f"cuStreamWriteValue64(rank={self.rank}, scratch for {rank}/{slot})")
+            check(cu.cuMemcpyAsync(addr, scratch, 8, s),
+                  f"cuMemcpyAsync(rank={self.rank} -> {rank}, flag {slot})")
+
+    def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
+                   stream: Any = None) -> None:
+        n = len(ranks)
+        if len(slots) != n or len(values) != n:
+            raise ValueError(f"ranks, slots and values must have one entry per signal, got "
+                             f"{n}, {len(slots)} and {len(values)}")
+        if n == 0:
+            return
+        if n == 1 or not self.memop_batch or self.signal_path != "direct":
+            for r, sl, v in zip(ranks, slots, values):
+                self.signal(r, sl, v, stream=stream)
+            return
+        for r, sl, v in zip(ranks, slots, values):
+            self.check_rank("rank", r)
+            self.check_slot(sl)
+            _check_value(v)
+        s = self.stream_int(stream)
+        self._memops(s, [(self._WRITE_OP, self.flag_addr(r, sl), v, self.WRITE)
+                         for r, sl, v in zip(ranks, slots, values)], "write")
+
+    def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: Any = None,
+             what: str = "") -> None:
+        self.check_slot(slot)
+        self.check_rank("peer", peer)
+        _check_value(value)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        s = self.stream_int(stream)
+        with self._guard:
+            check(self._cu.cuStreamWaitValue64(s, self.flag_addr(self.rank, slot), value, self.GEQ),
+                  f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
+        self._pending[slot] = (value, peer + self.rank_offset, s, what)
+
+    def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                 timeout_s: float, stream: Any = None, what: str = "") -> None:
+        n = len(slots)
+        if len(values) != n or len(peers) != n:
+            raise ValueError(f"slots, values and peers must have one entry per wait, got "
+                             f"{n}, {len(values)} and {len(peers)}")
+        if n == 0:
+            return
+        if n == 1 or not self.memop_batch:
+            for sl, v, p in zip(slots, values, peers):
+                self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream,
+                          what=what.format(peer=p + self.rank_offset))
+            return
+        for sl, p in zip(slots, peers):
+            self.check_slot(sl)
+            self.check_rank("peer", p)
+        s = self.stream_int(stream)
+        self._memops(s, [(self._WAIT_OP, self.flag_addr(self.rank, sl), v, self.GEQ)
+                         for sl, v in zip(slots, values)], "wait")
+        for sl, v, p in zip(slots, values, peers):
+            self._pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
+
+    def _memops(self, s: int, ops: Sequence[tuple[Any, int, int, int]], kind: str) -> None:
+        """Enqueue ``(op, address, value, flags)`` stream memory operations, <= 255 a call."""
+        cu = self._cu
+        for i in range(0, len(ops), _MEMOPS_PER_CALL):
+            part = ops[i:i + _MEMOPS_PER_CALL]
+            params = self._memop_params(len(part))
+            for p, (op, addr, value, flags) in zip(params, part):
+                p.operation = op
+                u = p.waitValue if op == self._WAIT_OP else p.writeValue
+                u.operation = op
+                u.address = addr
+                u.value64 = value
+                u.flags = flags
+            with self._guard:
+                check(cu.cuStreamBatchMemOp(s, len(part), params[:len(part)], 0),
+                      f"cuStreamBatchMemOp(rank={self.rank}, {len(part)} {kind}s)")
+
+    def _memop_params(self, n: int) -> list[Any]:
+        # Kept for reuse (setting fields is cheaper than building the structs per call);
+        # one list per thread, since ranks of the single-process mode enqueue concurrently.
+        tls = self._tls
+        params = getattr(tls, "memops", None)
+        if params is None or len(params) < n:
+            params = tls.memops = [self._cu.CUstreamBatchMemOpParams() for _ in range(max(n, 8))]
+        return params
+
+    # ---- host-side reads and waits --------------------------------------------------------
+    def read_words(self, addr: int, n: int) -> list[int]:
+        cu = self._cu
+        with self._guard:
+            check(cu.cuMemcpyDtoHAsync(self._host_buf, addr, 8 * n, self._host_stream),
+                  f"cuMemcpyDtoHAsync(rank={self.rank}, flags)")
+            check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize(host reads)")
+        return list((ctypes.c_int64 * n).from_address(self._host_buf))
+
+    def read_flag(self, slot: int, rank: int | None = None) -> int:
+        self.check_slot(slot)
+        r = self.rank if rank is None else rank
+        self.check_rank("rank", r)
+        return self.read_words(self.flag_addr(r, slot), 1)[0]
+
+    def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float, what: str = "") -> int:
+        self.check_slot(slot)
+        self.check_rank("peer", peer)
+        deadline = time.monotonic() + timeout_s
+        nap = 20e-6
+        while True:
+            cur = self.read_flag(slot)
+            if cur >= value:
+                return cur
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    peer, what or f"flag {slot} of rank {self.rank} to reach {value}, last "
+                    f"read {cur}", timeout_s)
+            time.sleep(nap)
+            nap = min(nap * 2, 2e-3)
+
+    def host_wait_event(self, event: Any, *, timeout_s: float) -> None:
+        if event.query():
+            return
+        deadline = time.monotonic() + timeout_s
+        nap = 5e-6
+        while not event.query():
+            if time.monotonic() >= deadline:
+                self.raise_stuck(timeout_s, None)
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+
+    def synchronize(self, *, timeout_s: float, stream: Any = None) -> None:
+        s = self.stream_int(stream)
+        deadline = time.monotonic() + timeout_s
+        nap = 20e-6
+        while True:
+            res = self._cu.cuStreamQuery(s)
+            code = int(res[0])
+            if code == 0:
+                self._pending = {k: v for k, v in self._pending.items() if v[2] != s}
+                return
+            if code != _CUDA_ERROR_NOT_READY:
+                check(res, f"cuStreamQuery(rank={self.rank})")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(nap)
+            nap = min(nap * 2, 2e-3)
+        self.raise_stuck(timeout_s, s)
+
+    def raise_stuck(self, timeout_s: float, s: int | None) -> None:
+        """Raise ``PeerTimeoutError`` for a pending wait (on stream ``s``, or any) whose
+        flag is still short, else ``TimeoutError``."""
+        for slot, (value, peer, sh, what) in sorted(self._pending.items()):
+            if s is not None and sh != s:
+                continue
+            cur = self.read_flag(slot)
+            if cur < value:
+                raise PeerTimeoutError(
+                    peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
+                    f"last read {cur}", timeout_s)
+        raise TimeoutError(f"rank {self.rank + self.rank_offset}: GPU work still busy after {timeout_s:.1f} s "
+                           "(no pending flag wait is short)")
+
+    # ---- teardown -------------------------------------------------------------------------
+    def busy_streams(self) -> set[int]:
+        """Handles of every stream that may still touch heaps: own ones and the caller's."""
+        return {self.copy_stream_int, self.host_stream_int, *self.streams_used}
+
+    def drain(self, handles: set[int], deadline: float) -> bool:
+        """Poll until every stream of ``handles`` is idle (False at ``deadline``).  torch's
+        streams come from its pool and are never destroyed, so their handles stay valid to
+        query; a handle that errors is taken as idle."""
+        with self._guard:
+            for h in handles:
+                while int(self._cu.cuStreamQuery(h)[0]) == _CUDA_ERROR_NOT_READY:
+                    if time.monotonic() >= deadline:
+                        return False
+                    time.sleep(1e-3)
+        return True
+
+    def _destroy_stream(self, s: Any) -> None:
+        with self._guard:
+            check(self._cu.cuStreamDestroy(s), f"cuStreamDestroy(rank={self.rank})")
+
+    def _free_host(self, p: int) -> None:
+        with self._guard:
+            check(self._cu.cuMemFreeHost(p), f"cuMemFreeHost(rank={self.rank})")
+
+    def close(self, quiet: Any) -> None:
+        """Destroy the streams and free the host buffer (``quiet`` runs each step)."""
+        quiet(self._destroy_stream, self._host_stream)
+        quiet(self._free_host, self._host_buf)
+        quiet(self._destroy_stream, self._copy_handle)
