@@ -528,8 +528,18 @@ def synchronize(group: object = None, *, device: object = None, stream: object =
         return
     t = g.transport(dev)
     limit = g.options.timeout_s if timeout_s is None else timeout_s
-    if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
-        from .hier_collectives import synchronize_side
-        synchronize_side(g, dev, limit)
-    t.synchronize(timeout_s=limit)
-    t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev))
+    try:
+        if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
+            from .hier_collectives import synchronize_side
+            synchronize_side(g, dev, limit)
+        t.synchronize(timeout_s=limit)
+        t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev))
+    except TimeoutError as e:
+        # Queued work that cannot finish: the group is broken (its flags and staging hold a
+        # half-done call); name the peer's own error where it published one.
+        better = g.explain_timeout(e, g._synced + 1)
+        g._break(f"GPU work of call #{g._synced + 1}..#{g._seq} did not finish: {better or e}")
+        if better is not None:
+            raise better from e
+        raise
+    g._synced = g._seq

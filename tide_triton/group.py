@@ -129,6 +129,7 @@ class Group:
         self.options = options or GroupOptions()
         self._seq = 0
         """Collective calls started on this group (every rank counts the same calls)."""
+        self._synced = 0  # calls whose GPU work synchronize() has seen finish
         self._call: _Call | None = None
         self._broken: str | None = None
         self._call_lock = threading.Lock()
@@ -299,6 +300,19 @@ class Group:
             if a is not None:
                 self._raise_abort(r, a)
 
+    def explain_timeout(self, e: BaseException, since: int) -> Exception | None:
+        """For a timeout on a GPU wait: the error of a peer that published an abort of call
+        ``since`` or later (its reason, instead of "timed out"), or None."""
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            a = self._peer_abort(r, since)
+            if a is not None:
+                self._break(f"rank {r} abandoned call #{a.call}: {a.message}")
+                return PeerArgumentError(r, a.message) if a.kind == "argument" else \
+                    PeerAbortedError(r, a.call, a.message)
+        return None
+
     def _watch_flags(self, t: Any, seq: int) -> Any:
         """A poll hook for the host transport's waits: raises once the peer waited for has
         published an abort of this call (its abort flag) -- within one poll, not a timeout."""
@@ -390,8 +404,15 @@ class Group:
                     if self.nodes > 1:
                         t = self._node_transport(device)
                     elif self._local is not None:  # one process: the ranks' transports are made together
-                        t = self._local.shared(("cuda", device.index), lambda: CudaTransport.create_local_group(
-                            self.world_size, device=device, n_flags=self.n_flags))[self.rank]
+                        from .transport.cuda import local_devices
+
+                        want = local_devices(self.world_size)[self.rank]
+                        if device.index is not None and device != want:
+                            raise ValueError(
+                                f"single-process mode: rank {self.rank}'s tensors must be on {want} (rank r on "
+                                f"cuda:(r % {torch.cuda.device_count()}) over the visible GPUs), got {device}")
+                        t = self._local.shared("cuda", lambda: CudaTransport.create_local_group(
+                            self.world_size, devices=local_devices(self.world_size), n_flags=self.n_flags))[self.rank]
                     else:
                         t = CudaTransport(self.rank, self.world_size, self.exchange, device=device,
                                           n_flags=self.n_flags, timeout_s=self.options.timeout_s)
@@ -572,14 +593,19 @@ class _Call:
 
     def __exit__(self, et: Any, e: BaseException | None, tb: Any) -> None:
         g = self.g
+        better = None
         try:
             for t in self._watched:
                 t.watch = None
             if e is not None and isinstance(e, Exception):
-                self._failed(e)
+                if isinstance(e, TimeoutError):  # a stuck wait: did the peer abandon this call?
+                    better = g.explain_timeout(e, self.seq)
+                self._failed(better or e)
         finally:
             g._call = None
             g._call_lock.release()
+        if better is not None:
+            raise better from e
 
     def _failed(self, e: Exception) -> None:
         """Publish the abort (peers waiting on this call raise at once instead of timing

@@ -73,11 +73,9 @@ def _uninstall(api: TorchApi) -> None:
 # --------------------------------------------------------------------------- groups
 def _existing_group(pg: dist.ProcessGroup) -> Any:
     """The open tide_triton group ``init(pg)`` would return, or None (creates nothing)."""
-    # COORDINATOR: replace with group.existing
-    from .. import group as _group
+    from ..group import existing
 
-    g = _group._GROUPS.get(id(pg))
-    return None if g is None or g.closed else g
+    return existing(pg)
 
 
 def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) -> Any:

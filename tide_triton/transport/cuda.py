@@ -659,6 +659,14 @@ class CudaTransport:
         self._check_open()
         self._sig.wait_all(slots, values, peers=peers, timeout_s=timeout_s, stream=stream, what=what)
 
+    def wait_all_equal(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                       timeout_s: float, stream: torch.cuda.Stream | None = None, what: str = "") -> None:
+        """:meth:`wait_all` for exactly each value (``CU_STREAM_WAIT_VALUE_EQ``): the call
+        identities of :meth:`tide_triton.group.Group.check_in`, which a peer's later call
+        must not satisfy."""
+        self._check_open()
+        self._sig.wait_all(slots, values, peers=peers, timeout_s=timeout_s, stream=stream, what=what, equal=True)
+
     def fence_from(self, stream: torch.cuda.Stream | None = None) -> None:
         """The copy stream waits for work already enqueued on ``stream`` (default: the
         current stream of this device)."""

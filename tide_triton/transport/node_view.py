@@ -53,3 +53,7 @@ class GlobalRanks:
 
     def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int], **kw: Any) -> None:
         self.inner.wait_all(slots, values, peers=[self._local(p, "peer") for p in peers], **kw)
+
+    def wait_all_equal(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                       **kw: Any) -> None:
+        self.inner.wait_all_equal(slots, values, peers=[self._local(p, "peer") for p in peers], **kw)

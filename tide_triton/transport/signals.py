@@ -116,6 +116,8 @@ class CopyEngine:
         self._tls = threading.local()
         self.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
         self.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self.EQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
+        self._equal: set[int] = set()  # pending slots waited for with EQ (call identities)
         self._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
         self._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
         nb = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
@@ -314,7 +316,7 @@ class CopyEngine:
                          for r, sl, v in zip(ranks, slots, values)], "write")
 
     def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: Any = None,
-             what: str = "") -> None:
+             what: str = "", equal: bool = False) -> None:
         self.check_slot(slot)
         self.check_rank("peer", peer)
         _check_value(value)
@@ -322,12 +324,16 @@ class CopyEngine:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         s = self.stream_int(stream)
         with self._guard:
-            check(self._cu.cuStreamWaitValue64(s, self.flag_addr(self.rank, slot), value, self.GEQ),
+            check(self._cu.cuStreamWaitValue64(s, self.flag_addr(self.rank, slot), value,
+                                               self.EQ if equal else self.GEQ),
                   f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
         self._pending[slot] = (value, peer + self.rank_offset, s, what)
+        (self._equal.add if equal else self._equal.discard)(slot)
 
     def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
-                 timeout_s: float, stream: Any = None, what: str = "") -> None:
+                 timeout_s: float, stream: Any = None, what: str = "", equal: bool = False) -> None:
+        """Waits until each flag is >= its value (``equal``: exactly its value -- a call
+        identity, which a later call's must not satisfy)."""
         n = len(slots)
         if len(values) != n or len(peers) != n:
             raise ValueError(f"slots, values and peers must have one entry per wait, got "
@@ -337,16 +343,18 @@ class CopyEngine:
         if n == 1 or not self.memop_batch:
             for sl, v, p in zip(slots, values, peers):
                 self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream,
-                          what=what.format(peer=p + self.rank_offset))
+                          what=what.format(peer=p + self.rank_offset), equal=equal)
             return
         for sl, p in zip(slots, peers):
             self.check_slot(sl)
             self.check_rank("peer", p)
         s = self.stream_int(stream)
-        self._memops(s, [(self._WAIT_OP, self.flag_addr(self.rank, sl), v, self.GEQ)
+        mode = self.EQ if equal else self.GEQ
+        self._memops(s, [(self._WAIT_OP, self.flag_addr(self.rank, sl), v, mode)
                          for sl, v in zip(slots, values)], "wait")
         for sl, v, p in zip(slots, values, peers):
             self._pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
+            (self._equal.add if equal else self._equal.discard)(sl)
 
     def _memops(self, s: int, ops: Sequence[tuple[Any, int, int, int]], kind: str) -> None:
         """Enqueue ``(op, address, value, flags)`` stream memory operations, <= 255 a call."""
@@ -441,7 +449,7 @@ class CopyEngine:
             if s is not None and sh != s:
                 continue
             cur = self.read_flag(slot)
-            if cur < value:
+            if cur < value or (slot in self._equal and cur != value):
                 raise PeerTimeoutError(
                     peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
                     f"last read {cur}", timeout_s)
