@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# GEMM interference (one GPU): a 1024x16896x8192 bf16 torch.mm, 100 back-to-back behind a stream
+# gate, alone and while W=2 local ranks loop the Llama-3.1-70B reduce-scatter (tide_triton at
+# each accumulation grid bound, and an SM reduction as FSDP2 does it); plus the SM time of one
+# tide_triton reduce-scatter (bench/interference.py).
+#   bash bench/gpu_interference.sh     (time limit 300 s);
+#   MAX_CTAS="0 264 132 66 33" picks the grid bounds (0: one CTA per tile), GEMM_ITERS=100.
+# Table: docs/benchmarks.md "GEMM interference".  Rows: $OUT/interference.jsonl.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+log_env
+run interference 300 python3 bench/interference.py --gemm-iters ${GEMM_ITERS:-100} \
+  --tide-max-ctas ${MAX_CTAS:-0 264 132 66 33} --json "$OUT/interference.jsonl"
+grep "SM time" "$OUT/interference.log"
