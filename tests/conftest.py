@@ -75,6 +75,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 
+
+def _numpy_version() -> tuple[int, int]:
+    import numpy
+
+    return tuple(int(x) for x in numpy.__version__.split(".")[:2])  # type: ignore[return-value]
+
+
+INTERPRETER_WORKS = _numpy_version() < (2, 4)
+"""Triton 3.6's interpreter converts 1-element arrays to ints, which numpy >= 2.4 refuses:
+the CPU tests' spawned ranks can run the kernels through it only with an older numpy (the
+CPU pins; a GPU machine's image may carry a newer one)."""
+_NUMPY_REASON = (f"spawns CPU ranks that run the kernels through Triton 3.6's interpreter, which needs "
+                 f"numpy < 2.4 (numpy {'.'.join(map(str, _numpy_version()))} here); the same test runs on "
+                 "the CPU pins")
+
 _NEEDS_INTERPRETER = "(or the CPU under TRITON_INTERPRET=1), got cpu"
 """The kernels' error for CPU tensors under compiled Triton (kernels/_segments.py)."""
 _INTERPRETER_REASON = ("launches Triton kernels on CPU tensors in this process: needs the interpreter "
@@ -107,6 +122,8 @@ def _children_interpret(request: pytest.FixtureRequest) -> Iterator[None]:
         from tests import _dist
     cpu_test = "gpu" not in request.node.keywords
     saved = dict(_dist.CHILD_ENV)
+    if cpu_test and "multiproc" in request.node.keywords and not interpreting() and not INTERPRETER_WORKS:
+        pytest.skip(_NUMPY_REASON)
     if cpu_test:
         _dist.CHILD_ENV["TRITON_INTERPRET"] = "1"
     try:

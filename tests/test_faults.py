@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
 
 pytestmark = pytest.mark.multiproc
 
-_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # gpu: skipped without CUDA
 
 
 def _dev(kind: str, rank: int) -> torch.device:
