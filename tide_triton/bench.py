@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[BenchRow] = []
     with Progress(total, "bench") as progress:
         ceiling_bytes = (2 << 30) if gpu else (16 << 20)
-        progress.step(f"device-copy ceiling ({ceiling_bytes >> 20} MiB)")
+        progress.step(f"device-copy ceiling (one {ceiling_bytes >> 20} MiB copy)")
         ceiling = copy_ceiling(device, ceiling_bytes)
         for model_name in args.models:
             model, shapes = shapes_of(model_name)

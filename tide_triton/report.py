@@ -313,26 +313,34 @@ def _provenance(rows: Sequence[dict]) -> str:
 _COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 
 
-def _finish(fig, axes_time, axes_bw, rows: Sequence[dict], path: str, title: str) -> None:
+def _finish(fig, axes_time, axes_bw, rows: Sequence[dict], path: str, title: str, models: Sequence[str],
+            styles: Sequence[tuple[str, str, str]]) -> None:
+    """Axes, one legend (colour = model, line style = implementation, dotted = ceiling),
+    the provenance of every source in small print, and the file."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     for ax in list(axes_time) + list(axes_bw):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlabel("world size W")
     for ax in axes_time:
         ax.set_yscale("log")
-    handles, labels = {}, []
-    for ax in list(axes_time) + list(axes_bw):
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in handles:
-                handles[lab] = h
-                labels.append(lab)
-    fig.suptitle(title, fontsize=11)
-    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=min(4, len(labels)),
-               fontsize=8, bbox_to_anchor=(0.5, 0.0))
-    fig.text(0.01, 0.995, _provenance(rows), fontsize=6, va="top", ha="left", color="0.35", family="monospace")
-    nprov = len(_provenance(rows).splitlines())
-    rows_legend = -(-len(labels) // 4)
-    fig.tight_layout(rect=(0, 0.035 * rows_legend + 0.02, 1, 0.93 - 0.018 * nprov))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    handles = [Line2D([], [], color=_COLORS[i % len(_COLORS)], lw=3, label=m) for i, m in enumerate(models)]
+    handles += [Line2D([], [], color="0.3", ls=ls, marker=mk, label=lab) for lab, ls, mk in styles]
+    if any(line.get_linestyle() == ":" for ax in axes_bw for line in ax.get_lines()):
+        handles.append(Line2D([], [], color="black", ls=":", lw=1, label="device-copy ceiling (measured in the run that recorded it)"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
+    prov = _provenance(rows)
+    nprov = len(prov.splitlines())
+    fig.suptitle(title, fontsize=11, y=0.985)
+    fig.text(0.5, 0.985 - 0.03, prov, fontsize=6.5, va="top", ha="center", color="0.35", family="monospace")
+    rows_legend = -(-len(handles) // 4)
+    fig.tight_layout(rect=(0, 0.03 * rows_legend + 0.01, 1, 0.96 - 0.014 * nprov))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=130)
 
@@ -371,12 +379,14 @@ def plot_kernel_rows(rows: Sequence[dict], path: str, *, title: str | None = Non
         at.set_ylabel("time per call (ms)")
         ab.set_ylabel("GB/s (bytes read + written / time)")
         for c in ceilings:
-            ab.axhline(c["gbps"], color="black", lw=1, ls=":", label=f"device-copy ceiling, same run "
-                       f"({c['gbps']:.0f} GB/s)")
-        ab.set_ylim(bottom=0)
+            ab.axhline(c["gbps"], color="black", lw=1, ls=":")
+            ab.annotate(f"copy ceiling {c['gbps']:.0f} GB/s", (0.02, c["gbps"]), xycoords=("axes fraction", "data"),
+                        va="bottom", fontsize=7)
+        ab.set_ylim(0, max([c["gbps"] for c in ceilings] + [ab.get_ylim()[1]]) * 1.08)
     gpu = data[0].get("gpu", "?")
     _finish(fig, axes[0], axes[1], ceilings + data, path,
-            title or f"Kernels: tide_triton vs FSDP2's own ({gpu})")
+            title or f"Kernels: tide_triton vs FSDP2's own, one layer per call ({gpu})", models,
+            [("tide_triton", "-", "o"), ("FSDP2 (torch)", "--", "s")])
     plt.close(fig)
     return path
 
@@ -436,14 +446,19 @@ def plot_collective_rows(rows: Sequence[dict], path: str, *, title: str | None =
                         color=_COLORS[mi % len(_COLORS)], label=lab)
         at.set_ylabel("time per collective (ms)")
         ab.set_ylabel("GB/s (bytes the collective must move / time)")
-        for c in sorted({round(r["ceiling_gbps"]) for r in rows if r.get("ceiling_gbps")}):
-            ab.axhline(c, color="black", lw=1, ls=":", label=f"device-copy ceiling, same run ({c} GB/s)")
-        ab.set_ylim(bottom=0)
+        ceils = sorted({round(r["ceiling_gbps"]) for r in rows if r.get("ceiling_gbps")})
+        for c in ceils:
+            ab.axhline(c, color="black", lw=1, ls=":")
+            ab.annotate(f"copy ceiling {c} GB/s", (0.02, c), xycoords=("axes fraction", "data"), va="bottom",
+                        fontsize=7)
+        ab.set_ylim(0, max(ceils + [ab.get_ylim()[1]]) * 1.08)
     gpu = next((r.get("gpu") for r in rows if r.get("gpu")), "?")
     # rows written before bench/collectives_gpu.py spread ranks over GPUs ran them all on one
     gpus = sorted({int(p[6].get("gpus_used", 1)) for p in points})
     where = "all ranks on one GPU" if gpus == [1] else f"ranks on {'/'.join(map(str, gpus))} GPUs"
     _finish(fig, axes[0], axes[1], [p[6] for p in points], path,
-            title or f"One layer's collectives against world size ({gpu}, {where})")
+            title or f"One layer's collectives against world size ({gpu}, {where})", models,
+            [(impl, "--" if impl.startswith("NCCL") else "-", "s" if impl.startswith("NCCL") else "o")
+             for impl in impls])
     plt.close(fig)
     return path
