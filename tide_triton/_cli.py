@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["Progress", "require_device"]
+__all__ = ["Progress", "rank_device", "require_device"]
 
 
 class Progress:
@@ -81,3 +81,21 @@ def require_device(parser, option: str, value: str | None):
     elif dev.type != "cpu":
         parser.error(f"{option}: expected cpu or cuda[:N], got {value!r}")
     return dev
+
+
+def rank_device(rank: int, *, share_gpu: bool = False):
+    """The torchrun convention: rank ``rank`` on ``cuda:LOCAL_RANK`` (``LOCAL_RANK`` from the
+    environment when set, else ``rank``), modulo the visible GPUs; ``share_gpu`` puts every
+    rank on ``cuda:0`` (several ranks time-slicing one GPU)."""
+    import os
+
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("no CUDA device is visible to torch; run on a machine with a GPU (or with --device cpu "
+                           "where the script has one)")
+    if share_gpu:
+        return torch.device("cuda", 0)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local % n)
