@@ -11,7 +11,8 @@ Triton kernels through Triton's interpreter (tide_triton sets ``TRITON_INTERPRET
 when torch has no CUDA; with a GPU present, ``--device cpu`` sets it here, before the import).
 With ``--device cuda`` under torchrun, rank r uses ``cuda:LOCAL_RANK`` (``--share-gpu``: every
 rank on cuda:0); run as threads, all ranks share cuda:0.  Each rank prints its shard shapes;
-rank 0 prints ``OK`` when every rank's results equal plain torch's.  Takes a few seconds on CPU.
+rank 0 prints ``OK`` when every rank's results equal plain torch's (the all-gather bit for
+bit, the average to the last bit of fp32).  Takes a few seconds on CPU.
 """
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def run_rank(group, rank: int, world: int, device: torch.device) -> list[str]:
     every = [gradients(r, device) for r in range(world)]  # plain torch: sum every rank's, slice ours
     for i, (c, shard) in enumerate(zip(layout.rows_per_rank, shards)):
         want = (sum(g[i].float() for g in every) / world)[rank * c: rank * c + shard.shape[0]]
-        if not torch.equal(shard, want):
+        # The fp32 sum of small integers is exact; "avg" then scales it by 1/W, which may
+        # round differently from torch's division by W in the last bit (W not a power of 2).
+        if not torch.allclose(shard, want, rtol=2**-22, atol=0):
             problems.append(f"rank {rank}: reduce_scatter of parameter {i} differs from torch")
 
     # all_gather: bf16 shards in, full bf16 parameters out on every rank.

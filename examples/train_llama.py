@@ -6,10 +6,11 @@
     torchrun --nproc-per-node 2 examples/train_llama.py --no-tide          # stock FSDP2, for comparison
     torchrun --nproc-per-node 2 examples/train_llama.py --dim 64 --layers 2 --steps 10   # larger
 
-Time: the defaults (dim 32, 1 layer, 8 steps) took 19.7 s (1.5-2.7 s a step) under torchrun --nproc-per-node 2 on 2 shared CPU cores
-(torch 2.13 CPU, Triton interpreter), start-up included; on the CPU every Triton kernel runs
-in Triton's Python interpreter, so a step costs seconds where ``--no-tide`` costs milliseconds.
-``--dim 64 --layers 2`` costs about 3x more per step.
+Time: the defaults (dim 32, 1 layer, 2 x 16 tokens per rank, 8 steps) took 19.7 s, start-up
+included (1.5-2.7 s a step), under ``torchrun --nproc-per-node 2`` on 2 shared CPU cores
+(torch 2.13 CPU, Triton 3.6).  On the CPU every Triton kernel runs in Triton's Python
+interpreter, so a step costs seconds where ``--no-tide`` costs milliseconds; larger sizes
+cost more in proportion to the number of parameters.
 
 The process group is gloo in every case: tide_triton only needs it for its bootstrap -- the
 data moves through its own transport (CPU shared memory, or VMM heaps + copy engines on the
