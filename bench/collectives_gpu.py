@@ -1,7 +1,16 @@
-"""Collective timings on one GPU, single-process multi-rank mode (one thread per rank, each
-with its own heap and copy stream, so ranks' work overlaps as on a node).
+"""Collective timings, single-process multi-rank mode (one thread per rank, each with its
+own heap and copy stream, so ranks' work overlaps as on a node).  Rank r runs on
+``cuda:r % torch.cuda.device_count()`` (the torchrun convention); ``--share-gpu`` puts every
+rank on cuda:0 (how the recorded one-GPU runs were made).
 
     python bench/collectives_gpu.py [--world-sizes 2 4] [--models llama-3.1-70b qwen3-30b-a3b]
+    python bench/collectives_gpu.py --json rows.jsonl --plot collectives.png
+    python bench/collectives_gpu.py --plot collectives.png --from rows.jsonl [nccl_rows.jsonl]
+
+``--plot`` draws time and bandwidth against world size for tide_triton and, where the rows
+have them (``bench/nccl_baseline.py --json`` rows passed to ``--from``), for NCCL on FSDP2's
+path, with the device-copy ceiling measured in the same run as a line (needs matplotlib:
+``pip install 'tide_triton[bench]'``).
 
 reduce_scatter: bf16 full gradients -> fp32 shards (avg); all_gather: bf16 shards -> bf16
 parameters.  Time per collective is the wall time of ``iters`` back-to-back collectives on
@@ -22,19 +31,27 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 import torch  # noqa: E402
 
 import tide_triton as tt
-from tide_triton.bench import copy_ceiling, env_info
+from tide_triton.measure import copy_ceiling, env_info
+from tide_triton.report import collective_bytes
 from tide_triton.workloads import layer_shapes
 
 
-def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None) -> dict:
-    dev = torch.device("cuda")
+def rank_devices(W: int, share_gpu: bool) -> list[torch.device]:
+    """Rank r on cuda:r % n (every rank on cuda:0 with ``share_gpu``)."""
+    n = torch.cuda.device_count()
+    return [torch.device("cuda", 0 if share_gpu else r % n) for r in range(W)]
+
+
+def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None,
+        share_gpu: bool = False) -> dict:
+    devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes)
-    grads = [[torch.randn(s, device=dev).to(torch.bfloat16) for s in shapes] for _ in range(W)]
-    shards = [[torch.empty(s, device=dev) for s in layout.shard_shapes(r)] for r in range(W)]
+    grads = [[torch.randn(s, device=devs[r]).to(torch.bfloat16) for s in shapes] for r in range(W)]
+    shards = [[torch.empty(s, device=devs[r]) for s in layout.shard_shapes(r)] for r in range(W)]
     bshards = [[x.to(torch.bfloat16) for x in shards[r]] for r in range(W)]
-    params = [[torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes] for _ in range(W)]
+    params = [[torch.empty(s, dtype=torch.bfloat16, device=devs[r]) for s in shapes] for r in range(W)]
     barrier = threading.Barrier(W)
     prof_ctx: list = [None]
     times: dict = {}
@@ -42,7 +59,8 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
 
     def rank_main(r: int) -> None:
         try:
-            with torch.cuda.stream(torch.cuda.Stream(dev)):  # every rank its own compute stream
+            torch.cuda.set_device(devs[r])
+            with torch.cuda.stream(torch.cuda.Stream(devs[r])):  # every rank its own compute stream
                 rank_body(r)
         except BaseException as e:  # noqa: BLE001
             errors.append((r, repr(e)))
@@ -86,18 +104,15 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     if errors:
         raise RuntimeError(errors)
     numel = sum(layout.numels)
-    # Bytes every rank moves (read + written), all ranks together since they share the GPU:
-    # RS: copies of the (W-1)/W of the bf16 grads that go to peers, then the reduction reads
-    # W bf16 contributions of the shard and writes it in fp32; AG (bf16): the own shard into
-    # the heap block, then every rank's rows into every parameter.
-    rs_bytes = W * (2 * (W - 1) * 2 * numel // W + 2 * numel + 4 * numel // W)
-    ag_bytes = W * (2 * 2 * numel // W + 2 * 2 * numel)
+    moved = collective_bytes(numel, W)  # read + written, all ranks together (see its docstring)
+    rs_bytes, ag_bytes = moved["rs"], moved["ag"]
     if prof_ctx[0] is not None:
         _profile_summary(prof_ctx[0], profile, f"{model} W={W} ring={ring_bytes >> 20} MiB")
     return dict(model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
                 rs_host_ms=times["reduce_scatter_host"], ag_host_ms=times["all_gather_host"],
                 staging_bytes=ring_bytes, fsdp_rs_input_bytes=4 * sum(layout.padded_numels),
-                layer_numel=numel, rs_bytes=rs_bytes, ag_bytes=ag_bytes)
+                layer_numel=numel, rs_bytes=rs_bytes, ag_bytes=ag_bytes,
+                gpus_used=len({d.index for d in devs}), share_gpu=share_gpu)
 
 
 def _profile_summary(prof, path: str, title: str) -> None:
@@ -125,47 +140,86 @@ def _profile_summary(prof, path: str, title: str) -> None:
         print(f"  {kind}: {count[kind]} x, {us / 1e3:.3f} ms busy")
 
 
+def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
+    from tide_triton.report import plot_collective_rows
+
+    try:
+        plot_collective_rows(rows, path)
+    except (RuntimeError, ValueError) as e:
+        ap.exit(2, f"{ap.prog}: error: --plot {path}: {e}\n")
+    print(f"plot written to {path}")
+
+
 def main() -> None:
     import faulthandler
     import sys
 
-    faulthandler.dump_traceback_later(float(__import__("os").environ.get("TIDE_HANG_DUMP_S", "1e9")), exit=True,
+    from tide_triton._cli import Progress
+
+    faulthandler.dump_traceback_later(float(os.environ.get("TIDE_HANG_DUMP_S", "1e9")), exit=True,
                                       file=sys.stderr)
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python bench/collectives_gpu.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ring-bytes", type=int, nargs="+", default=[256 << 20])
     ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every rank on cuda:0 (default: rank r on cuda:r %% number of GPUs)")
+    ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
+    ap.add_argument("--plot", default=None, metavar="FILE", help="draw time and bandwidth against W into FILE")
+    ap.add_argument("--from", dest="from_rows", nargs="+", default=None, metavar="ROWS.jsonl",
+                    help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    if args.from_rows:
+        if not args.plot:
+            ap.error("--from needs --plot FILE (it plots recorded rows without running anything)")
+        from tide_triton.report import load_rows
+
+        try:
+            rows = load_rows(args.from_rows)
+        except (OSError, ValueError) as e:
+            ap.error(f"--from: {e}")
+        _plot(ap, args.plot, rows)
+        return
+    if not torch.cuda.is_available():
+        ap.error("no CUDA device is visible to torch: this benchmark needs a GPU (plot recorded rows with "
+                 "--plot FILE --from ROWS.jsonl)")
+    dev = torch.device("cuda", 0)
     info = env_info(dev)
     ceiling = copy_ceiling(dev, 4 << 30).gbps()  # device copy, read + write, this run
     torch.cuda.empty_cache()
-    print(f"{info['gpu']} | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
-          f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, this run)")
+    n_gpu = 1 if args.share_gpu else min(torch.cuda.device_count(), max(args.world_sizes))
+    print(f"{info['gpu']} x {n_gpu} used | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
+          f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, cuda:0, this run)")
     print("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue (ms) | "
           "all_gather bf16 (ms) | of ceiling | host enqueue (ms) | FSDP2 fp32 RS input / rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     first = True
-    for model, W, ring in itertools.product(args.models, args.world_sizes, args.ring_bytes):
-        try:
-            row = run(model, W, args.iters, ring, args.profile if first else None)
-        except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
-            print(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
-            continue
-        first = False
-        row["ceiling_gbps"] = ceiling
-        rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
-        ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
-        print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | {row['rs_host_ms']:.2f} | "
-              f"{row['ag_ms']:.2f} | {ag_frac:.1%} | {row['ag_host_ms']:.2f} | "
-              f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps({**row, **info}) + "\n")
-        torch.cuda.empty_cache()
+    rows: list[dict] = []
+    cases = list(itertools.product(args.models, args.world_sizes, args.ring_bytes))
+    with Progress(len(cases), "collectives") as progress:
+        for model, W, ring in cases:
+            progress.step(f"{model} W={W} ring {ring >> 20} MiB")
+            try:
+                row = run(model, W, args.iters, ring, args.profile if first else None, args.share_gpu)
+            except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
+                print(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
+                continue
+            first = False
+            row["ceiling_gbps"] = ceiling
+            rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
+            ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
+            print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | "
+                  f"{row['rs_host_ms']:.2f} | {row['ag_ms']:.2f} | {ag_frac:.1%} | {row['ag_host_ms']:.2f} | "
+                  f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
+            rows.append({**row, **info})
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+            torch.cuda.empty_cache()
+    if args.plot and rows:
+        _plot(ap, args.plot, rows)
 
 
 if __name__ == "__main__":

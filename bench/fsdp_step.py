@@ -5,9 +5,11 @@
     torchrun --standalone --nproc-per-node 2 bench/fsdp_step.py --mode slot
     torchrun --standalone --nproc-per-node 2 bench/fsdp_step.py --dry-run --mode tide   # CPU, tiny
 
-One process per rank, all on GPU 0 (several ranks per GPU: NCCL needs >= 2.30 and
-``NCCL_MULTI_RANK_GPU_ENABLE=1`` for ``--backend nccl``; gloo works anywhere but moves CUDA
-tensors through the host).  The model is ``examples/train_llama.py``'s Llama with Llama-3.1-70B
+One process per rank, rank r on ``cuda:LOCAL_RANK % number of GPUs`` (the torchrun convention);
+``--share-gpu`` puts every rank on cuda:0, as the recorded one-GPU runs did (several ranks per
+GPU: NCCL needs >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` for ``--backend nccl``, a newer
+NCCL given through ``LD_PRELOAD`` in the environment, never by replacing torch's files; gloo
+works anywhere but moves CUDA tensors through the host).  The model is ``examples/train_llama.py``'s Llama with Llama-3.1-70B
 decoder layers (dim 8192, 64 query / 8 key-value heads, SwiGLU 28672: 855,654,400 parameters a
 layer, the shapes of ``shared/workloads/models.json``) stacked ``--layers`` deep, with a small
 vocabulary so that the decoder layers dominate.  FSDP2 as torchtitan wraps it (every block, then
@@ -100,8 +102,12 @@ def main(argv=None) -> int:
                          "before enable(); stock FSDP2 is unaffected)")
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="one tide_triton group for every module, with this inter-node chunk (MiB)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every rank on cuda:0 (default: rank on cuda:LOCAL_RANK %% number of GPUs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device is visible to torch: use --dry-run for the CPU check")
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -113,9 +119,11 @@ def main(argv=None) -> int:
     from tide_triton.bench import env_info
     from train_llama import Llama, LlamaConfig, batch, loss_fn, shard
 
-    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if args.dry_run else torch.device(
+        "cuda", 0 if args.share_gpu else local % torch.cuda.device_count())
     if device.type == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(device)
         dist.init_process_group("cuda:nccl,cpu:gloo" if args.backend == "nccl" else "gloo")
     else:
         dist.init_process_group("gloo")

@@ -1,12 +1,13 @@
-"""What a user runs today: FSDP2's collective path on torch.distributed (NCCL), several
-processes sharing ONE GPU -- the baseline tide_triton's collectives are compared with.
+"""What a user runs today: FSDP2's collective path on torch.distributed (NCCL) -- the baseline
+tide_triton's collectives are compared with.
 
     python bench/nccl_baseline.py --world-sizes 2 4 8 --models llama-3.1-70b qwen3-30b-a3b --json out.jsonl
     # CPU smoke run (logic only, times mean nothing):
     python bench/nccl_baseline.py --backend gloo --device cpu --world-sizes 2 --models tiny
 
 The script spawns W processes itself for every W (multiprocessing 'spawn', MASTER_ADDR /
-MASTER_PORT on a free local port), every rank on cuda:0.  Children get
+MASTER_PORT on a free local port), rank r on ``cuda:r % number of GPUs`` (the torchrun
+convention); ``--share-gpu`` puts every rank on cuda:0, as the recorded one-GPU runs did.  Children get
 ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (several ranks per GPU needs NCCL >= 2.30; older NCCL fails
 with "Duplicate GPU detected") and keep ``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NVSHMEM_DISABLE_NVLS=1`` (forced to those values, never unset: no multicast objects).
@@ -51,9 +52,10 @@ d. SM time of one call of each path, on rank 0 (all ranks run the call, rank 0 a
 
 NCCL version: the parent prints ``torch.cuda.nccl.version()`` and the runtime version of the
 loaded libnccl (``ncclGetVersion`` via ctypes on the path found in /proc/self/maps); every row
-carries both.  If the runtime NCCL is older than 2.30, or a rank fails with "Duplicate GPU
-detected", the W is reported as failed with a message saying the NCCL 2.32 library was not
-swapped in.
+carries both.  Several ranks on one GPU need NCCL >= 2.30: if the runtime NCCL is older and
+ranks would share a GPU, or a rank fails with "Duplicate GPU detected", the W is reported as
+failed with a message saying how to load a newer NCCL: ``LD_PRELOAD=/path/to/libnccl.so.2`` in
+the environment of this script (never by replacing the files of torch's installed package).
 """
 from __future__ import annotations
 
@@ -89,8 +91,9 @@ FORCED_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
-NOT_SWAPPED = ("NCCL refused several ranks on one GPU: the NCCL >= 2.30 library (2.32.3 expected) "
-               "was not swapped in, or NCCL_MULTI_RANK_GPU_ENABLE=1 did not reach the ranks")
+NOT_SWAPPED = ("NCCL refused several ranks on one GPU: load NCCL >= 2.30 for this script with "
+               "LD_PRELOAD=/path/to/libnccl.so.2 in its environment (never by replacing torch's own files), "
+               "and check that NCCL_MULTI_RANK_GPU_ENABLE=1 reaches the ranks; or run at most one rank per GPU")
 
 
 # --------------------------------------------------------------------------- helpers (importable)
@@ -480,7 +483,8 @@ def _worker(rank: int, W: int, a: dict, port: int, q: Any) -> None:
     try:
         import torch.distributed as dist
 
-        dev = torch.device("cuda", 0) if a["device"] == "cuda" else torch.device("cpu")
+        dev = (torch.device("cuda", 0 if a["share_gpu"] else rank % torch.cuda.device_count())
+               if a["device"] == "cuda" else torch.device("cpu"))
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         kw: dict = dict(backend=a["backend"], rank=rank, world_size=W,
@@ -596,18 +600,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the SM-time rows (d)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="per world size: collective timeout and hang guard of every rank (s)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every rank on cuda:0 (needs NCCL >= 2.30; default: rank r on cuda:r %% number of GPUs)")
     ap.add_argument("--json", default=None, help="append result rows (with env info) to this JSON-lines file")
     args = ap.parse_args(argv)
     faulthandler.dump_traceback_later(len(args.world_sizes) * (args.timeout + 120) + 60, exit=True)
 
     for k, v in FORCED_ENV.items():
         os.environ[k] = v
-    from tide_triton.bench import env_info
+    from tide_triton.measure import env_info
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --backend gloo --device cpu for the CPU smoke run", file=sys.stderr)
-        return 2
+        ap.error("--device cuda: no CUDA device is visible to torch; use --backend gloo --device cpu for the "
+                 "CPU smoke run")
     info = env_info(dev)
     vers = nccl_versions()
     print(f"{info['gpu']} | torch {info['torch']} | triton {info['triton']} | CUDA {info['cuda']} | "
@@ -616,11 +622,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{vers['nccl_runtime']} | library {vers['libnccl_path']}")
     print("env for the ranks: " + " ".join(f"{k}={v}" for k, v in FORCED_ENV.items()))
     rt = _version_tuple(vers["nccl_runtime"]) or _version_tuple(vers["nccl_torch"])
-    too_old = args.backend == "nccl" and rt is not None and rt < (2, 30)
+    n_gpu = torch.cuda.device_count() if dev.type == "cuda" else 0
+    shares = args.share_gpu or any(W > n_gpu for W in args.world_sizes)  # several ranks on one GPU
+    too_old = args.backend == "nccl" and shares and rt is not None and rt < (2, 30)
     if too_old:
         print(f"ERROR: NCCL {'.'.join(map(str, rt))} is loaded; several ranks on one GPU need NCCL >= 2.30 "
               f"with NCCL_MULTI_RANK_GPU_ENABLE=1. {NOT_SWAPPED}.", file=sys.stderr)
-    a = dict(models=args.models, backend=args.backend, device=args.device, iters=args.iters,
+    a = dict(models=args.models, backend=args.backend, device=args.device, share_gpu=args.share_gpu, iters=args.iters,
              warmup=args.warmup, profile=not args.no_profile, timeout=args.timeout)
 
     ops = ["rs32.chunk_cat", "rs32.reduce_scatter", "rs32.total", "rs16.chunk_cat", "rs16.reduce_scatter",
@@ -632,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_errors: list[str] = []
     rc = 0
     for W in args.world_sizes:
-        if too_old and W > 1:
+        if too_old and W > 1 and (args.share_gpu or W > n_gpu):
             all_errors.append(f"W={W}: skipped, {NOT_SWAPPED}")
             rc = 1
             continue
@@ -656,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not per:
                     continue
                 row = dict(script="nccl_baseline", model=model, world_size=W, op=op, backend=args.backend,
+                           share_gpu=args.share_gpu, gpus_used=1 if args.share_gpu else min(W, max(n_gpu, 1)),
                            device=args.device, iters=args.iters, warmup=args.warmup, **vers, **info)
                 if op.endswith(".sm"):
                     res = per.get(0, {}).get("sm")

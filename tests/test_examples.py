@@ -1,0 +1,81 @@
+"""The examples run as a user runs them (a subprocess, torchrun where they need it), at small
+sizes, so that they cannot rot.  CPU by default; each takes a few seconds on 2 cores."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _run(args: list[str], *, torchrun: int | None = None, timeout: float = 180) -> str:
+    """Run an example; return its stdout + stderr, failing the test (with the output) on a
+    non-zero exit.  ``torchrun``: that many processes through ``python -m torch.distributed.run``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's tide_triton
+    env.setdefault("TRITON_INTERPRET", "1")
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+    try:
+        out = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s:\n{e.stdout}\n{e.stderr}")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}:\n{text[-4000:]}"
+    return text
+
+
+def _device_args() -> list[str]:
+    return ["--device", "cpu"] if not torch.cuda.is_available() else []
+
+
+def test_collectives_example_threads() -> None:
+    # W = 3: the 7-row bias pads, the (2, 3, 4) parameter leaves the last rank without rows.
+    out = _run([str(EXAMPLES / "collectives.py"), "--world-size", "3"] + _device_args())
+    assert "rank 2: shard shapes ((2, 6), (1,), (0, 3, 4))" in out
+    assert "OK: reduce_scatter and all_gather equal plain torch on every rank" in out
+
+
+def test_collectives_example_torchrun() -> None:
+    out = _run([str(EXAMPLES / "collectives.py")] + _device_args(), torchrun=2)
+    assert "rank 1: shard shapes ((5, 6), (3,), (1, 3, 4))" in out
+    assert "OK: reduce_scatter and all_gather equal plain torch on every rank" in out
+
+
+def _losses(out: str, steps: int) -> list[float]:
+    found = re.findall(r"step (\d+)/(\d+)\s+loss (\S+)", out)
+    assert [(int(a), int(b)) for a, b, _ in found] == [(i + 1, steps) for i in range(steps)], out[-3000:]
+    losses = [float(x) for _, _, x in found]
+    assert all(x == x and 0 < x < 100 for x in losses), losses  # finite, a cross-entropy
+    return losses
+
+
+def test_train_llama_example() -> None:
+    out = _run([str(EXAMPLES / "train_llama.py"), "--steps", "2", "--dim", "16"], torchrun=2)
+    assert "tide_triton on 2/2 FSDP modules" in out
+    _losses(out, 2)
+
+
+def test_train_moe_example() -> None:
+    out = _run([str(EXAMPLES / "train_moe.py"), "--steps", "2", "--experts", "4", "--dim", "16",
+                "--expert-hidden", "8"], torchrun=2)
+    assert "tide_triton on 2/2 FSDP modules" in out and "of 4 experts" in out
+    _losses(out, 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_examples_refuse_cuda_without_gpu() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(EXAMPLES / "collectives.py"), "--device", "cuda"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--device cuda: no CUDA device is visible" in out.stderr
+    assert "Traceback" not in out.stderr
