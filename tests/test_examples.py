@@ -20,7 +20,8 @@ def _run(args: list[str], *, torchrun: int | None = None, timeout: float = 180) 
     non-zero exit.  ``torchrun``: that many processes through ``python -m torch.distributed.run``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's tide_triton
-    env.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():  # on a GPU the examples run compiled kernels on CUDA
+        env.setdefault("TRITON_INTERPRET", "1")
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable]
     if torchrun:

@@ -36,6 +36,14 @@ except ImportError:  # pragma: no cover
 pytestmark = pytest.mark.multiproc
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # gpu: skipped without CUDA
+_ERRORS = ("broken:", "aborted by", "peer argument", "mismatch:", "timeout", "own error", "error:")
+"""What an outcome that is not a result starts with.  On CUDA a peer's abort cannot release
+a stream already waiting for it: the waiting rank's group breaks (named at the timeout by
+synchronize), so later calls raise instead of recovering -- still never a wrong value."""
+
+
+def _exact_or_error(outcome: str, want: str) -> bool:
+    return outcome == want or outcome.startswith(_ERRORS)
 
 
 def _dev(kind: str, rank: int) -> torch.device:
@@ -138,9 +146,12 @@ def test_agree_first_failed_call_never_pairs_with_the_next(kind: str, other_layo
     assert r1["pending"].startswith("own error: grads must hold at least one tensor"), r1
     # never 103 (3 + the next call's 100): the peer's abort is named
     assert r0["pending"].startswith("peer argument 1: rank 1 rejected its arguments"), r0
-    # the failure moved no data: both next calls pair with each other and are exact
-    assert r0["next"] == r1["next"] == "ok [200.0]", out
-    assert r0["after"] == r1["after"] == "ok [14.0]", out
+    if kind == "cpu":  # the failure moved no data: both next calls pair and are exact
+        assert r0["next"] == r1["next"] == "ok [200.0]", out
+        assert r0["after"] == r1["after"] == "ok [14.0]", out
+    else:  # never 103 or any other wrong value: exact, or an error
+        for o in out:
+            assert _exact_or_error(o["next"], "ok [200.0]") and _exact_or_error(o["after"], "ok [14.0]"), o
 
 
 # ---- 3. agree="first": different collectives, or other layouts, at the same call -------
@@ -185,12 +196,16 @@ def test_agree_first_different_calls_raise_on_every_rank(kind: str, how: str) ->
     for r, o in enumerate(out):
         assert o["agree"] == ["ok [2.0]", "ok [2.0]", "ok [1.0]"], (r, o)
         d = o["diverge"]
-        assert d.startswith(("mismatch: ranks 0 and 1 made different collectives as call #",
-                             "mismatch: ranks 1 and 0 made different collectives as call #",
-                             "peer argument")), (r, d)
-        # never a wrong result, and the group is still consistent afterwards
-        assert o["after"] in ("ok [3.0]",) or o["after"].startswith(("broken", "aborted")), (r, o)
+        if kind == "cpu":
+            assert d.startswith(("mismatch: ranks 0 and 1 made different collectives as call #",
+                                 "mismatch: ranks 1 and 0 made different collectives as call #",
+                                 "peer argument")), (r, d)
+        else:
+            assert d.startswith(_ERRORS), (r, d)
+        # never a wrong result afterwards
+        assert _exact_or_error(o["after"], "ok [3.0]"), (r, o)
     names = " ".join(o["diverge"] for o in out)
+    assert "mismatch" in names, out  # at least one rank names both calls
     if how == "ag-vs-rs":
         assert "all_gather(" in names and "reduce_scatter(" in names, out
     else:
@@ -232,7 +247,7 @@ def _interrupted(rank: int, W: int, kind: str, agree: str) -> dict:
         del t.copy_prepared
     out["next"] = _outcome(lambda: rs(15), kind)  # 30 on every element, or an error
     g.close()
-    g2 = tt.init(timeout_s=20, agree=agree, ring_bytes=256)
+    g2 = tt.init(timeout_s=90, agree=agree, ring_bytes=256)  # a peer's close may drain stuck GPU work
     out["new group"] = _outcome(lambda: (lambda v: v)(_rs_on(g2, layout, shapes, rank, dev, kind)), kind)
     g2.close()
     return out

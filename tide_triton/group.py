@@ -130,6 +130,7 @@ class Group:
         self._seq = 0
         """Collective calls started on this group (every rank counts the same calls)."""
         self._synced = 0  # calls whose GPU work synchronize() has seen finish
+        self._keys: dict[int, tuple[int, str]] = {}  # recent calls: identity word, description
         self._call: _Call | None = None
         self._broken: str | None = None
         self._call_lock = threading.Lock()
@@ -302,7 +303,32 @@ class Group:
 
     def explain_timeout(self, e: BaseException, since: int) -> Exception | None:
         """For a timeout on a GPU wait: the error of a peer that published an abort of call
-        ``since`` or later (its reason, instead of "timed out"), or None."""
+        ``since`` or later (its reason, instead of "timed out"), or a peer whose call
+        identity differs from this rank's (``ArgumentMismatchError`` naming both calls), or
+        None."""
+        for seq in range(max(since, 1), self._seq + 1):
+            mine = self._keys.get(seq)
+            if mine is None:
+                continue
+            for t in list(self._transports.values()):
+                if not hasattr(t, "wait_all_equal"):
+                    continue
+                first = getattr(t, "first", 0)
+                for i in range(t.local_size):
+                    r = first + i
+                    if r == self.rank:
+                        continue
+                    try:
+                        got = t.read_flag(self.flags.call(seq % 2, r))
+                    except Exception:  # noqa: BLE001 -- diagnosis only
+                        continue
+                    if got >> 32 == seq and got != mine[0]:
+                        self._break(f"ranks {self.rank} and {r} made different collectives as call #{seq}")
+                        sig = got & 0xFFFFFFFF
+                        theirs = self._sig_names.get(sig, f"a signature this rank has not seen (hash {sig:#010x})")
+                        return ArgumentMismatchError(
+                            f"ranks {self.rank} and {r} made different collectives as call #{seq} of this group: "
+                            f"rank {self.rank}: {mine[1]}; rank {r}: {theirs}")
         for r in range(self.world_size):
             if r == self.rank:
                 continue
@@ -562,6 +588,9 @@ class _Call:
     def set_signature(self, signature: object) -> None:
         self.signature = signature
         self.key = (self.seq << 32) | _sig32(signature)
+        keys = self.g._keys
+        keys[self.seq] = (self.key, _describe(signature))
+        keys.pop(self.seq - 64, None)
 
     def watch(self, t: Any) -> None:
         """Let ``t``'s host-side waits see the peers' aborts of this call."""

@@ -328,7 +328,7 @@ class CopyEngine:
                                                self.EQ if equal else self.GEQ),
                   f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
         self._pending[slot] = (value, peer + self.rank_offset, s, what)
-        (self._equal.add if equal else self._equal.discard)(slot)
+        (self._eq_slots().add if equal else self._eq_slots().discard)(slot)
 
     def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
                  timeout_s: float, stream: Any = None, what: str = "", equal: bool = False) -> None:
@@ -354,7 +354,10 @@ class CopyEngine:
                          for sl, v in zip(slots, values)], "wait")
         for sl, v, p in zip(slots, values, peers):
             self._pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
-            (self._equal.add if equal else self._equal.discard)(sl)
+            (self._eq_slots().add if equal else self._eq_slots().discard)(sl)
+
+    def _eq_slots(self) -> set[int]:
+        return self.__dict__.setdefault("_equal", set())
 
     def _memops(self, s: int, ops: Sequence[tuple[Any, int, int, int]], kind: str) -> None:
         """Enqueue ``(op, address, value, flags)`` stream memory operations, <= 255 a call."""
@@ -449,7 +452,7 @@ class CopyEngine:
             if s is not None and sh != s:
                 continue
             cur = self.read_flag(slot)
-            if cur < value or (slot in self._equal and cur != value):
+            if cur < value or (slot in self._eq_slots() and cur != value):
                 raise PeerTimeoutError(
                     peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
                     f"last read {cur}", timeout_s)
