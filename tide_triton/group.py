@@ -26,6 +26,8 @@ import torch.distributed as dist
 from .bootstrap import Abort, Exchange, LocalKeyValue, StoreKeyValue
 from .errors import (ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError,
                      PeerTimeoutError)
+from . import heap
+from .regions import heap_region
 from .schedule import FlagMap
 from .topology import Topology
 
@@ -157,9 +159,7 @@ class Group:
         self.flags = FlagMap(self.world_size, self.options.stages)
         self.n_flags = self.flags.n_flags
         if self.nodes > 1:
-            from .hier_collectives import extra_flags
-
-            self.n_flags += extra_flags(self)
+            self.n_flags += heap.extra_flags(self.world_size, self.options.inflight_chunks)
         self._transports: dict[str, Any] = {}
         self._extras: dict[tuple, Any] = {}
         self._prepared: OrderedDict[tuple, Any] = OrderedDict()
@@ -447,10 +447,37 @@ class Group:
         offset of every rank's heap on ``device`` -- memory peers can write into, e.g. the
         staging of ``reduce_scatter(..., staging=region)`` (Slot-Reuse).  Calling it again
         with the same key returns the same region.  See :mod:`tide_triton.regions`."""
-        from .regions import heap_region
 
         self._check_open()
         return heap_region(self, key, nbytes, device)
+
+    def ring_layout(self) -> heap.Ring:
+        """The node-local heap layout now: ring after the flags, all-gather block past the
+        named regions (:func:`tide_triton.heap.ring`)."""
+        o = self.options
+        return heap.ring(self.flags.n_flags, self.world_size, o.ring_bytes, o.stages, self.heap_regions_end)
+
+    def cross_node_layout(self) -> heap.CrossNode:
+        """The cross-node heap layout now (:func:`tide_triton.heap.cross_node`)."""
+        o = self.options
+        return heap.cross_node(self.n_flags, o.ring_bytes, o.chunk_bytes, o.inflight_chunks, self.heap_regions_end)
+
+    def existing_transport(self, device_type: str) -> Any:
+        """The transport of ``device_type`` (``"cpu"`` / ``"cuda"``) if a collective made it, else None."""
+        with self._lock:
+            return self._transports.get(device_type)
+
+    def state(self, key: tuple, make: Any = None) -> Any:
+        """Per-group state an executor keeps under ``key`` (made by ``make()`` if missing and
+        ``make`` is given; else None).  A value with a ``close_extra()`` method is closed by
+        :meth:`close`."""
+        with self._lock:
+            v = self._extras.get(key)
+        if v is None and make is not None:
+            v = make()
+            with self._lock:
+                v = self._extras.setdefault(key, v)
+        return v
 
     def heap_barrier(self) -> None:
         """After ``ensure_heap``: in the single-process mode each rank grows its own heap,
