@@ -197,7 +197,8 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
 
     def group(t, stuck):
         net = SimpleNamespace(stuck=lambda: stuck)
-        return SimpleNamespace(_transports={"cuda": t}, _extras={("hier", id(t)): _State(net)},
+        state = {("hier", id(t)): _State(net)}
+        return SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
                                side_stream=lambda device: "SIDE")
 
     dev = torch.device("cuda", 0)
