@@ -76,7 +76,7 @@ def pytest_configure(config: pytest.Config) -> None:
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 
 _NEEDS_INTERPRETER = "(or the CPU under TRITON_INTERPRET=1), got cpu"
-"""The kernels' error for CPU tensors under compiled Triton (kernels/_segments.py)."""
+"""The kernels' error for CPU tensors under compiled Triton (kernels/segments.py)."""
 _INTERPRETER_REASON = ("launches Triton kernels on CPU tensors in this process: needs the interpreter "
                        "(TRITON_INTERPRET=1); compiled Triton runs here because a GPU is present")
 

@@ -24,7 +24,7 @@ from .executor import Streams, Work, wait_vacated, zero_padding
 from .group import Group, resolve
 from .heap import Ring, ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
-from .kernels._segments import Binding, Run, SegmentProgram
+from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
@@ -70,7 +70,7 @@ def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages
     address for ``dest`` itself -- so the pointer tables carry the offsets."""
     plan = ring_plan(layout, ring_bytes, elem_bytes, stages)
     pieces = plan.chunks[dest][j]
-    runs = tuple(Run(pc.param, pc.start, i, 0, pc.numel) for i, pc in enumerate(pieces))
+    runs = tuple(Span(pc.param, pc.start, i, 0, pc.numel) for i, pc in enumerate(pieces))
     return SegmentProgram(runs, n_dst=len(layout), n_src=len(pieces))
 
 
@@ -307,7 +307,7 @@ def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[tor
     numels = [x.numel() for x in shards]
     caster = copies = None
     if pdt != sdt:
-        runs = tuple(Run(0, offs[p], p, 0, n) for p, n in enumerate(numels))
+        runs = tuple(Span(0, offs[p], p, 0, n) for p, n in enumerate(numels))
         caster = Binding(_cast_program(runs, len(layout)), (torch.empty(0, dtype=pdt, device=device),),
                          (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
                          known_ptrs=((block,), sptrs))
@@ -323,7 +323,7 @@ def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[tor
 
 
 @lru_cache(maxsize=64)
-def _cast_program(runs: tuple[Run, ...], n_src: int) -> SegmentProgram:
+def _cast_program(runs: tuple[Span, ...], n_src: int) -> SegmentProgram:
     return SegmentProgram(runs, n_dst=1, n_src=n_src)
 
 

@@ -53,7 +53,7 @@ from .executor import Streams, Work, wait_vacated, zero_padding
 from .group import Group
 from .heap import CrossNode, ag_block_end
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan, _RailRuns
-from .kernels._segments import Binding, Run, SegmentProgram
+from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
 from .schedule import peer_slot
 from .transport.base import PeerTimeoutError
@@ -162,7 +162,7 @@ def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int
                 continue
         merged.append((d, off, srcs, n))
     pieces = merged
-    runs = tuple(Run(d, off, i, 0, n) for i, (d, off, _, n) in enumerate(pieces))
+    runs = tuple(Span(d, off, i, 0, n) for i, (d, off, _, n) in enumerate(pieces))
     prog = SegmentProgram(runs, n_dst=len(dst_ptrs), n_src=len(pieces))
     src_ptrs = tuple(pc[2][c] for c in range(k) for pc in pieces)
     dst_stub = (torch.empty(0, dtype=dst_dtype, device=device),) * len(dst_ptrs)
