@@ -16,7 +16,6 @@ one bf16 ulp of the next forward -- hence ``_close``'s small tolerances.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -99,8 +98,8 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 def _full_cpu(t) -> torch.Tensor:
     """The full fp32 tensor of a sharded DTensor, gathered on the CPU: the shard group's rank
-    order is the order along the sharded dim.  Not ``full_tensor()``: on CUDA that runs a functional all-gather on gloo with CUDA
-    tensors, which crashed the test's processes on the H200 (torch 2.11)."""
+    order is the order along the sharded dim.  Not ``full_tensor()``: on CUDA that runs a
+    functional all-gather on gloo with CUDA tensors, which crashed the test's processes on the H200 (torch 2.11)."""
     import torch.distributed as dist
 
     from torch.distributed.tensor import Shard
@@ -547,7 +546,8 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             want = [module] if module else list(tide["report"])
             assert stock_mods == want, (case, tide["report"])
             assert all(words in tide["report"][k] for k in want), (case, tide["report"])
-            assert len(tide["logged"]) == len(want) and all(words in line for line in tide["logged"]), (case, tide["logged"])
+            logged = tide["logged"]
+            assert len(logged) == len(want) and all(words in line for line in logged), (case, logged)
             for k, st in tide["stats"].items():
                 assert (st is None) == (k in want), (case, k, st)
             close(tide["losses"], stock["losses"], f"fallback {case} losses")

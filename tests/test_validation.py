@@ -308,7 +308,8 @@ def test_srcs_entries_one_kind(kernel: str, layout) -> None:
     _, call = SRC_KERNELS[kernel]
     with pytest.raises(TypeError, match=r"srcs\[1\] must be a flat 1-D tensor like srcs\[0\], got list"):
         call(layout, srcs=[_flat(), _entry(kernel, 1)])
-    with pytest.raises(TypeError, match=r"srcs\[1\] must be a sequence of per-parameter tensors like srcs\[0\], got Tensor"):
+    with pytest.raises(TypeError, match=r"srcs\[1\] must be a sequence of per-parameter tensors like srcs\[0\], "
+                                        r"got Tensor"):
         call(layout, srcs=[_entry(kernel, 0), _flat()])
 
 

@@ -147,7 +147,8 @@ def check_sources(
     entries = list(value)
     if count is not None and len(entries) != count:
         raise ValueError(
-            f"{name} must have {count} {'entry' if count == 1 else 'entries'} (one per {count_name}), got {len(entries)}"
+            f"{name} must have {count} {'entry' if count == 1 else 'entries'} (one per {count_name}), "
+            f"got {len(entries)}"
         )
     if not entries:
         raise ValueError(f"{name} must have at least one entry (one per {count_name}), got none")

@@ -64,7 +64,8 @@ def _check_stream(stream: object) -> None:
 
 
 @lru_cache(maxsize=256)
-def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int, j: int) -> SegmentProgram:
+def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int,
+                   j: int) -> SegmentProgram:
     """Destination ``dest``'s reduction of its chunk ``j``: run ``i`` (one piece) reads
     source entry ``i`` of every contributor -- a slot address for a peer, a gradient
     address for ``dest`` itself -- so the pointer tables carry the offsets."""

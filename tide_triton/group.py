@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import threading
 import weakref
@@ -24,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .bootstrap import Abort, Exchange, LocalKeyValue, StoreKeyValue
-from .errors import (ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError,
-                     PeerTimeoutError)
+from .errors import (ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError)
 from . import heap
 from .regions import heap_region
 from .schedule import FlagMap

@@ -131,7 +131,8 @@ def group_state(pg: Any) -> GroupState | None:
 
 
 # --------------------------------------------------------------------------- public
-def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False, slot_pool: int = 2) -> dict[str, str | None]:
+def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
+           slot_pool: int = 2) -> dict[str, str | None]:
     """Implementation of :func:`tide_triton.fsdp.enable` (``slot_pool``: its SLOT_POOL)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")

@@ -160,7 +160,8 @@ class HostTransport:
         self._check_open()
         nbytes = numel * dtype.itemsize
         if offset < 0 or offset + nbytes > self._size:
-            raise ValueError(f"heap range [{offset}, {offset + nbytes}) outside rank {rank}'s heap of {self._size} bytes")
+            raise ValueError(f"heap range [{offset}, {offset + nbytes}) outside rank {rank}'s heap of "
+                             f"{self._size} bytes")
         if numel == 0:
             return torch.empty(0, dtype=dtype)
         buf = (ctypes.c_char * nbytes).from_address(self._bases[rank] + offset)

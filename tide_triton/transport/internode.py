@@ -332,7 +332,8 @@ class NcclPutSignalInterNode(NcclInterNode):
                 self.puts += 1
             elif kind == "wait":
                 comm.wait_signals({op[1]: op[2]}, s)
-                self._watch_after((self.rail[op[1]],), f"its ncclPutSignal/ncclSignal in {what or 'the inter-node hop'}")
+                self._watch_after((self.rail[op[1]],),
+                                  f"its ncclPutSignal/ncclSignal in {what or 'the inter-node hop'}")
             elif kind == "signal":
                 comm.signal(op[1], s)
             elif kind == "pack":  # my pieces into my send ring
