@@ -65,8 +65,9 @@ def _mp(kind: str):
 
 
 def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mesh=None, slot_reuse=False, **shard_kw):
-    import tide_triton as tt
     from torch.distributed.device_mesh import init_device_mesh
+
+    import tide_triton as tt
 
     torch.manual_seed(0)
     model = Llama(cfg).to(device)
@@ -101,7 +102,6 @@ def _full_cpu(t) -> torch.Tensor:
     order is the order along the sharded dim.  Not ``full_tensor()``: on CUDA that runs a
     functional all-gather on gloo with CUDA tensors, which crashed the test's processes on the H200 (torch 2.11)."""
     import torch.distributed as dist
-
     from torch.distributed.tensor import Shard
 
     local = t.to_local().detach().float().cpu().contiguous()
@@ -247,11 +247,12 @@ def _scenario_state_dict(W, rank, device, tide):
 
 def _scenario_disable(W, rank, device):
     """enable -> 2 steps -> disable -> 2 steps, and FSDP2's functions are its own again."""
-    import tide_triton as tt
+    import gc
+
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
-    import gc
+    import tide_triton as tt
 
     gc.collect()  # earlier scenarios' enabled models (FSDP2 holds reference cycles) are gone
     model, opt, _ = _build(W, device, "bf16", True)
@@ -283,10 +284,11 @@ def _scenario_disable(W, rank, device):
 
 def _scenario_fallbacks(W, rank, device):
     """Each unsupported configuration: stock for that module, one log line, stock results."""
-    import tide_triton as tt
-    from tide_triton.fsdp import _torch_adapter as tfsdp
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
+
+    import tide_triton as tt
+    from tide_triton.fsdp import _torch_adapter as tfsdp
 
     out = {}
     h = _capture()
@@ -343,8 +345,9 @@ def _scenario_fallbacks(W, rank, device):
 
 
 def _scenario_hsdp(W, rank, device):
-    import tide_triton as tt
     from torch.distributed.device_mesh import init_device_mesh
+
+    import tide_triton as tt
 
     h = _capture()
     mesh = init_device_mesh(device, (2, W // 2), mesh_dim_names=("replicate", "shard"))

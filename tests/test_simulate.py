@@ -12,7 +12,12 @@ import time
 import pytest
 
 from tide_triton.hier_schedule import (
-    AllGatherPlan, ReduceScatterPlan, Run, Transfer, all_gather_node_rounds, chunk_runs,
+    AllGatherPlan,
+    ReduceScatterPlan,
+    Run,
+    Transfer,
+    all_gather_node_rounds,
+    chunk_runs,
     reduce_scatter_node_rounds,
 )
 from tide_triton.layout import ShardLayout

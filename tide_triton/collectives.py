@@ -18,8 +18,8 @@ from typing import Sequence
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
 from . import hier_collectives
+from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
 from .executor import Streams, Work, wait_vacated, zero_padding
 from .group import Group, resolve
 from .heap import Ring, ag_block_end, staging_ring

@@ -57,8 +57,7 @@ from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
 from .schedule import peer_slot
 from .transport.base import PeerTimeoutError
-from .transport.internode import (HostInterNode, InterNodeTransport, NcclInterNode, NcclPutSignalInterNode,
-                                  nccl_hop)
+from .transport.internode import HostInterNode, InterNodeTransport, NcclInterNode, NcclPutSignalInterNode, nccl_hop
 
 __all__ = ["InterNodeTransport", "HostInterNode", "NcclInterNode", "NcclPutSignalInterNode", "reduce_scatter",
            "all_gather", "stats", "synchronize_side"]

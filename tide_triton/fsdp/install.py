@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checks import is_int
 from . import _state, slots, wrappers
 from ._state import GroupState
 from ._torch_adapter import (
@@ -138,7 +139,7 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(slot_reuse, bool):
         raise TypeError(f"slot_reuse must be a bool, got {type(slot_reuse).__name__}")
-    if slot_reuse and (isinstance(slot_pool, bool) or not isinstance(slot_pool, int) or slot_pool < 1):
+    if slot_reuse and (not is_int(slot_pool) or slot_pool < 1):
         raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
                          "set it to 2 (default) or more before enable()")
     if group is not None:

@@ -24,8 +24,8 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from .segments import Binding, SegmentProgram, Span, check_device
 from .placement import Sources, check_layout, check_max_ctas
+from .segments import Binding, SegmentProgram, Span, check_device
 
 __all__ = ["accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref"]
 

@@ -15,8 +15,8 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
 from ..layout import ShardLayout
-from .segments import Binding, SegmentProgram, Span, check_device
 from .placement import check_layout, check_max_ctas, check_ranks
+from .segments import Binding, SegmentProgram, Span, check_device
 
 __all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
 

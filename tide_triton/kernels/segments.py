@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import torch
