@@ -23,7 +23,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Collection, Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist

@@ -91,7 +91,7 @@ _NUMPY_REASON = (f"spawns CPU ranks that run the kernels through Triton 3.6's in
                  "the CPU pins")
 
 _NEEDS_INTERPRETER = "(or the CPU under TRITON_INTERPRET=1), got cpu"
-"""The kernels' error for CPU tensors under compiled Triton (kernels/_segments.py)."""
+"""The kernels' error for CPU tensors under compiled Triton (kernels/segments.py)."""
 _INTERPRETER_REASON = ("launches Triton kernels on CPU tensors in this process: needs the interpreter "
                        "(TRITON_INTERPRET=1); compiled Triton runs here because a GPU is present")
 

@@ -19,8 +19,8 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
-from tide_triton.schedule import ring_plan
 from tide_triton.layout import ShardLayout
+from tide_triton.schedule import ring_plan
 
 pytestmark = pytest.mark.multiproc
 

@@ -28,7 +28,8 @@ static void* pick(const char* s) {
   if (!strcmp(s, "cuGetErrorName") || !strcmp(s, "cuGetErrorString")) return (void*)errname;
   return (void*)generic;
 }
-CUresult cuGetProcAddress_v2(const char* s, void** f, int v, unsigned long long fl, int* st) { *f = pick(s); if (st) *st = 0; return 0; }
+CUresult cuGetProcAddress_v2(const char* s, void** f, int v, unsigned long long fl, int* st) {
+    *f = pick(s); if (st) *st = 0; return 0; }
 CUresult cuGetProcAddress(const char* s, void** f, int v, unsigned long long fl) { *f = pick(s); return 0; }
 CUresult cuDriverGetVersion(int* v) { return drvver(v); }
 CUresult cuInit(unsigned f) { return 0; }

@@ -448,7 +448,7 @@ def _validation(rank: int, W: int) -> dict:
     out = {}
     for name, kw in {"nan": {"op": float("nan")}, "inf": {"op": float("inf")},
                      "stream": {"stream": "not-a-stream"}}.items():
-        out[name] = _outcome(lambda: tt.reduce_scatter(grads, shards, **kw), "cpu")
+        out[name] = _outcome(lambda kw=kw: tt.reduce_scatter(grads, shards, **kw), "cpu")
     out["ag stream"] = _outcome(lambda: tt.all_gather(shards, [torch.zeros(4, 2)], stream=3), "cpu")
     out["ok after"] = _outcome(lambda: tt.reduce_scatter(grads, shards, op="sum") and None, "cpu")
     return out

@@ -16,7 +16,6 @@ one bf16 ulp of the next forward -- hence ``_close``'s small tolerances.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -66,8 +65,9 @@ def _mp(kind: str):
 
 
 def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mesh=None, slot_reuse=False, **shard_kw):
-    import tide_triton as tt
     from torch.distributed.device_mesh import init_device_mesh
+
+    import tide_triton as tt
 
     torch.manual_seed(0)
     model = Llama(cfg).to(device)
@@ -99,10 +99,9 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 def _full_cpu(t) -> torch.Tensor:
     """The full fp32 tensor of a sharded DTensor, gathered on the CPU: the shard group's rank
-    order is the order along the sharded dim.  Not ``full_tensor()``: on CUDA that runs a functional all-gather on gloo with CUDA
-    tensors, which crashed the test's processes on the H200 (torch 2.11)."""
+    order is the order along the sharded dim.  Not ``full_tensor()``: on CUDA that runs a
+    functional all-gather on gloo with CUDA tensors, which crashed the test's processes on the H200 (torch 2.11)."""
     import torch.distributed as dist
-
     from torch.distributed.tensor import Shard
 
     local = t.to_local().detach().float().cpu().contiguous()
@@ -248,11 +247,12 @@ def _scenario_state_dict(W, rank, device, tide):
 
 def _scenario_disable(W, rank, device):
     """enable -> 2 steps -> disable -> 2 steps, and FSDP2's functions are its own again."""
-    import tide_triton as tt
+    import gc
+
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
-    import gc
+    import tide_triton as tt
 
     gc.collect()  # earlier scenarios' enabled models (FSDP2 holds reference cycles) are gone
     model, opt, _ = _build(W, device, "bf16", True)
@@ -284,10 +284,11 @@ def _scenario_disable(W, rank, device):
 
 def _scenario_fallbacks(W, rank, device):
     """Each unsupported configuration: stock for that module, one log line, stock results."""
-    import tide_triton as tt
-    from tide_triton.fsdp import _torch_adapter as tfsdp
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
+
+    import tide_triton as tt
+    from tide_triton.fsdp import _torch_adapter as tfsdp
 
     out = {}
     h = _capture()
@@ -344,8 +345,9 @@ def _scenario_fallbacks(W, rank, device):
 
 
 def _scenario_hsdp(W, rank, device):
-    import tide_triton as tt
     from torch.distributed.device_mesh import init_device_mesh
+
+    import tide_triton as tt
 
     h = _capture()
     mesh = init_device_mesh(device, (2, W // 2), mesh_dim_names=("replicate", "shard"))
@@ -547,7 +549,8 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             want = [module] if module else list(tide["report"])
             assert stock_mods == want, (case, tide["report"])
             assert all(words in tide["report"][k] for k in want), (case, tide["report"])
-            assert len(tide["logged"]) == len(want) and all(words in line for line in tide["logged"]), (case, tide["logged"])
+            logged = tide["logged"]
+            assert len(logged) == len(want) and all(words in line for line in logged), (case, logged)
             for k, st in tide["stats"].items():
                 assert (st is None) == (k in want), (case, k, st)
             close(tide["losses"], stock["losses"], f"fallback {case} losses")

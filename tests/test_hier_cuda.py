@@ -1,7 +1,8 @@
 """Declared topologies on the GPU (skipped without CUDA and an NCCL that runs several ranks
 on one GPU): every process drives one rank on the one GPU, each node's ranks share a
 node-local CUDA transport (VMM heaps, copy engines, stream-memory flags) and the rails talk
-through NCCL: one-sided ncclPutSignal into landing rings, or grouped ncclSend / ncclRecv.  The checks are tests/test_hier_host.py's, bit
+through NCCL: one-sided ncclPutSignal into landing rings, or grouped ncclSend / ncclRecv.  The checks are
+tests/test_hier_host.py's, bit
 for bit (integer-valued bf16), with the plans' byte counts per round.
 
 Run on the H200 with NCCL >= 2.30 in place of torch's (bench/NOTES.md) and

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 try:  # pytest's default "prepend" import mode puts tests/ on sys.path
-    from conftest import int_tensor, interpreting, workload_layouts, HAS_CUDA
+    from conftest import HAS_CUDA, int_tensor, interpreting, workload_layouts
 except ImportError:  # pragma: no cover - importlib mode with the repo root on sys.path
-    from tests.conftest import int_tensor, interpreting, workload_layouts, HAS_CUDA
+    from tests.conftest import HAS_CUDA, int_tensor, interpreting, workload_layouts
 
 from tide_triton import (
     ShardLayout,

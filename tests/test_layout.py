@@ -532,7 +532,7 @@ def test_matches_fully_shard(fsdp_results: list[dict], world_size: int) -> None:
         # q * flat_shard_numel + flat_offsets[i].
         flat = res["flat"]
         if flat is None and world_size > 1:
-            warnings.warn("FSDP's _all_gather_result was not reachable: flat check skipped")
+            warnings.warn("FSDP's _all_gather_result was not reachable: flat check skipped", stacklevel=2)
         elif flat is not None:
             assert tuple(flat["split_sizes"]) == lay.padded_shard_numels
             out = flat["output"]

@@ -98,11 +98,12 @@ def _run(monkeypatch, w: _World, inter_node: str) -> dict:
 
     def one(rank: int) -> object:
         _here.rank, _here.world = rank, w
-        g = SimpleNamespace(rank=rank, local_size=w.local, nodes=w.world // w.local, options=opts(rank),
-                            exchange=lambda obj: w.exchange(rank, obj),
-                            side_stream=lambda device: SimpleNamespace(cuda_stream=1234))
+        o = opts(rank)
+        rail = tuple(range(rank % w.local, w.world, w.local))
         try:
-            return inode.nccl_hop(g, t)
+            return inode.nccl_hop(t, rank, rail, lambda obj: w.exchange(rank, obj), SimpleNamespace(cuda_stream=1234),
+                                  inter_node=o.inter_node, nccl_library=o.nccl_library, chunk_bytes=o.chunk_bytes,
+                                  inflight_chunks=o.inflight_chunks)
         except Exception as e:  # noqa: BLE001 -- the test looks at it
             return e
 

@@ -34,7 +34,8 @@ int ncclGroupEnd(void) { return 0; }
 #ifdef ONE_SIDED
 int ncclCommWindowRegister(void* c, void* b, size_t n, void** w, int f) { return 0; }
 int ncclCommWindowDeregister(void* c, void* w) { return 0; }
-int ncclPutSignal(const void* b, size_t n, int t, int p, void* w, size_t o, int s, int x, unsigned f, void* c, void* st) { return 0; }
+int ncclPutSignal(const void* b, size_t n, int t, int p, void* w, size_t o, int s, int x, unsigned f, void* c,
+                  void* st) { return 0; }
 int ncclWaitSignal(int n, void* d, void* c, void* s) { return 0; }
 int ncclSignal(int p, int s, int x, unsigned f, void* c, void* st) { return 0; }
 #endif

@@ -197,7 +197,8 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
 
     def group(t, stuck):
         net = SimpleNamespace(stuck=lambda: stuck)
-        return SimpleNamespace(_transports={"cuda": t}, _extras={("hier", id(t)): _State(net)},
+        state = {("hier", id(t)): _State(net)}
+        return SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
                                side_stream=lambda device: "SIDE")
 
     dev = torch.device("cuda", 0)
@@ -215,7 +216,8 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
         synchronize_side(group(_T(TimeoutError("busy")), ((1, 13), "send/recv")), dev, 1.0)
     with pytest.raises(TimeoutError, match="busy"):  # nothing of NCCL's is stuck: the plain timeout
         synchronize_side(group(_T(TimeoutError("busy")), None), dev, 1.0)
-    synchronize_side(SimpleNamespace(_transports={}, _extras={}), dev, 1.0)  # no cross-node state: no-op
+    nothing = SimpleNamespace(existing_transport={}.get, state=lambda key, make=None: None)
+    synchronize_side(nothing, dev, 1.0)  # no cross-node state: no-op
 
 
 def test_cuda_several_nodes_single_process_mode_is_refused() -> None:

@@ -12,7 +12,12 @@ import time
 import pytest
 
 from tide_triton.hier_schedule import (
-    AllGatherPlan, ReduceScatterPlan, Run, Transfer, all_gather_node_rounds, chunk_runs,
+    AllGatherPlan,
+    ReduceScatterPlan,
+    Run,
+    Transfer,
+    all_gather_node_rounds,
+    chunk_runs,
     reduce_scatter_node_rounds,
 )
 from tide_triton.layout import ShardLayout
@@ -86,7 +91,7 @@ def test_node_rounds(nodes: int) -> None:
         for rnd in rounds:
             assert sorted(s for s, _, _ in rnd) == list(range(nodes))  # each node sends once a round
             assert sorted(d for _, d, _ in rnd) == list(range(nodes))  # and receives once
-            for s, d, moved in rnd:
+            for s, _d, moved in rnd:
                 sent[s] += len(moved)
         assert sent == [nodes - 1] * nodes  # no node sends more than its share
     if nodes & (nodes - 1) == 0:  # powers of two: pairwise exchanges, distance 2^k / 2^(R-1-k)
@@ -211,7 +216,9 @@ def test_checker_catches_a_dropped_run(nodes: int, local: int) -> None:
 def test_checker_catches_duplicates_and_causality() -> None:
     ag, rs = _plans(AWKWARD, 4, 2)
     # the same transfer twice: elements arrive a second time / gradients counted twice
-    dup = lambda s: _edit_transfer(s, 0, 0, lambda t: Transfer(t.src, t.dst, t.chunks + t.chunks))
+    def dup(s):
+        return _edit_transfer(s, 0, 0, lambda t: Transfer(t.src, t.dst, t.chunks + t.chunks))
+
     r = simulate(_Mutated.of(ag, dup))
     assert not r.ok and "a second time" in r.errors[0]
     r = simulate(_Mutated.of(rs, dup))
@@ -226,7 +233,9 @@ def test_checker_catches_bad_runs() -> None:
     ag, rs = _plans(AWKWARD, 2, 2)
     S = ag.layout.padded_shard_numels
     # rank 3 holds no rows of param 1 ((1, 5) over 4 ranks): a run there is past the real elements
-    past = lambda s: _edit_transfer(s, 0, 0, lambda t: Transfer(t.src, t.dst, t.chunks + (((Run(1, 3 * S[1], 5),),))))
+    def past(s):
+        return _edit_transfer(s, 0, 0, lambda t: Transfer(t.src, t.dst, t.chunks + (((Run(1, 3 * S[1], 5),),))))
+
     r = simulate(_Mutated.of(ag, past))
     assert not r.ok and "past the real elements of rank 3's shard of param 1" in r.errors[0]
     r = simulate(_Mutated.of(ag, lambda s: _edit_transfer(
@@ -245,7 +254,9 @@ def test_chunk_runs() -> None:
     runs = [Run(0, 0, 5, 3, 20), Run(1, 7, 4)]
     chunks = chunk_runs(runs, 7)
     assert all(sum(r.elems for r in c) <= 7 for c in chunks)
-    flat = lambda rs: [e for r in rs for (p, st, n) in r.pieces() for e in ((p, i) for i in range(st, st + n))]
+    def flat(rs):
+        return [e for r in rs for (p, st, n) in r.pieces() for e in ((p, i) for i in range(st, st + n))]
+
     assert flat([r for c in chunks for r in c]) == flat(runs)
     assert chunk_runs(runs, 100) == (tuple(runs),)
     with pytest.raises(ValueError, match="cap must be >= 1, got 0"):

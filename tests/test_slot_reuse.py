@@ -169,8 +169,8 @@ def test_writers_wait_for_the_owners_vacate_and_time_out_naming_it(world_size: i
 
 
 def _never_vacated(rank: int, W: int) -> str:
-    from tide_triton.group import Group, GroupOptions
     import tide_triton as tt
+    from tide_triton.group import Group, GroupOptions
     from tide_triton.transport.base import PeerTimeoutError
 
     g = Group(None, GroupOptions(timeout_s=2.0))

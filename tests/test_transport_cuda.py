@@ -20,6 +20,10 @@ import time
 import pytest
 import torch
 
+from tide_triton.transport import driver
+from tide_triton.transport.base import PeerTimeoutError
+from tide_triton.transport.cuda import CudaTransport
+
 
 @pytest.fixture(autouse=True)
 def _collect_after_each_test():
@@ -35,10 +39,6 @@ try:
     from _dist import run_multiprocess
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess
-
-from tide_triton.transport import driver
-from tide_triton.transport.base import PeerTimeoutError
-from tide_triton.transport.cuda import CudaTransport
 
 pytestmark = pytest.mark.gpu
 

@@ -308,7 +308,8 @@ def test_srcs_entries_one_kind(kernel: str, layout) -> None:
     _, call = SRC_KERNELS[kernel]
     with pytest.raises(TypeError, match=r"srcs\[1\] must be a flat 1-D tensor like srcs\[0\], got list"):
         call(layout, srcs=[_flat(), _entry(kernel, 1)])
-    with pytest.raises(TypeError, match=r"srcs\[1\] must be a sequence of per-parameter tensors like srcs\[0\], got Tensor"):
+    with pytest.raises(TypeError, match=r"srcs\[1\] must be a sequence of per-parameter tensors like srcs\[0\], "
+                                        r"got Tensor"):
         call(layout, srcs=[_entry(kernel, 0), _flat()])
 
 
@@ -520,8 +521,8 @@ def test_bind_functions_validate(layout) -> None:
 
 def test_binding_tensor_counts() -> None:
     # Internal: a Binding checks it got one destination per slot and K x n_src sources.
-    from tide_triton.kernels._segments import Binding, Run, SegmentProgram
+    from tide_triton.kernels.segments import Binding, SegmentProgram, Span
 
-    program = SegmentProgram((Run(0, 0, 0, 0, 4),), n_dst=1, n_src=1, tile_numel=256)
+    program = SegmentProgram((Span(0, 0, 0, 0, 4),), n_dst=1, n_src=1, tile_numel=256)
     with pytest.raises(ValueError, match=r"binding needs 1 destinations and 2 x 1 sources, got 1 and 1"):
         Binding(program, (torch.zeros(4),), (torch.zeros(4),), 2, None)

@@ -5,6 +5,18 @@ Layout (:class:`ShardLayout`) -> schedule (:mod:`tide_triton.schedule`) -> trans
 accumulation, packing, all Triton).  Collectives: :func:`init`, :func:`reduce_scatter`,
 :func:`all_gather`.  FSDP2 drop-in: :func:`tide_triton.fsdp.enable`.
 """
+from . import fsdp  # FSDP2 drop-in; imports no FSDP2 internals until enable()
+from .collectives import Work, all_gather, reduce_scatter, synchronize
+from .errors import (
+    ArgumentMismatchError,
+    GroupBrokenError,
+    PeerAbortedError,
+    PeerArgumentError,
+    PeerTimeoutError,
+    TideTritonError,
+)
+from .group import Group, GroupOptions, init, local_groups
+from .hier_schedule import AllGatherPlan, ReduceScatterPlan
 from .kernels import (
     accumulate_shards,
     accumulate_shards_ref,
@@ -16,20 +28,8 @@ from .kernels import (
     place_shards,
     place_shards_ref,
 )
-from .collectives import Work, all_gather, reduce_scatter, synchronize
-from .group import Group, GroupOptions, init, local_groups
-from .errors import (
-    ArgumentMismatchError,
-    GroupBrokenError,
-    PeerAbortedError,
-    PeerArgumentError,
-    PeerTimeoutError,
-    TideTritonError,
-)
 from .layout import ShardLayout
 from .topology import Topology
-from .hier_schedule import AllGatherPlan, ReduceScatterPlan
-from . import fsdp  # FSDP2 drop-in; imports no FSDP2 internals until enable()
 
 __version__ = "0.1.0"
 

@@ -18,12 +18,18 @@ __all__ = [
     "check_shapes",
     "check_flat",
     "dtype_name",
+    "is_int",
 ]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+
+
+def is_int(x: object) -> bool:
+    """``x`` is an ``int`` and not a ``bool`` (``True`` is an ``int`` to Python, never a count here)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -141,7 +147,8 @@ def check_sources(
     entries = list(value)
     if count is not None and len(entries) != count:
         raise ValueError(
-            f"{name} must have {count} {'entry' if count == 1 else 'entries'} (one per {count_name}), got {len(entries)}"
+            f"{name} must have {count} {'entry' if count == 1 else 'entries'} (one per {count_name}), "
+            f"got {len(entries)}"
         )
     if not entries:
         raise ValueError(f"{name} must have at least one entry (one per {count_name}), got none")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Protocol, Sequence
 
 from .errors import PeerTimeoutError

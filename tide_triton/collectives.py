@@ -6,111 +6,36 @@ Layers: validate (this rank) -> agree (all ranks: same signature, no errors) -> 
 flags) with the Triton kernels doing the SM work (accumulation, casts).
 
 Heap layout of every rank: ``[flags | reduce-scatter ring | named regions | all-gather block]``
-(regions: :meth:`Group.heap_region`, the staging of ``reduce_scatter(..., staging=...)``).
+(:mod:`tide_triton.heap`; regions: :meth:`Group.heap_region`, the staging of
+``reduce_scatter(..., staging=...)``).  What both executors share (:class:`Work`, the stream
+policy, padding rows, the staging hand-over) is :mod:`tide_triton.executor`.
 """
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
 import torch
 
+from . import hier_collectives
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
+from .executor import Streams, Work, wait_vacated, zero_padding
 from .group import Group, resolve
-from .kernels._segments import Binding, Run, SegmentProgram
+from .heap import Ring, ag_block_end, staging_ring
+from .hier_schedule import ReduceScatterPlan
+from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
-from .schedule import peer_slot, ring_plan, ring_slots
+from .regions import HeapRegion
+from .schedule import ring_plan
 
 __all__ = ["reduce_scatter", "all_gather", "Work", "synchronize"]
 
-_ALIGN = 4096
 _AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
 
 
-def _round_up(n: int, m: int = _ALIGN) -> int:
-    return -(-n // m) * m
-
-
-class Work:
-    """Handle of a collective.  ``wait()`` makes the current stream wait for it (a no-op
-    for the host transport, whose work is complete when the call returns)."""
-
-    def __init__(self, event: object = None) -> None:
-        self._event = event
-
-    def wait(self) -> None:
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-
-    def is_completed(self) -> bool:
-        return self._event is None or self._event.query()
-
-
-class _Streams:
-    """Where the collective's work goes.  GPU: the copy queue (the transport's copy-engine
-    stream) first waits for work already on ``stream``; SM work (accumulation, casts) runs
-    on ``stream`` -- or, with ``async_op``, on the group's side stream, which a returned
-    :class:`Work` hands back to the caller.  Host: everything is synchronous."""
-
-    def __init__(self, g: Group, device: torch.device, stream: object, async_op: bool) -> None:
-        self.cuda = device.type == "cuda"
-        self.async_op = async_op
-        self.compute = None
-        if self.cuda:
-            user = stream if stream is not None else torch.cuda.current_stream(device)
-            if async_op:
-                side = g.side_stream(device)
-                side.wait_stream(user)
-                self.compute = side
-            else:
-                self.compute = user
-
-    def kernels(self):
-        return torch.cuda.stream(self.compute) if self.cuda else nullcontext()
-
-    def finish(self) -> Work:
-        if self.cuda and self.async_op:
-            ev = torch.cuda.Event()
-            ev.record(self.compute)
-            return Work(ev)
-        return Work()
-
-
-@dataclass(frozen=True)
-class _Regions:
-    ring_off: int
-    slot_bytes: int
-    slots: int
-    ag_off: int
-
-    def slot(self, stage: int, src: int, dest: int) -> int:
-        """Byte offset, in ``dest``'s heap, of the slot contributor ``src`` fills."""
-        return self.ring_off + (stage * self.slots + peer_slot(src, dest)) * self.slot_bytes
-
-
-def _regions(g: Group) -> _Regions:
-    flags = _round_up(g.flags.n_flags * 8)
-    n = ring_slots(g.world_size)
-    slot_bytes = (g.options.ring_bytes // (g.options.stages * n)) // 16 * 16
-    ring = _round_up(g.options.stages * n * slot_bytes)
-    return _Regions(flags, slot_bytes, n, max(flags + ring, g.heap_regions_end))
-
-
-def _staging_regions(g: Group, staging, ag_off: int) -> _Regions:
-    """The receive slots of a reduce-scatter that stages in heap region ``staging``: a ring
-    of ``staging.nbytes`` at the region's offset (the same on every rank)."""
-    n = ring_slots(g.world_size)
-    slot_bytes = (staging.nbytes // (g.options.stages * n)) // 16 * 16
-    return _Regions(staging.offset, slot_bytes, n, ag_off)
-
-
 def _check_staging(g: Group, staging: object, device: torch.device) -> None:
-    from .regions import HeapRegion
-
     if not isinstance(staging, HeapRegion):
         raise TypeError(f"staging must be None or a HeapRegion (Group.heap_region), got {type(staging).__name__}")
     if staging.group is not g:
@@ -139,13 +64,14 @@ def _check_stream(stream: object) -> None:
 
 
 @lru_cache(maxsize=256)
-def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int, j: int) -> SegmentProgram:
+def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int,
+                   j: int) -> SegmentProgram:
     """Destination ``dest``'s reduction of its chunk ``j``: run ``i`` (one piece) reads
     source entry ``i`` of every contributor -- a slot address for a peer, a gradient
     address for ``dest`` itself -- so the pointer tables carry the offsets."""
     plan = ring_plan(layout, ring_bytes, elem_bytes, stages)
     pieces = plan.chunks[dest][j]
-    runs = tuple(Run(pc.param, pc.start, i, 0, pc.numel) for i, pc in enumerate(pieces))
+    runs = tuple(Span(pc.param, pc.start, i, 0, pc.numel) for i, pc in enumerate(pieces))
     return SegmentProgram(runs, n_dst=len(layout), n_src=len(pieces))
 
 
@@ -161,7 +87,7 @@ def _full_and_shards(name: str, full: object, shards: object, world: int):
 
 
 # --------------------------------------------------------------------------- reduce-scatter
-def _prepare_reduce_scatter(g: Group, t, reg: "_Regions", plan, layout: ShardLayout, gptrs: tuple[int, ...],
+def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gptrs: tuple[int, ...],
                             shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
                             device: torch.device, scale: float | None, acc: bool, ring_bytes: int | None = None):
     """Everything a reduce-scatter enqueues that depends only on its addresses: one bound
@@ -253,8 +179,6 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         if staging is not None:
             _check_staging(g, staging, device)
             if g.nodes > 1:  # too small: ValueError
-                from .hier_schedule import ReduceScatterPlan
-
                 ReduceScatterPlan(layout, g.topology, ring_bytes=staging.nbytes, grad_bytes=gdt.itemsize,
                                   wire_bytes=4, stages=g.options.stages)
             else:
@@ -264,22 +188,21 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         err = e
     g.agree(sig, err)
     if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
-        from . import hier_collectives
         return hier_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
                                                bool(accumulate), stream, async_op, staging)
 
     t = g.transport(device)
     es = gdt.itemsize
     S, ring_bytes = g.options.stages, g.options.ring_bytes
-    reg = _regions(g)
+    reg = g.ring_layout()
     if staging is not None:  # Slot-Reuse: the caller's region is the ring
         ring_bytes = staging.nbytes
-        reg = _staging_regions(g, staging, reg.ag_off)
+        reg = staging_ring(staging.offset, staging.nbytes, W, S, reg.ag_off)
     plan = ring_plan(layout, ring_bytes, es, S)
     if plan.chunk_elems * es > reg.slot_bytes:
         raise RuntimeError("internal error: ring plan and heap regions disagree")
     t.ensure_heap(reg.ag_off)
-    st = _Streams(g, device, stream, async_op)
+    st = Streams(g, t, device, stream, async_op)
     cs = st.compute
     fm, timeout = g.flags, g.options.timeout_s
     gptrs = tuple(x.data_ptr() for x in grads_l)
@@ -297,9 +220,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     reducers, pushes = prep
     if not accumulate:  # padding rows of padded shards become zero
         with st.kernels():
-            for x, n in zip(shards_l, layout.shard_numels(me)):
-                if x.numel() > n:
-                    x.view(-1)[n:].zero_()
+            zero_padding(shards_l, layout.shard_numels(me))
     g.heap_barrier()
     pace = g.pacer(device)
     pace.start(max((n for _, n in pushes), default=0) + 4 * W)
@@ -310,11 +231,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         # before any of its data moves.
         g.check_in(t, [d for d in peers if plan.chunks[d] or plan.chunks[me]])
         if staging is not None:  # nobody writes into a peer's region before the peer vacated it
-            e = staging._begin_staging()
-            dests = [d for d in peers if plan.chunks[d]]
-            t.wait_all([fm.vacated(staging.index, d) for d in dests], [e] * len(dests), peers=dests,
-                       timeout_s=timeout, what=f"rank {{peer}} to vacate staging region {staging.key!r} "
-                       f"(use {e}: its staging.vacate())")
+            wait_vacated(t, fm, staging, [d for d in peers if plan.chunks[d]], timeout)
         for j in range(plan.rounds):
             s = j % S
             v = base + j + 1
@@ -361,7 +278,7 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
             raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got}")
 
 
-def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs: tuple[int, ...],
+def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tuple[int, ...],
                         es: int) -> list:
     """The copy-engine descriptors of an all-gather into parameters at ``pptrs`` -- every
     rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)
@@ -379,7 +296,7 @@ def _prepare_all_gather(g: Group, t, reg: "_Regions", layout: ShardLayout, pptrs
             for i in range(0, len(sizes), _AG_BATCH)]
 
 
-def _prepare_stage(g: Group, t, reg: "_Regions", layout: ShardLayout, shards: list[torch.Tensor],
+def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[torch.Tensor],
                    sptrs: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device):
     """How this rank's shards (as they are: padded or not) reach its heap block in the
     parameters' dtype: ``(caster, copies, pad_copies, zeros)`` -- a bound cast kernel when
@@ -391,7 +308,7 @@ def _prepare_stage(g: Group, t, reg: "_Regions", layout: ShardLayout, shards: li
     numels = [x.numel() for x in shards]
     caster = copies = None
     if pdt != sdt:
-        runs = tuple(Run(0, offs[p], p, 0, n) for p, n in enumerate(numels))
+        runs = tuple(Span(0, offs[p], p, 0, n) for p, n in enumerate(numels))
         caster = Binding(_cast_program(runs, len(layout)), (torch.empty(0, dtype=pdt, device=device),),
                          (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
                          known_ptrs=((block,), sptrs))
@@ -407,7 +324,7 @@ def _prepare_stage(g: Group, t, reg: "_Regions", layout: ShardLayout, shards: li
 
 
 @lru_cache(maxsize=64)
-def _cast_program(runs: tuple[Run, ...], n_src: int) -> SegmentProgram:
+def _cast_program(runs: tuple[Span, ...], n_src: int) -> SegmentProgram:
     return SegmentProgram(runs, n_dst=1, n_src=n_src)
 
 
@@ -449,7 +366,6 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
         err = e
     g.agree(sig, err)
     if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
-        from . import hier_collectives
         return hier_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op)
     # Ranks may pass full or padded params: the flat block (padded shards) is the same.
     # The block holds the parameters' dtype: a cast (fp32 shards -> bf16 parameters) happens
@@ -458,10 +374,9 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     # receivers.
     t = g.transport(device)
     es = pdt.itemsize
-    reg = _regions(g)
-    block = layout.flat_shard_numel * es
-    t.ensure_heap(reg.ag_off + _round_up(block, 16))
-    st = _Streams(g, device, stream, async_op)
+    reg = g.ring_layout()
+    t.ensure_heap(ag_block_end(reg.ag_off, layout.flat_shard_numel * es))
+    st = Streams(g, t, device, stream, async_op)
     cs = st.compute
     # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by addresses, so repeats on the same storage prepare nothing.
@@ -530,8 +445,7 @@ def synchronize(group: object = None, *, device: object = None, stream: object =
     limit = g.options.timeout_s if timeout_s is None else timeout_s
     try:
         if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
-            from .hier_collectives import synchronize_side
-            synchronize_side(g, dev, limit)
+            hier_collectives.synchronize_side(g, dev, limit)
         t.synchronize(timeout_s=limit)
         t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev))
     except TimeoutError as e:

@@ -26,7 +26,7 @@ Variables of the package
 ``TIDE_TRITON_LAUNCH``
     Diagnostics: ``jit`` launches kernels through Triton's JIT entry point instead of the
     cached compiled kernel (``direct``, default).  Read once, when the segment engine is
-    imported.  (:mod:`tide_triton.kernels._segments`)
+    imported.  (:mod:`tide_triton.kernels.segments`)
 
 Variables of other software, as the package reads them
 =======================================================

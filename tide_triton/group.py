@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import threading
 import weakref
@@ -23,9 +22,11 @@ from typing import Any, Sequence, cast
 import torch
 import torch.distributed as dist
 
+from . import heap
+from ._checks import is_int
 from .bootstrap import Abort, Exchange, LocalKeyValue, StoreKeyValue
-from .errors import (ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError,
-                     PeerTimeoutError)
+from .errors import ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError
+from .regions import heap_region
 from .schedule import FlagMap
 from .topology import Topology
 
@@ -92,25 +93,25 @@ class GroupOptions:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if isinstance(self.ring_bytes, bool) or not isinstance(self.ring_bytes, int) or self.ring_bytes < 256:
+        if not is_int(self.ring_bytes) or self.ring_bytes < 256:
             raise ValueError(f"ring_bytes must be an int >= 256, got {self.ring_bytes!r}")
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
+        if not is_int(self.stages) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
         if self.agree not in ("always", "first"):
             raise ValueError(f'agree must be "always" or "first", got {self.agree!r}')
-        if isinstance(self.max_inflight_chunks, bool) or not isinstance(self.max_inflight_chunks, int) \
+        if not is_int(self.max_inflight_chunks) \
                 or self.max_inflight_chunks < 1:
             raise ValueError(f"max_inflight_chunks must be an int >= 1, got {self.max_inflight_chunks!r}")
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 16:
+        if not is_int(self.chunk_bytes) or self.chunk_bytes < 16:
             raise ValueError(f"chunk_bytes must be an int >= 16, got {self.chunk_bytes!r}")
-        if isinstance(self.inflight_chunks, bool) or not isinstance(self.inflight_chunks, int) \
+        if not is_int(self.inflight_chunks) \
                 or self.inflight_chunks < 1:
             raise ValueError(f"inflight_chunks must be an int >= 1, got {self.inflight_chunks!r}")
         if self.inter_node not in ("auto", "put_signal", "send_recv"):
             raise ValueError(f'inter_node must be "auto", "put_signal" or "send_recv", got {self.inter_node!r}')
         if self.nccl_library is not None and not isinstance(self.nccl_library, str):
             raise TypeError(f"nccl_library must be None or a path (str), got {type(self.nccl_library).__name__}")
-        if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
+        if self.max_ctas is not None and (not is_int(self.max_ctas)
                                           or self.max_ctas < 1):
             raise ValueError(f"max_ctas must be None or an int >= 1, got {self.max_ctas!r}")
 
@@ -158,9 +159,7 @@ class Group:
         self.flags = FlagMap(self.world_size, self.options.stages)
         self.n_flags = self.flags.n_flags
         if self.nodes > 1:
-            from .hier_collectives import extra_flags
-
-            self.n_flags += extra_flags(self)
+            self.n_flags += heap.extra_flags(self.world_size, self.options.inflight_chunks)
         self._transports: dict[str, Any] = {}
         self._extras: dict[tuple, Any] = {}
         self._prepared: OrderedDict[tuple, Any] = OrderedDict()
@@ -473,10 +472,37 @@ class Group:
         offset of every rank's heap on ``device`` -- memory peers can write into, e.g. the
         staging of ``reduce_scatter(..., staging=region)`` (Slot-Reuse).  Calling it again
         with the same key returns the same region.  See :mod:`tide_triton.regions`."""
-        from .regions import heap_region
 
         self._check_open()
         return heap_region(self, key, nbytes, device)
+
+    def ring_layout(self) -> heap.Ring:
+        """The node-local heap layout now: ring after the flags, all-gather block past the
+        named regions (:func:`tide_triton.heap.ring`)."""
+        o = self.options
+        return heap.ring(self.flags.n_flags, self.world_size, o.ring_bytes, o.stages, self.heap_regions_end)
+
+    def cross_node_layout(self) -> heap.CrossNode:
+        """The cross-node heap layout now (:func:`tide_triton.heap.cross_node`)."""
+        o = self.options
+        return heap.cross_node(self.n_flags, o.ring_bytes, o.chunk_bytes, o.inflight_chunks, self.heap_regions_end)
+
+    def existing_transport(self, device_type: str) -> Any:
+        """The transport of ``device_type`` (``"cpu"`` / ``"cuda"``) if a collective made it, else None."""
+        with self._lock:
+            return self._transports.get(device_type)
+
+    def state(self, key: tuple, make: Any = None) -> Any:
+        """Per-group state an executor keeps under ``key`` (made by ``make()`` if missing and
+        ``make`` is given; else None).  A value with a ``close_extra()`` method is closed by
+        :meth:`close`."""
+        with self._lock:
+            v = self._extras.get(key)
+        if v is None and make is not None:
+            v = make()
+            with self._lock:
+                v = self._extras.setdefault(key, v)
+        return v
 
     def heap_barrier(self) -> None:
         """After ``ensure_heap``: in the single-process mode each rank grows its own heap,
@@ -768,7 +794,7 @@ def local_groups(world_size: int, *, local_size: int | None = None, **options: A
     Each rank has its own heap and streams, so on one GPU their work overlaps the way it
     does on a real node (processes sharing a GPU time-slice instead).  ``local_size``
     declares nodes (default: one node; ``LOCAL_WORLD_SIZE`` is not read here)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     opts = GroupOptions(**options)
     Topology(world_size, world_size if local_size is None else local_size)  # errors before threads

@@ -43,29 +43,24 @@ The inter-node hop
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
-from .collectives import Work, _round_up
+from .executor import Streams, Work, wait_vacated, zero_padding
 from .group import Group
+from .heap import CrossNode, ag_block_end
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan, _RailRuns
-from .kernels._segments import Binding, Run, SegmentProgram
+from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
 from .schedule import peer_slot
 from .transport.base import PeerTimeoutError
-from .transport.internode import (HostInterNode, InterNodeTransport, NcclInterNode, NcclPutSignalInterNode,
-                                  nccl_hop)
+from .transport.internode import HostInterNode, InterNodeTransport, NcclInterNode, NcclPutSignalInterNode, nccl_hop
 
 __all__ = ["InterNodeTransport", "HostInterNode", "NcclInterNode", "NcclPutSignalInterNode", "reduce_scatter",
-           "all_gather", "extra_flags", "stats", "synchronize_side"]
-
-def extra_flags(g: Group) -> int:
-    """Flags the cross-node executor needs after the group's :class:`FlagMap`: one ready
-    flag per sending rank and one free flag per slot of this rank's wire ring."""
-    return g.world_size + g.options.inflight_chunks
+           "all_gather", "stats", "synchronize_side"]
 
 
 @dataclass
@@ -82,50 +77,26 @@ class _State:
             close()
 
 
-@dataclass(frozen=True)
-class _Regions:
-    net_off: int
-    rs_off: int
-    ag_off: int
-
-
-def fixed_end(g: Group) -> int:
-    """Where the cross-node path's fixed heap areas (flags, wire ring, reduce-scatter ring) end."""
-    o = g.options
-    net_off = _round_up(g.n_flags * 8, 4096)
-    rs_off = net_off + _round_up(HostInterNode.region_bytes(o.chunk_bytes, o.inflight_chunks), 4096)
-    return rs_off + _round_up(o.ring_bytes, 4096)
-
-
-def _regions(g: Group) -> _Regions:
-    """Heap layout of the cross-node path: ``[flags | wire ring (host) | reduce-scatter ring |
-    named regions | all-gather block]`` (regions: :meth:`Group.heap_region`, placed past
-    :func:`fixed_end`; the all-gather block moves past them)."""
-    end = fixed_end(g)
-    rs_off = end - _round_up(g.options.ring_bytes, 4096)
-    net_off = _round_up(g.n_flags * 8, 4096)
-    return _Regions(net_off, rs_off, max(end, _round_up(g.heap_regions_end, 4096)))
-
-
 def _existing_state(g: Group, device_type: str) -> "tuple[object, _State] | tuple[None, None]":
     """The transport and cross-node state of ``device_type``, if a collective made them."""
-    t = g._transports.get(device_type)
-    st = g._extras.get(("hier", id(t))) if t is not None else None
+    t = g.existing_transport(device_type)
+    st = g.state(("hier", id(t))) if t is not None else None
     return (t, st) if st is not None else (None, None)
 
 
 def _state(g: Group, t: object) -> _State:
-    key = ("hier", id(t))
-    st = g._extras.get(key)
-    if st is None:
-        reg = _regions(g)
+    def make() -> _State:
+        o = g.options
         if getattr(t, "device", torch.device("cpu")).type == "cuda":
-            net = nccl_hop(g, t)
-        else:
-            net = HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags, reg.net_off,
-                                g.options.chunk_bytes, g.options.inflight_chunks)
-        st = g._extras[key] = _State(net)
-    return st
+            side = g.side_stream(t.device)  # the stream the executor runs on (executor.Streams)
+            rail = g.topology.rail(g.topology.local_rank(g.rank))
+            return _State(nccl_hop(t, g.rank, rail, g.exchange, side, inter_node=o.inter_node,
+                                   nccl_library=o.nccl_library, chunk_bytes=o.chunk_bytes,
+                                   inflight_chunks=o.inflight_chunks))
+        return _State(HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags,
+                                    g.cross_node_layout().net_off, o.chunk_bytes, o.inflight_chunks))
+
+    return g.state(("hier", id(t)), make)
 
 
 def stats(group: Group, device: object = "cpu") -> dict:
@@ -163,69 +134,6 @@ def synchronize_side(g: Group, device: torch.device, timeout_s: float) -> None:
         raise PeerTimeoutError(peers[0], what + more, timeout_s) from e
 
 
-class _OnStream:
-    """The transport with every copy, signal and wait on ``stream``."""
-
-    def __init__(self, t: object, stream: object) -> None:
-        self.t, self.stream = t, stream
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.t, name)
-
-    def copy(self, *a: object, **k: object) -> None:
-        self.t.copy(*a, stream=self.stream, **k)
-
-    def copy_prepared(self, *a: object, **k: object) -> None:
-        self.t.copy_prepared(*a, stream=self.stream, **k)
-
-    def signal(self, *a: object, **k: object) -> None:
-        self.t.signal(*a, stream=self.stream, **k)
-
-    def signal_all(self, *a: object, **k: object) -> None:
-        self.t.signal_all(*a, stream=self.stream, **k)
-
-    def wait(self, *a: object, **k: object) -> None:
-        self.t.wait(*a, stream=self.stream, **k)
-
-    def wait_all(self, *a: object, **k: object) -> None:
-        self.t.wait_all(*a, stream=self.stream, **k)
-
-
-class _Order:
-    """Where the collective's work goes.  Host: everything is synchronous, in program order.
-    CUDA: everything -- node-local copies and flags, the Triton sums, the NCCL groups -- goes
-    on the group's side stream (a torch stream, :meth:`Group.side_stream`) in program order,
-    after the work already on ``stream`` (default: the current stream); then ``stream`` waits
-    for it, or, with ``async_op``, the returned :class:`Work` carries an event (the caller
-    keeps the tensors alive until ``wait()``).  Not the transport's own copy stream: torch
-    work on it (allocations, kernel tables) would be recorded against a stream the transport
-    destroys at close, and torch's allocator then fails freeing those blocks (seen on the
-    H200 as ``cudaErrorContextIsDestroyed`` after ``Group.close()``)."""
-
-    def __init__(self, g: Group, t: object, device: torch.device, stream: object, async_op: bool) -> None:
-        self.cuda = device.type == "cuda"
-        self.async_op = async_op
-        self.t = t
-        if self.cuda:
-            self.user = stream if stream is not None else torch.cuda.current_stream(device)
-            self.stream = g.side_stream(device)
-            self.stream.wait_stream(self.user)
-            self.t = _OnStream(t, self.stream)
-            self.ctx = torch.cuda.stream(self.stream)
-        else:
-            self.ctx = contextlib.nullcontext()
-
-    def finish(self) -> Work:
-        if not self.cuda:
-            return Work()
-        if self.async_op:
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-            return Work(ev)
-        self.user.wait_stream(self.stream)
-        return Work()
-
-
 @lru_cache(maxsize=32)
 def _rs_plan(layout: ShardLayout, topo: object, ring_bytes: int, grad_bytes: int, stages: int) -> ReduceScatterPlan:
     return ReduceScatterPlan(layout, topo, ring_bytes=ring_bytes, grad_bytes=grad_bytes, wire_bytes=4, stages=stages)
@@ -253,7 +161,7 @@ def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int
                 continue
         merged.append((d, off, srcs, n))
     pieces = merged
-    runs = tuple(Run(d, off, i, 0, n) for i, (d, off, _, n) in enumerate(pieces))
+    runs = tuple(Span(d, off, i, 0, n) for i, (d, off, _, n) in enumerate(pieces))
     prog = SegmentProgram(runs, n_dst=len(dst_ptrs), n_src=len(pieces))
     src_ptrs = tuple(pc[2][c] for c in range(k) for pc in pieces)
     dst_stub = (torch.empty(0, dtype=dst_dtype, device=device),) * len(dst_ptrs)
@@ -268,7 +176,7 @@ def _direct_peers(g: Group) -> list[int]:
     L, me = g.local_size, g.rank
     first = me - me % L
     peers = [r for r in range(first, first + L) if r != me]
-    t = g._transports.get("cpu")
+    t = g.existing_transport("cpu")
     if t is not None and t.local_size == g.world_size:
         peers += [r for r in range(me % L, g.world_size, L) if r != me]
     return peers
@@ -279,7 +187,7 @@ def _pieces(runs) -> list[tuple[int, int, int]]:
 
 
 # --------------------------------------------------------------------------- reduce-scatter
-def _prepare_rs(g: Group, t: object, reg: _Regions, plan: ReduceScatterPlan, layout: ShardLayout,
+def _prepare_rs(g: Group, t: object, reg: CrossNode, plan: ReduceScatterPlan, layout: ShardLayout,
                 gptrs: tuple[int, ...], shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
                 device: torch.device) -> list:
     """Per window: node-local pushes, the node-local reduction, each round's messages and
@@ -383,10 +291,10 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     n = me // L
     ring_bytes = staging.nbytes if staging is not None else g.options.ring_bytes
     plan = _rs_plan(layout, topo, ring_bytes, gdt.itemsize, g.options.stages)
-    reg = _regions(g)
+    reg = g.cross_node_layout()
     t.ensure_heap(reg.ag_off)
     if staging is not None:
-        reg = _Regions(reg.net_off, staging.offset, reg.ag_off)
+        reg = dataclasses.replace(reg, rs_off=staging.offset)
     st = _state(g, t)
     gptrs = tuple(x.data_ptr() for x in grads_l)
     shard_ptrs = tuple(x.data_ptr() for x in shards_l)
@@ -394,13 +302,11 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     prep = g.cached(key)
     if prep is None:
         prep = g.cache(key, _prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device))
-    order = _Order(g, t, device, stream, async_op)
+    order = Streams(g, t, device, stream, async_op, whole_on_side=True)
     t = order.t
-    with order.ctx:
+    with order.kernels():
         if not accumulate:  # padding rows of padded shards become zero
-            for x, k in zip(shards_l, layout.shard_numels(me)):
-                if x.numel() > k:
-                    x.view(-1)[k:].zero_()
+            zero_padding(shards_l, layout.shard_numels(me))
         fm, timeout, S = g.flags, g.options.timeout_s, plan.stages
         peers = [n * L + c for c in range(L) if c != me % L]
         net = st.net
@@ -408,10 +314,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         base = g.rs_count
         g.check_in(t, _direct_peers(g))  # this call's identity, before any of its data moves
         if staging is not None:  # nobody writes into a node peer's region before it vacated it
-            e = staging._begin_staging()
-            t.wait_all([fm.vacated(staging.index, d) for d in peers], [e] * len(peers), peers=peers,
-                       timeout_s=timeout, what=f"rank {{peer}} to vacate staging region {staging.key!r} "
-                       f"(use {e}: its staging.vacate())")
+            wait_vacated(t, fm, staging, peers, timeout)
         for w, (pushes, local, rounds, final) in enumerate(prep):
             s, v = w % S, base + w + 1
             if peers:
@@ -437,7 +340,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
             final.launch(scale=scale, accumulate=accumulate, check_addresses=False)
         g.rs_count = base + len(prep)
         if staging is not None:
-            staging._staged(order.stream if order.cuda else None)
+            staging._staged(order.compute)
         st.calls["reduce_scatter"] += 1
         st.last = last
     return order.finish()
@@ -453,7 +356,7 @@ class _PreparedAG:
     pickups: list        # per node peer r: (r, prepared copies from r's block, bytes)
 
 
-def _prepare_ag(g: Group, t: object, reg: _Regions, plan: AllGatherPlan, layout: ShardLayout,
+def _prepare_ag(g: Group, t: object, reg: CrossNode, plan: AllGatherPlan, layout: ShardLayout,
                 pptrs: tuple[int, ...], sptrs: tuple[int, ...], have: tuple[int, ...], zero: int,
                 pdt: torch.dtype, sdt: torch.dtype, device: torch.device) -> _PreparedAG:
     """Every copy list, message and binding of the cross-node all-gather that depends only on
@@ -515,8 +418,8 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     topo = g.topology
     L, N, me = topo.local_size, topo.nodes, g.rank
     es = pdt.itemsize
-    reg = _regions(g)
-    t.ensure_heap(reg.ag_off + _round_up(N * layout.flat_shard_numel * es, 16))
+    reg = g.cross_node_layout()
+    t.ensure_heap(ag_block_end(reg.ag_off, N * layout.flat_shard_numel * es))
     st = _state(g, t)
     net = st.net
     fm, timeout = g.flags, g.options.timeout_s
@@ -532,9 +435,9 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     if prep is None:
         prep = g.cache(key, _prepare_ag(g, t, reg, plan, layout, pptrs, sptrs, have, zero, pdt, sdt, device))
     last = {**{f"ag inter {k}": 0 for k in range(len(plan.node_rounds))}, "ag intra": 0}
-    order = _Order(g, t, device, stream, async_op)
+    order = Streams(g, t, device, stream, async_op, whole_on_side=True)
     t = order.t
-    with order.ctx:
+    with order.kernels():
         g.check_in(t, _direct_peers(g))  # this call's identity, before any of its data moves
         # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
         if pdt == sdt:

@@ -18,8 +18,8 @@ Hand-over protocol, per region and rank (an epoch counts the uses):
   :meth:`HeapRegion.wait_consumed` orders later writes of the owner's own (an all-gather
   into the region) after it.  On the host transport everything is synchronous.
 
-Heap layout of every rank: ``[flags | reduce-scatter ring | regions... | all-gather block]``.
-A region is placed past everything the heap holds when it is created, and the all-gather
+Heap layout of every rank: ``[flags | reduce-scatter ring | regions... | all-gather block]``
+(:mod:`tide_triton.heap`).  A region is placed past everything the heap holds when it is created, and the all-gather
 block moves past the regions, so no byte that a collective may still be using is handed out.
 Create regions before the first all-gather (a block that moved leaves its old bytes unused).
 """
@@ -29,13 +29,10 @@ from typing import Any
 
 import torch
 
+from ._checks import is_int
+from .heap import regions_floor, round_up
+
 __all__ = ["HeapRegion", "heap_region"]
-
-_ALIGN = 4096
-
-
-def _round_up(n: int, m: int = _ALIGN) -> int:
-    return -(-n // m) * m
 
 
 class HeapRegion:
@@ -66,11 +63,11 @@ class HeapRegion:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         item = dtype.itemsize
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % item:
+        if not is_int(offset) or offset < 0 or offset % item:
             raise ValueError(f"offset must be a non-negative multiple of {item}, got {offset!r}")
         if numel is None:
             numel = (self.nbytes - offset) // item
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        if not is_int(numel) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         if offset + numel * item > self.nbytes:
             raise ValueError(f"offset + numel * {item} = {offset + numel * item} exceeds region "
@@ -122,15 +119,13 @@ class HeapRegion:
 
 def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
     """Implementation of :meth:`tide_triton.Group.heap_region` (collective)."""
-    from .collectives import _regions  # the ring's place in the heap
-
     err: BaseException | None = None
     sig: object = None
     dev = None
     try:
         if not isinstance(key, str) or not key:
             raise TypeError(f"key must be a non-empty str, got {key!r}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        if not is_int(nbytes) or nbytes < 1:
             raise ValueError(f"nbytes must be an int >= 1, got {nbytes!r}")
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
@@ -149,17 +144,15 @@ def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
     if have is not None:
         return have
     t = g.transport(dev)
-    reg = _regions(g)
-    # Past the ring, past every region, past whatever the heap holds now (an all-gather
-    # block that a peer may still be reading): agreed, so every rank picks the same offset.
-    fixed = reg.ag_off
-    if g.nodes > 1:  # the cross-node path lays its heap out differently
-        from .hier_collectives import fixed_end
-
-        fixed = max(fixed, fixed_end(g))
-    here = max(fixed, g.heap_regions_end, t.heap_nbytes())
-    offset = _round_up(max(g.exchange(here)))
-    end = _round_up(offset + nbytes)
+    # Past the ring (and the cross-node path's fixed areas), past every region, past whatever
+    # the heap holds now (an all-gather block that a peer may still be reading): agreed, so
+    # every rank picks the same offset.
+    fixed = [g.ring_layout().ag_off]
+    if g.nodes > 1:
+        fixed.append(g.cross_node_layout().end)
+    here = regions_floor(fixed, g.heap_regions_end, t.heap_nbytes())
+    offset = round_up(max(g.exchange(here)))
+    end = round_up(offset + nbytes)
     t.ensure_heap(end)
     g.heap_barrier()
     r = HeapRegion(g, dev, key, len(g._heap_regions), offset, nbytes)

@@ -4,8 +4,9 @@ Reduce-scatter moves rank ``d``'s segment of every gradient from every *other* c
 into ``d``'s receive ring, chunk by chunk (``d`` reads its own contribution in place, from
 its gradients).  The ring has ``stages`` stages of ``local_size - 1`` slots (one per peer);
 a slot holds ``chunk_elems`` elements, chosen so the ring is a fixed number of bytes
-whatever the world size or the layout: more ranks, smaller chunks, same staging.  Chunk ``j`` of destination ``d`` is a list of :class:`Piece` -- contiguous
-runs of ``d``'s real shard elements, packed back to back in the slot.
+whatever the world size or the layout: more ranks, smaller chunks, same staging.
+Chunk ``j`` of destination ``d`` is a list of :class:`Piece` -- contiguous runs of ``d``'s real
+shard elements, packed back to back in the slot.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checks import is_int
 from . import _state, slots, wrappers
 from ._state import GroupState
 from ._torch_adapter import (
@@ -131,13 +132,14 @@ def group_state(pg: Any) -> GroupState | None:
 
 
 # --------------------------------------------------------------------------- public
-def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False, slot_pool: int = 2) -> dict[str, str | None]:
+def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
+           slot_pool: int = 2) -> dict[str, str | None]:
     """Implementation of :func:`tide_triton.fsdp.enable` (``slot_pool``: its SLOT_POOL)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(slot_reuse, bool):
         raise TypeError(f"slot_reuse must be a bool, got {type(slot_reuse).__name__}")
-    if slot_reuse and (isinstance(slot_pool, bool) or not isinstance(slot_pool, int) or slot_pool < 1):
+    if slot_reuse and (not is_int(slot_pool) or slot_pool < 1):
         raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
                          "set it to 2 (default) or more before enable()")
     if group is not None:

@@ -1,5 +1,7 @@
 """Short-lived Triton kernels: all SM-side work of tide_triton (placement, packing,
-bf16 -> fp32 accumulation).  Each launcher has a plain-torch ``*_ref``.
+bf16 -> fp32 accumulation).  Each launcher has a plain-torch ``*_ref``.  The segment engine
+(:mod:`tide_triton.kernels.segments`: :class:`Span`, :class:`SegmentProgram`,
+:class:`Binding`) is public: the executors bind it to heap and tensor addresses.
 
 Without a CUDA device, compiled Triton cannot run at all; the kernels then run on CPU
 tensors through Triton's interpreter.  Triton reads ``TRITON_INTERPRET`` when a kernel is
@@ -13,9 +15,11 @@ _envs.use_interpreter_if_no_gpu()
 from .accumulate import accumulate_shards, accumulate_shards_ref, bind_accumulate_shards  # noqa: E402
 from .pack import bind_pack_shards, pack_shards, pack_shards_ref  # noqa: E402
 from .placement import bind_place_shards, place_shards, place_shards_ref  # noqa: E402
+from .segments import Binding, SegmentProgram, Span  # noqa: E402
 
 __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
+    "Span", "SegmentProgram", "Binding",
 ]

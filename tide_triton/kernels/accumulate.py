@@ -24,8 +24,8 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, check_device
 from .placement import Sources, check_layout, check_max_ctas
+from .segments import Binding, SegmentProgram, Span, check_device
 
 __all__ = ["accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref"]
 
@@ -35,9 +35,9 @@ def _program(layout: ShardLayout, rank: int, flat_src: bool) -> SegmentProgram:
     S = layout.padded_shard_numels
     numels = layout.shard_numels(rank)
     if flat_src:
-        runs = [Run(p, 0, 0, layout.flat_offsets[p], numels[p]) for p in range(len(layout))]
+        runs = [Span(p, 0, 0, layout.flat_offsets[p], numels[p]) for p in range(len(layout))]
     else:
-        runs = [Run(p, 0, p, rank * S[p], numels[p]) for p in range(len(layout))]
+        runs = [Span(p, 0, p, rank * S[p], numels[p]) for p in range(len(layout))]
     return SegmentProgram(
         tuple(runs), n_dst=len(layout), n_src=1 if flat_src else len(layout)
     )

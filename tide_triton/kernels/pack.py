@@ -15,8 +15,8 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, check_device
 from .placement import check_layout, check_max_ctas, check_ranks
+from .segments import Binding, SegmentProgram, Span, check_device
 
 __all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
 
@@ -25,7 +25,7 @@ __all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
 def _program(layout: ShardLayout, ranks: tuple[int, ...]) -> SegmentProgram:
     S, F = layout.padded_shard_numels, layout.flat_shard_numel
     runs = [
-        Run(0, j * F + layout.flat_offsets[p], p, r * S[p], layout.shard_numels(r)[p])
+        Span(0, j * F + layout.flat_offsets[p], p, r * S[p], layout.shard_numels(r)[p])
         for j, r in enumerate(ranks)
         for p in range(len(layout))
     ]

@@ -23,7 +23,7 @@ from .._checks import (
     check_uniform,
 )
 from ..layout import ShardLayout
-from ._segments import Binding, Run, SegmentProgram, check_device
+from .segments import Binding, SegmentProgram, Span, check_device
 
 __all__ = ["place_shards", "bind_place_shards", "place_shards_ref", "Sources"]
 
@@ -79,9 +79,9 @@ def _program(layout: ShardLayout, ranks: tuple[int, ...], flat_src: bool) -> Seg
         for i, r in enumerate(ranks):
             n = layout.shard_numels(r)[p]
             if flat_src:
-                runs.append(Run(p, r * S[p], i, layout.flat_offsets[p], n))
+                runs.append(Span(p, r * S[p], i, layout.flat_offsets[p], n))
             else:
-                runs.append(Run(p, r * S[p], i * P + p, 0, n))
+                runs.append(Span(p, r * S[p], i * P + p, 0, n))
     n_src = len(ranks) * (1 if flat_src else P)
     return SegmentProgram(tuple(runs), n_dst=P, n_src=n_src)
 

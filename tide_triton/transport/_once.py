@@ -5,6 +5,8 @@ import logging
 import threading
 from typing import Any
 
+from ..heap import round_up  # re-exported for the transports: one round_up in the package
+
 __all__ = ["log", "log_once", "describe", "raise_if_failed", "round_up"]
 
 log = logging.getLogger("tide_triton")
@@ -34,6 +36,3 @@ def raise_if_failed(infos: Any, what: str) -> None:
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errs.items()))
         raise RuntimeError(f"{what} failed on rank(s) {sorted(errs)}: {detail}")
 
-
-def round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a

@@ -42,9 +42,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import envs
+from .._checks import is_int
+from . import driver
 from ._once import describe, log_once, raise_if_failed, round_up
 from .driver import CtxGuard, Transaction, check
-from . import driver
 from .handles import FD_PASSING, FdChannel, close_fds
 from .signals import COPY_MODES, SIGNAL_MODES, CopyEngine, HiddenWords, PreparedCopies
 from .views import wrap
@@ -58,7 +59,7 @@ _DRAIN_TIMEOUT_S = 30.0
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -435,7 +436,7 @@ class CudaTransport:
         A no-op (no communication) when the heap is large enough already -- every rank
         calls it with the same ``nbytes``, so every rank makes the same decision."""
         self._check_open()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not is_int(nbytes):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -588,10 +589,10 @@ class CudaTransport:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         item = dtype.itemsize
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % item:
+        if not is_int(offset) or offset < 0 or offset % item:
             raise ValueError(f"offset must be a non-negative multiple of {item} (the size of "
                              f"{dtype}), got {offset!r}")
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        if not is_int(numel) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         nbytes = numel * item
         size = self._mapped_of(rank) - self._words.user_off

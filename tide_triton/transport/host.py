@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..heap import round_up
 from .base import PeerTimeoutError
 
 __all__ = ["HostTransport", "remove_stale_files"]
@@ -38,9 +39,6 @@ _RESERVE_BYTES = 1 << 36  # 64 GiB of address space per heap; only mapped pages 
 _PAGE = mmap.PAGESIZE
 _SEGMENT = 1 << 22  # heaps grow by whole 4 MiB segments
 
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
@@ -134,7 +132,7 @@ class HostTransport:
         self._check_open()
         if 0 < nbytes <= self._size:
             return
-        want = _round_up(max(nbytes, 1), _SEGMENT)
+        want = round_up(max(nbytes, 1), _SEGMENT)
         sizes = self._exchange(max(want, self._size))
         new = max(sizes)
         if new > _RESERVE_BYTES:
@@ -160,7 +158,8 @@ class HostTransport:
         self._check_open()
         nbytes = numel * dtype.itemsize
         if offset < 0 or offset + nbytes > self._size:
-            raise ValueError(f"heap range [{offset}, {offset + nbytes}) outside rank {rank}'s heap of {self._size} bytes")
+            raise ValueError(f"heap range [{offset}, {offset + nbytes}) outside rank {rank}'s heap of "
+                             f"{self._size} bytes")
         if numel == 0:
             return torch.empty(0, dtype=dtype)
         buf = (ctypes.c_char * nbytes).from_address(self._bases[rank] + offset)

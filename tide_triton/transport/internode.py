@@ -35,6 +35,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from ..heap import WIRE_HEADER, round_up, wire_ring_bytes
 from .base import PeerTimeoutError
 from .rma_protocol import LandingRing
 
@@ -44,8 +45,6 @@ __all__ = ["Iov", "Message", "InterNodeTransport", "HostInterNode", "NcclInterNo
 log = logging.getLogger("tide_triton")
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 Iov = Sequence[tuple[int, int]]
@@ -53,7 +52,7 @@ Iov = Sequence[tuple[int, int]]
 Message = tuple[int, Iov]
 """``(peer rank, pieces)``: what one ``sendrecv`` sends to, or receives from, one peer."""
 
-_HEADER = 24  # per slot: (dst << 40 | channel sequence), global sequence, nbytes
+_HEADER = WIRE_HEADER  # per slot: (dst << 40 | channel sequence), global sequence, nbytes
 _CHAN_BITS = 40
 
 
@@ -118,8 +117,8 @@ class HostInterNode:
         self.t, self.rank, self.world_size, self.local_size = t, rank, world_size, local_size
         self.flag_base, self.region_off = flag_base, region_off
         self.chunk_bytes, self.n_slots = chunk_bytes, n_slots
-        self._data_off = region_off + _round_up(n_slots * _HEADER, 64)
-        self._slot_stride = _round_up(chunk_bytes, 64)
+        self._data_off = region_off + round_up(n_slots * _HEADER, 64)
+        self._slot_stride = round_up(chunk_bytes, 64)
         self._g = 0
         self._sent: dict[int, int] = {}
         self._recvd: dict[int, int] = {}
@@ -127,7 +126,7 @@ class HostInterNode:
 
     @staticmethod
     def region_bytes(chunk_bytes: int, n_slots: int) -> int:
-        return _round_up(n_slots * _HEADER, 64) + n_slots * _round_up(chunk_bytes, 64)
+        return wire_ring_bytes(chunk_bytes, n_slots)
 
     def _ready(self, src: int) -> int:
         return self.flag_base + src
@@ -213,11 +212,6 @@ class HostInterNode:
 
 
 # --------------------------------------------------------------------------- per-group state
-def _rail(g: Any) -> tuple[int, ...]:
-    L = g.local_size
-    return tuple(m * L + g.rank % L for m in range(g.nodes))
-
-
 class NcclInterNode:
     """The cross-node hop over NCCL's grouped ``ncclSend`` / ``ncclRecv`` (``inter_node=
     "send_recv"``, and the fallback of ``"auto"``).  This rank's rail (the ranks with its
@@ -233,12 +227,12 @@ class NcclInterNode:
 
     path = "send_recv"
 
-    def __init__(self, g: Any, t: object, comm: object) -> None:
-        self.rank = g.rank
-        self.rail = _rail(g)
+    def __init__(self, rank: int, rail: Sequence[int], comm: object, stream: Any, chunk_bytes: int) -> None:
+        self.rank = rank
+        self.rail = tuple(rail)
         self.comm = comm
-        self.stream = g.side_stream(t.device)  # the stream _Order runs the collective on
-        self.chunk_bytes = g.options.chunk_bytes
+        self.stream = stream  # the stream the executor runs the collective on
+        self.chunk_bytes = chunk_bytes
         self.bytes_sent = self.bytes_received = self.chunks_sent = 0
         self._watch: list[tuple[object, tuple[int, ...], str]] = []
 
@@ -309,9 +303,9 @@ class NcclPutSignalInterNode(NcclInterNode):
 
     path = "put_signal"
 
-    def __init__(self, g: Any, t: object, comm: object, ring: LandingRing, window_addr: int,
-                 window: object) -> None:
-        super().__init__(g, t, comm)
+    def __init__(self, rank: int, rail: Sequence[int], comm: object, stream: Any, chunk_bytes: int, t: object,
+                 ring: LandingRing, window_addr: int, window: object) -> None:
+        super().__init__(rank, rail, comm, stream, chunk_bytes)
         self.t = t
         self.ring = ring
         self.window_addr, self.window = window_addr, window
@@ -338,7 +332,8 @@ class NcclPutSignalInterNode(NcclInterNode):
                 self.puts += 1
             elif kind == "wait":
                 comm.wait_signals({op[1]: op[2]}, s)
-                self._watch_after((self.rail[op[1]],), f"its ncclPutSignal/ncclSignal in {what or 'the inter-node hop'}")
+                self._watch_after((self.rail[op[1]],),
+                                  f"its ncclPutSignal/ncclSignal in {what or 'the inter-node hop'}")
             elif kind == "signal":
                 comm.signal(op[1], s)
             elif kind == "pack":  # my pieces into my send ring
@@ -359,8 +354,11 @@ _fallback_logged = False
 _fallback_lock = threading.Lock()
 
 
-def nccl_hop(g: Any, t: object) -> NcclInterNode:
-    """The rail communicator and the hop over it that ``g.options.inter_node`` asks for.
+def nccl_hop(t: Any, rank: int, rail: Sequence[int], exchange: Any, stream: Any, *, inter_node: str,
+             nccl_library: str | None, chunk_bytes: int, inflight_chunks: int) -> NcclInterNode:
+    """The communicator over ``rail`` (the ranks on every node with this rank's local rank)
+    and the hop over it that ``inter_node`` asks for, running on ``stream`` (the executor's);
+    ``exchange(obj)``: every rank's ``obj``, collective over the whole group.
     Collective over the group, in phases separated by exchanges so that every rank takes the
     same path and none is left inside a collective NCCL call its peers never make: (1) every
     rank's request and local obstacles -- the library's features, allocating its window
@@ -370,13 +368,12 @@ def nccl_hop(g: Any, t: object) -> NcclInterNode:
     global _fallback_logged
     from . import nccl
 
-    want = g.options.inter_node
-    o = g.options
-    lib = nccl.load(o.nccl_library)
-    comm = nccl.NcclComm(lib, _rail(g), g.rank, g.exchange, device_index=t.device.index)
+    want = inter_node
+    lib = nccl.load(nccl_library)
+    comm = nccl.NcclComm(lib, tuple(rail), rank, exchange, device_index=t.device.index)
     v = ".".join(map(str, lib.version))
-    ring = LandingRing(o.chunk_bytes, o.inflight_chunks)
-    nbytes = _round_up(ring.window_bytes, 2 << 20)  # landing + send ring, whole VMM granules
+    ring = LandingRing(chunk_bytes, inflight_chunks)
+    nbytes = round_up(ring.window_bytes, 2 << 20)  # landing + send ring, whole VMM granules
     why, addr = None, None
     if want != "send_recv":
         if not lib.features.rma_landing:
@@ -387,26 +384,26 @@ def nccl_hop(g: Any, t: object) -> NcclInterNode:
                 addr = comm.mem_alloc(nbytes)
             except Exception as e:  # noqa: BLE001 -- reported to every rank below
                 why = f"NCCL {v}: {e}"
-    asked = g.exchange((want, why))
+    asked = exchange((want, why))
     odd = next((r for r, (w, _) in enumerate(asked) if w != want), None)
     if odd is not None:
         comm.close()
-        raise ValueError(f"GroupOptions.inter_node differs between ranks: rank {g.rank} has {want!r}, "
+        raise ValueError(f"GroupOptions.inter_node differs between ranks: rank {rank} has {want!r}, "
                          f"rank {odd} has {asked[odd][0]!r}")
     if want == "send_recv":
-        return NcclInterNode(g, t, comm)
+        return NcclInterNode(rank, rail, comm, stream, chunk_bytes)
     whys = [w for _, w in asked]
     window = None
     if not any(whys):
         try:
             window = comm.register_window(addr, nbytes)
-            stream = int(g.side_stream(t.device).cuda_stream)
+            handle = int(stream.cuda_stream)
             for i in range(len(comm.members)):
                 if i != comm.index:
-                    comm.signal(i, stream)  # a first signal: RMA works between us (counted below)
+                    comm.signal(i, handle)  # a first signal: RMA works between us (counted below)
         except Exception as e:  # noqa: BLE001 -- reported to every rank below
             why = f"NCCL {v}: {e}"
-        whys = g.exchange(why)
+        whys = exchange(why)
     bad = next((r for r, w in enumerate(whys) if w), None)
     if bad is not None:
         if want == "put_signal":
@@ -417,8 +414,8 @@ def nccl_hop(g: Any, t: object) -> NcclInterNode:
         if first:  # windows and first signals already made stay unused until close()
             log.warning('inter_node="auto" falls back to ncclSend/ncclRecv (their kernels use SMs): rank %d: %s',
                         bad, whys[bad])
-        return NcclInterNode(g, t, comm)
+        return NcclInterNode(rank, rail, comm, stream, chunk_bytes)
     for i in range(len(comm.members)):  # the first signals are the peers' first events
         if i != comm.index:
             ring.base[i] = 1
-    return NcclPutSignalInterNode(g, t, comm, ring, addr, window)
+    return NcclPutSignalInterNode(rank, rail, comm, stream, chunk_bytes, t, ring, addr, window)

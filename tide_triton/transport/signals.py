@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import envs
+from .._checks import is_int
 from ..errors import PeerTimeoutError
 from ._once import log_once, round_up
 from .driver import CtxGuard, CudaError, Transaction, check, driver_version
@@ -80,7 +81,7 @@ class PreparedCopies:
 
 
 def _check_value(value: Any, name: str = "value") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+    if not is_int(value) or not 0 <= value < 1 << 63:
         raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
 
 
@@ -134,11 +135,11 @@ class CopyEngine:
 
     # ---- checks ---------------------------------------------------------------------------
     def check_rank(self, name: str, rank: Any) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.local_size:
+        if not is_int(rank) or not 0 <= rank < self.local_size:
             raise ValueError(f"{name} must be an int in [0, {self.local_size}), got {rank!r}")
 
     def check_slot(self, slot: Any) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_flags:
+        if not is_int(slot) or not 0 <= slot < self.n_flags:
             raise ValueError(f"slot must be an int in [0, {self.n_flags}), got {slot!r}")
 
     def flag_addr(self, rank: int, slot: int) -> int:

@@ -1,0 +1,128 @@
+"""What every executor shares: the :class:`Work` handle, the stream policy, the zeroing of
+padding rows and the wait for a staging region's hand-over.
+
+The executors -- node-local (:mod:`tide_triton.collectives`) and cross-node
+(:mod:`tide_triton.hier_collectives`) -- run a collective the API has already validated and
+agreed; they address the heap through :mod:`tide_triton.heap` and move bytes through the
+group's transport.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Work", "Streams", "zero_padding", "wait_vacated"]
+
+
+class Work:
+    """Handle of a collective.  ``wait()`` makes the current stream wait for it (a no-op
+    for the host transport, whose work is complete when the call returns)."""
+
+    def __init__(self, event: object = None) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+class _OnStream:
+    """The transport with every copy, signal and wait on ``stream``."""
+
+    def __init__(self, t: object, stream: object) -> None:
+        self.t, self.stream = t, stream
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.t, name)
+
+    def copy(self, *a: object, **k: object) -> None:
+        self.t.copy(*a, stream=self.stream, **k)
+
+    def copy_prepared(self, *a: object, **k: object) -> None:
+        self.t.copy_prepared(*a, stream=self.stream, **k)
+
+    def signal(self, *a: object, **k: object) -> None:
+        self.t.signal(*a, stream=self.stream, **k)
+
+    def signal_all(self, *a: object, **k: object) -> None:
+        self.t.signal_all(*a, stream=self.stream, **k)
+
+    def wait(self, *a: object, **k: object) -> None:
+        self.t.wait(*a, stream=self.stream, **k)
+
+    def wait_all(self, *a: object, **k: object) -> None:
+        self.t.wait_all(*a, stream=self.stream, **k)
+
+
+class Streams:
+    """Where a collective's work goes.  Host: everything is synchronous, in program order.
+
+    CUDA: SM work (the Triton sums and casts, under :meth:`kernels`) runs on ``compute``:
+    the caller's ``stream`` (default: the current stream), or -- with ``async_op`` or
+    ``whole_on_side`` -- the group's side stream (:meth:`Group.side_stream`), after the work
+    already on the caller's stream.  Copies and flags go on the transport's copy-engine
+    stream (node-local executor), or, with ``whole_on_side`` (cross-node executor: node-local
+    copies, flags, sums and NCCL groups in one program order), on ``compute`` as well:
+    :attr:`t` is then the transport bound to it.  Not the transport's own copy stream for
+    everything: torch work on it (allocations, kernel tables) would be recorded against a
+    stream the transport destroys at close, and torch's allocator then fails freeing those
+    blocks (seen on the H200 as ``cudaErrorContextIsDestroyed`` after ``Group.close()``).
+
+    :meth:`finish`: with ``async_op`` the returned :class:`Work` carries an event on
+    ``compute`` (the caller keeps the tensors alive until ``wait()``); otherwise the caller's
+    stream waits for ``compute`` when they differ."""
+
+    def __init__(self, g: Any, t: Any, device: torch.device, stream: object, async_op: bool, *,
+                 whole_on_side: bool = False) -> None:
+        self.cuda = device.type == "cuda"
+        self.async_op = async_op
+        self.t = t
+        self.user = self.compute = None
+        if self.cuda:
+            self.user = stream if stream is not None else torch.cuda.current_stream(device)
+            if async_op or whole_on_side:
+                self.compute = g.side_stream(device)
+                self.compute.wait_stream(self.user)
+            else:
+                self.compute = self.user
+            if whole_on_side:
+                self.t = _OnStream(t, self.compute)
+
+    def kernels(self):
+        """Context for SM work: on ``compute`` (GPU)."""
+        return torch.cuda.stream(self.compute) if self.cuda else nullcontext()
+
+    def finish(self) -> Work:
+        if not self.cuda:
+            return Work()
+        if self.async_op:
+            ev = torch.cuda.Event()
+            ev.record(self.compute)
+            return Work(ev)
+        if self.compute is not self.user:
+            self.user.wait_stream(self.compute)
+        return Work()
+
+
+def zero_padding(shards: Sequence[torch.Tensor], real_numels: Sequence[int]) -> None:
+    """Padding rows of padded shards become zero (the elements past each shard's real ones);
+    on the current stream."""
+    for x, n in zip(shards, real_numels):
+        if x.numel() > n:
+            x.view(-1)[n:].zero_()
+
+
+def wait_vacated(t: Any, flags: Any, staging: Any, peers: Sequence[int], timeout_s: float) -> None:
+    """Slot-Reuse: count a new use of ``staging`` and wait until every rank of ``peers`` has
+    vacated its copy that many times -- nobody writes into a peer's region before the peer
+    handed it over (:meth:`HeapRegion.vacate`)."""
+    e = staging._begin_staging()
+    peers = list(peers)
+    t.wait_all([flags.vacated(staging.index, d) for d in peers], [e] * len(peers), peers=peers,
+               timeout_s=timeout_s, what=f"rank {{peer}} to vacate staging region {staging.key!r} "
+               f"(use {e}: its staging.vacate())")

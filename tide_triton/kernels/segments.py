@@ -1,0 +1,394 @@
+"""The segment engine (public part of :mod:`tide_triton.kernels`): the cached tables that
+drive the one segmented kernel, for the launchers here and the executors above.
+
+A *span* (:class:`Span`) copies (or reduces) ``numel`` contiguous elements from source slot ``src_idx`` at
+element ``src_off`` to destination slot ``dst_idx`` at element ``dst_off``.  Runs are cut
+into tiles of at most ``tile_numel`` elements so a bounded grid balances big and small
+parameters alike.  The tile table depends only on the layout, so it is built once and kept
+on every device it is used on; the pointer tables (addresses of the tensors of one call)
+are cached by address, so a call with the same tensors as an earlier one sends nothing to
+the device.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+import triton.language as tl
+from triton import knobs as _knobs
+
+from .. import envs
+from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
+
+__all__ = ["Span", "SegmentProgram", "Binding", "launch_config", "interpreting"]
+
+_TL_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+}
+
+# Pointer tables kept per program (distinct address sets seen): enough for double
+# buffering and a handful of parameter groups sharing a layout.
+_POINTER_CACHE_SIZE = 16
+_INTERPRETER_LOCK = threading.Lock()
+_JIT_LAUNCH = envs.launch_mode() == "jit"
+"""Diagnostics: ``TIDE_TRITON_LAUNCH=jit`` launches through Triton's JIT entry point."""
+_COMPILED: dict = {}  # specialisation -> loaded CompiledKernel (see Binding.prepare)
+_COMPILED_LOCK = threading.Lock()
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return envs.triton_interpret()
+
+
+@dataclass(frozen=True)
+class Span:
+    """``numel`` contiguous elements from ``src[src_idx][src_off:]`` to ``dst[dst_idx][dst_off:]``."""
+
+    dst_idx: int
+    dst_off: int
+    src_idx: int
+    src_off: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block: int
+    """Elements per inner step of a program."""
+    num_warps: int
+
+
+def launch_config(dst_dtype: torch.dtype, k: int) -> LaunchConfig:
+    """Launch settings for a segmented copy/reduce (``k`` sources per element).
+
+    Measured on the H200 (bench/sweep_launch.py, bench/NOTES.md):
+    * copies (k = 1): BLOCK=8192, 16 warps -- same 91-92% of the copy ceiling as 2048/8 on
+      Llama-3.1-70B, and 83% vs 75% on Qwen3's W=64 shards (24 Ki-element runs), where
+      fewer, larger steps amortise each tile's table reads;
+    * reductions (k > 1): BLOCK=2048, 8 warps -- 8 elements per thread per source (one
+      16 B bf16 vector), 90.5% at K=8 on Llama W=8, 83% at W=64; 8192/16 drops to 76%/57%.
+    """
+    del dst_dtype
+    if interpreting():
+        # The interpreter runs programs one by one in numpy: small blocks keep test sizes
+        # cheap while still exercising many-block, many-tile paths.
+        return LaunchConfig(block=64, num_warps=1)
+    if k == 1:
+        return LaunchConfig(block=8192, num_warps=16)
+    return LaunchConfig(block=2048, num_warps=8)
+
+
+@lru_cache(maxsize=None)
+def _sm_count() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132  # an H100/H200
+
+
+def tile_numel_for(total_numel: int) -> int:
+    """Largest piece of a run one program takes at a time.
+
+    Enough tiles for ~8 per SM (small outputs -- a W=64 shard -- still fill the GPU), but
+    no fewer than 4 blocks per tile nor more than 64 (a Llama-3.1-70B layer: ~6.5 K tiles),
+    a power of two times the block.
+    """
+    if interpreting():
+        return 256
+    block = launch_config(torch.float32, 2).block
+    want = max(1, total_numel // (8 * _sm_count()))
+    tile = block * 4
+    while tile * 2 <= want and tile < block * 64:
+        tile *= 2
+    return tile
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
+    """Copy a small host table to ``device`` without a host sync: pinned memory, a
+    non-blocking copy on the current stream, and an event that other streams wait on
+    before their first use (see :meth:`Binding.launch`)."""
+    if device.type != "cuda":
+        return host, None
+    table = host.pin_memory().to(device, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return table, event
+
+
+def check_device(name: str, device: torch.device) -> None:
+    """The kernels run on CUDA tensors, or on CPU tensors through the interpreter."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return
+    want = "a CUDA device" + (" (or the CPU under TRITON_INTERPRET=1)" if device.type == "cpu" else "")
+    raise ValueError(f"{name} must be on {want}, got {device}")
+
+
+def _alignment(values: Sequence[int], cap: int = 16) -> int:
+    """Largest power of two <= cap dividing every value (bytes)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+        if g == 1:
+            return 1
+    if g == 0:
+        return cap
+    a = 1
+    while a < cap and g % (a * 2) == 0:
+        a *= 2
+    return a
+
+
+@dataclass(eq=False)
+class SegmentProgram:
+    """The tile table for a fixed set of runs, cached on each device it is used on."""
+
+    runs: tuple[Span, ...]
+    n_dst: int
+    n_src: int
+    tile_numel: int = 0
+    """0: chosen from the total size by :func:`tile_numel_for`."""
+    tiles: torch.Tensor = field(init=False, repr=False)
+    total_numel: int = field(init=False)
+    _dst_off_gcd: int = field(init=False, repr=False)
+    _src_off_gcd: int = field(init=False, repr=False)
+    _device_tiles: dict = field(default_factory=dict, init=False, repr=False)
+    _pointer_cache: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rows: list[tuple[int, int, int, int, int]] = []
+        if self.tile_numel <= 0:
+            self.tile_numel = tile_numel_for(sum(r.numel for r in self.runs if r.numel > 0))
+        step = self.tile_numel
+        dst_offs: list[int] = []
+        src_offs: list[int] = []
+        for r in self.runs:
+            if r.numel <= 0:
+                continue
+            for start in range(0, r.numel, step):
+                n = min(step, r.numel - start)
+                rows.append((r.dst_idx, r.dst_off + start, r.src_idx, r.src_off + start, n))
+            dst_offs.append(r.dst_off)
+            src_offs.append(r.src_off)
+        self.tiles = torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, TILE_FIELDS)
+        self.total_numel = sum(r.numel for r in self.runs if r.numel > 0)
+        # Offsets in elements; tiles start at run offsets plus multiples of tile_numel.
+        self._dst_off_gcd = math.gcd(*dst_offs, step) if dst_offs else 0
+        self._src_off_gcd = math.gcd(*src_offs, step) if src_offs else 0
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.tiles.shape[0])
+
+    def tiles_on(self, device: torch.device) -> tuple[torch.Tensor, object]:
+        """The tile table on ``device`` and the event its upload recorded."""
+        hit = self._device_tiles.get(device)
+        if hit is None:
+            hit = _upload(self.tiles, device)
+            self._device_tiles[device] = hit
+        return hit
+
+    def pointer_tables(
+        self, device: torch.device, dst_ptrs: tuple[int, ...], src_ptrs: tuple[int, ...],
+        dst_elem: int, src_elem: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, object]:
+        """Device tables of destination and source addresses (cached by address), the
+        byte alignment every tile's destination and source address is known to have, and
+        the event the upload recorded."""
+        key = (device, dst_ptrs, src_ptrs, dst_elem, src_elem)
+        with self._lock:
+            hit = self._pointer_cache.get(key)
+            if hit is not None:
+                self._pointer_cache.move_to_end(key)
+                return hit
+        table, event = _upload(torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64, device="cpu"), device)
+        dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
+        src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
+        hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event)
+        with self._lock:
+            self._pointer_cache[key] = hit
+            while len(self._pointer_cache) > _POINTER_CACHE_SIZE:
+                self._pointer_cache.popitem(last=False)
+        return hit
+
+
+@dataclass(eq=False)
+class Binding:
+    """A program bound to concrete tensors: launching it costs one kernel launch.
+
+    Holds references to its tensors (they cannot be freed under it) and re-reads their
+    addresses at launch when ``check_addresses`` is set, so storage that was resized in
+    place (FSDP2 frees unsharded parameters with ``storage.resize_(0)``) is caught
+    instead of written through a stale pointer.
+    """
+
+    program: SegmentProgram
+    dsts: tuple[torch.Tensor, ...]
+    srcs: tuple[torch.Tensor, ...]
+    k: int
+    max_ctas: int | None
+    known_ptrs: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False)
+    """(dst addresses, src addresses) when the caller already read them (one read per call
+    for many bindings over the same tensors, as the reduce-scatter's chunks are)."""
+    dst_ptrs: tuple[int, ...] = field(init=False, repr=False)
+    src_ptrs: tuple[int, ...] = field(init=False, repr=False)
+    _tables: tuple = field(init=False, repr=False)
+    _static: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._grid = (0,)
+        if self.program.n_tiles == 0:
+            self.dst_ptrs, self.src_ptrs = (), ()
+            return
+        if len(self.dsts) != self.program.n_dst or len(self.srcs) != self.k * self.program.n_src:
+            raise ValueError(
+                f"binding needs {self.program.n_dst} destinations and {self.k} x "
+                f"{self.program.n_src} sources, got {len(self.dsts)} and {len(self.srcs)}"
+            )
+        if self.known_ptrs is not None:
+            self.dst_ptrs, self.src_ptrs = self.known_ptrs
+        else:
+            self.dst_ptrs = tuple(map(torch.Tensor.data_ptr, self.dsts))
+            self.src_ptrs = tuple(map(torch.Tensor.data_ptr, self.srcs))
+        dst0, src0 = self.dsts[0], self.srcs[0]
+        device = dst0.device
+        check_device("the tensors", device)
+        dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
+            device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
+        )
+        tiles, tile_event = self.program.tiles_on(device)
+        cfg = launch_config(dst0.dtype, self.k)
+        n_tiles = self.program.n_tiles
+        grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
+        self._tables = (tiles, dst_tbl, src_tbl)
+        self._cuda = device.type == "cuda"
+        self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
+        self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
+        self._streams_seen: set = set()
+        self._compiled: dict = {}
+        self._same_dtype = src0.dtype == dst0.dtype
+        self._static = dict(
+            K=self.k,
+            SRC_DTYPE=getattr(tl, _TL_DTYPES[src0.dtype]),
+            DST_DTYPE=getattr(tl, _TL_DTYPES[dst0.dtype]),
+            SRC_ALIGN=src_align,
+            DST_ALIGN=dst_align,
+            SOFT=interpreting(),
+            BLOCK=cfg.block,
+            num_warps=cfg.num_warps,
+        )
+        if not interpreting():
+            # No fused multiply-add: ``scale * sum + old`` rounds twice, like the reference.
+            self._static["enable_fp_fusion"] = False
+        self._grid = (grid,)
+        self._n_iters = -(-n_tiles // grid)
+
+    def addresses_unchanged(self) -> bool:
+        if self.program.n_tiles == 0:
+            return True
+        return (
+            tuple(map(torch.Tensor.data_ptr, self.dsts)) == self.dst_ptrs
+            and tuple(map(torch.Tensor.data_ptr, self.srcs)) == self.src_ptrs
+        )
+
+    def launch(
+        self, *, scale: float | None = None, accumulate: bool = False, check_addresses: bool = True,
+    ) -> None:
+        """Enqueue the kernel on the current stream of the destinations' device:
+        ``dst = [dst +] scale * sum_k src_k`` over every tile."""
+        if self.program.n_tiles == 0:
+            return
+        if check_addresses and not self.addresses_unchanged():
+            raise RuntimeError(
+                "a tensor of this binding moved since it was bound (storage resized or "
+                "replaced); bind the tensors again"
+            )
+        key = self._variant(scale, accumulate)
+        has_scale, accumulate, raw = key
+        args = self._args(scale)
+        if not self._cuda:
+            # The interpreter keeps global state per launch: one launch at a time (threads
+            # of the single-process multi-rank mode launch concurrently).
+            with _INTERPRETER_LOCK:
+                segmented_reduce_kernel[self._grid](
+                    *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
+                )
+            return
+        stream = torch.cuda.current_stream(self.dsts[0].device)
+        if stream != self._upload_stream and stream not in self._streams_seen:
+            # First launch on another stream: wait for the table uploads, and keep the
+            # tables' memory from being reused before this stream is done with them.
+            for event in self._events:
+                stream.wait_event(event)
+            for t in self._tables:
+                t.record_stream(stream)
+            self._streams_seen.add(stream)
+        if _JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
+            segmented_reduce_kernel[self._grid](
+                *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static)
+            return
+        compiled = self._compiled.get(key)
+        if compiled is None:  # first launch of this variant: compile or load, then run directly
+            self.prepare(scale=scale, accumulate=accumulate)
+            compiled = self._compiled[key]
+        kernel, consts = compiled
+        s = stream.cuda_stream
+        all_args = args + consts
+        kernel.run(self._grid[0], 1, 1, s, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self._grid, s, *all_args),
+                   _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *all_args)
+
+    def prepare(self, *, scale: float | None = None, accumulate: bool = False) -> None:
+        """Compile and load the kernel variant ``launch`` will use, without launching.
+
+        Loading a module (like allocating pinned memory) may synchronise the whole device.
+        Ranks driven from one process (the single-process mode) must do all of that before
+        they enqueue waits on each other's flags, or a sync can wait on a stream that waits
+        on a peer whose thread is itself stuck in a sync."""
+        if self.program.n_tiles == 0 or not self._cuda:
+            return
+        key = self._variant(scale, accumulate)
+        if key in self._compiled:
+            return
+        has_scale, acc, raw = key
+        args = self._args(scale)
+        # What Triton specialises a compiled kernel on (and the device it is loaded on): the
+        # constexprs, each table's 16-byte alignment, and each int's ``== 1`` / ``% 16 == 0``.
+        # Bindings that agree share one compiled kernel, found without Triton's JIT lookup.
+        spec = (self.dsts[0].device.index, tuple(sorted((k, str(v)) for k, v in self._static.items())), key,
+                tuple(t.data_ptr() % 16 == 0 for t in args[:3]),
+                tuple((v == 1, v % 16 == 0, v >= 1 << 31) for v in args[3:6]))
+        with _COMPILED_LOCK:
+            kernel = _COMPILED.get(spec)
+        if kernel is None:
+            # Later launches call the compiled kernel directly, skipping Triton's per-launch
+            # argument binding and specialisation (~30 us of host time).
+            kernel = segmented_reduce_kernel.warmup(
+                *args, grid=self._grid, HAS_SCALE=has_scale, ACCUMULATE=acc, RAW=raw, **self._static)
+            kernel._init_handles()
+            with _COMPILED_LOCK:
+                _COMPILED[spec] = kernel
+        self._compiled[key] = (kernel, self._constexpr_values(*key))
+
+    def _variant(self, scale: float | None, accumulate: bool) -> tuple[bool, bool, bool]:
+        """(HAS_SCALE, ACCUMULATE, RAW): the compile-time switches of one launch."""
+        has_scale = scale is not None
+        raw = self.k == 1 and self._same_dtype and not has_scale and not accumulate
+        return has_scale, bool(accumulate), raw
+
+    def _args(self, scale: float | None) -> tuple:
+        tiles, dst_tbl, src_tbl = self._tables
+        return (tiles, dst_tbl, src_tbl, self.program.n_tiles, self._n_iters, self.program.n_src,
+                1.0 if scale is None else float(scale))
+
+    def _constexpr_values(self, has_scale: bool, accumulate: bool, raw: bool) -> tuple:
+        st = self._static
+        return (st["K"], st["SRC_DTYPE"], st["DST_DTYPE"], has_scale, accumulate, raw,
+                st["SRC_ALIGN"], st["DST_ALIGN"], st["SOFT"], st["BLOCK"])
