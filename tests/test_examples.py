@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
+@pytest.fixture(autouse=True)
+def _cpu_examples_need_the_interpreter() -> None:
+    """The examples' CPU runs launch the kernels through Triton 3.6's interpreter, which needs
+    numpy < 2.4 (the CPU pins); a GPU machine's image may carry a newer numpy."""
+    import numpy
+
+    if torch.cuda.is_available() and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        pytest.skip(f"CPU example runs need Triton's interpreter, which needs numpy < 2.4 "
+                    f"(numpy {numpy.__version__} here)")
+
+
 def _run(args: list[str], *, torchrun: int | None = None, timeout: float = 180) -> str:
     """Run an example; return its stdout + stderr, failing the test (with the output) on a
     non-zero exit.  ``torchrun``: that many processes through ``python -m torch.distributed.run``."""

@@ -266,7 +266,7 @@ def _rs_on(g, layout, shapes, rank, dev, kind):
 @pytest.mark.parametrize("kind", _DEVICES)
 @pytest.mark.parametrize("agree", ["always", "first"])
 def test_interrupted_collective_leaves_no_stale_data(kind: str, agree: str) -> None:
-    out = run_multiprocess(_interrupted, 2, kind, agree, timeout=180)
+    out = run_multiprocess(_interrupted, 2, kind, agree, timeout=300)
     r0, r1 = out
     assert r0["first"] == r1["first"] == "ok [3.0]", out
     assert "injected transport failure" in r1["interrupted"], r1

@@ -232,7 +232,8 @@ def simulation_table(rows: Sequence[dict]) -> str:
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in rs_:
             out.append(
-                f"| {r['world_size']} | {r['topology']} | {r['ag_rounds_inter']}+{r['ag_rounds'] - r['ag_rounds_inter']}"
+                f"| {r['world_size']} | {r['topology']} | "
+                f"{r['ag_rounds_inter']}+{r['ag_rounds'] - r['ag_rounds_inter']}"
                 f" ({r['ag_scheme']}) | {_mib(r['ag_inter_bytes'])} | {_mib(r['nccl_ag_bus_bytes'])} / "
                 f"{_mib(r['nccl_ag_per_nic_bytes'])} | {r['ag_chunks']} | {_mib(r['ag_inflight_bytes'])} | "
                 f"{_mib(r['ag_staging_bytes'])} | {_mib(r['fsdp2_ag_buffer_bytes'])} | {_ok(r)} |")
@@ -333,7 +334,8 @@ def _finish(fig, axes_time, axes_bw, rows: Sequence[dict], path: str, title: str
     handles = [Line2D([], [], color=_COLORS[i % len(_COLORS)], lw=3, label=m) for i, m in enumerate(models)]
     handles += [Line2D([], [], color="0.3", ls=ls, marker=mk, label=lab) for lab, ls, mk in styles]
     if any(line.get_linestyle() == ":" for ax in axes_bw for line in ax.get_lines()):
-        handles.append(Line2D([], [], color="black", ls=":", lw=1, label="device-copy ceiling (measured in the run that recorded it)"))
+        handles.append(Line2D([], [], color="black", ls=":", lw=1,
+                              label="device-copy ceiling (measured in the run that recorded it)"))
     fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
     prov = _provenance(rows)
     nprov = len(prov.splitlines())

@@ -350,7 +350,7 @@ class _ScatterState:
             S = dec.S[p]
             bounds = sorted({0, S} | self._reals(p))
             rects = []
-            for x, y in zip(bounds, bounds[1:]):
+            for _x, y in zip(bounds, bounds[1:]):
                 m = dec.ge_mask(p, y)
                 rects.append([[m, 1 << h]] if m else [])
             s = self.st[(h, p)] = (bounds, rects)
