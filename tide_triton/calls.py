@@ -1,0 +1,289 @@
+"""Collective calls of a group and their identity: what keeps two ranks from ever pairing
+different calls (see docs/errors.md).
+
+* :class:`Call` -- one collective call: numbered (every rank counts the same calls),
+  refused on a broken group or from a second thread, and on an error it publishes the abort
+  to the peers and, once data may have moved, marks the group broken.
+* :class:`CallIdentity` -- the group's side of it (a mixin of
+  :class:`~tide_triton.group.Group`): ``check_in`` tells the peers a call's identity (call
+  number and signature fingerprint, two flag words per rank by call parity) before any of
+  its data moves and checks theirs; aborts published in the bootstrap store and in flag
+  words; the explanation of a GPU timeout from them.
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any, Sequence
+
+from .bootstrap import Abort
+from .errors import ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError
+
+__all__ = ["Call", "CallIdentity", "describe", "sig32", "check_same"]
+
+log = logging.getLogger("tide_triton")
+
+
+class CallIdentity:
+    """Call identity, aborts and the broken state of a group (mixed into ``Group``, whose
+    attributes it uses: ``rank``, ``world_size``, ``flags``, ``options``, ``_exchange``,
+    ``_transports``, ``_call``, ``_seq``, ``_keys``, ``_sig_names``, ``_broken``)."""
+
+    def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+            log.error("tide_triton group (rank %d of %d) is broken: %s", self.rank, self.world_size, why)
+
+    def _peer_abort(self, r: int, seq: int) -> Abort | None:
+        a = self._exchange.abort_of(r)
+        return a if a is not None and a.call >= seq else None
+
+    def _raise_abort(self, r: int, a: Abort) -> None:
+        if a.kind == "argument":
+            raise PeerArgumentError(r, a.message)
+        raise PeerAbortedError(r, a.call, a.message)
+
+    def _check_aborts(self, ranks: Sequence[int]) -> None:
+        """Raise for the first of ``ranks`` that published an abort of this call or later."""
+        c = self._call
+        if c is None:
+            return
+        for r in ranks:
+            a = self._peer_abort(r, c.seq)
+            if a is not None:
+                self._raise_abort(r, a)
+
+    def explain_timeout(self, e: BaseException, since: int) -> Exception | None:
+        """For a timeout on a GPU wait: the error of a peer that published an abort of call
+        ``since`` or later (its reason, instead of "timed out"), or a peer whose call
+        identity differs from this rank's (``ArgumentMismatchError`` naming both calls), or
+        None."""
+        for seq in range(max(since, 1), self._seq + 1):
+            mine = self._keys.get(seq)
+            if mine is None:
+                continue
+            for t in list(self._transports.values()):
+                if not hasattr(t, "wait_all_equal"):
+                    continue
+                first = getattr(t, "first", 0)
+                for i in range(t.local_size):
+                    r = first + i
+                    if r == self.rank:
+                        continue
+                    try:
+                        got = t.read_flag(self.flags.call(seq % 2, r))
+                    except Exception:  # noqa: BLE001 -- diagnosis only
+                        continue
+                    if got >> 32 == seq and got != mine[0]:
+                        self._break(f"ranks {self.rank} and {r} made different collectives as call #{seq}")
+                        sig = got & 0xFFFFFFFF
+                        theirs = self._sig_names.get(sig, f"a signature this rank has not seen (hash {sig:#010x})")
+                        return ArgumentMismatchError(
+                            f"ranks {self.rank} and {r} made different collectives as call #{seq} of this group: "
+                            f"rank {self.rank}: {mine[1]}; rank {r}: {theirs}")
+        # A timeout that names its peer is explained by that peer's abort only: the others
+        # may have aborted because of the same missing rank, and it is the one to blame.
+        named = getattr(e, "peer", None)
+        for r in ([named] if isinstance(named, int) else range(self.world_size)):
+            if r == self.rank:
+                continue
+            a = self._peer_abort(r, since)
+            if a is not None:
+                self._break(f"rank {r} abandoned call #{a.call}: {a.message}")
+                return PeerArgumentError(r, a.message) if a.kind == "argument" else \
+                    PeerAbortedError(r, a.call, a.message)
+        return None
+
+    def _watch_flags(self, t: Any, seq: int) -> Any:
+        """A poll hook for the host transport's waits: raises once the peer waited for has
+        published an abort of this call (its abort flag) -- within one poll, not a timeout."""
+        slot = self.flags.abort
+
+        def watch(peer: int) -> None:
+            if t.read_flag(slot(peer)) >= seq:
+                a = self._peer_abort(peer, seq) or Abort((seq, "failed", "its call failed"))
+                self._raise_abort(peer, a)
+        return watch
+
+    def check_in(self, t: Any, peers: Sequence[int]) -> None:
+        """Before any data of the current call moves between this rank and ``peers``
+        (ranks of ``t``): tell them this call's identity (call number and signature) and
+        check theirs is the same.  A peer in another call raises
+        ``ArgumentMismatchError`` naming both calls; a peer that abandoned this call raises
+        its error.  On the host the check is done here; on CUDA the copy stream waits for
+        exactly the expected identity (a mismatch surfaces as a stuck wait, named by
+        :func:`tide_triton.synchronize` or the pacing)."""
+        c = self._call
+        if c is None:
+            raise RuntimeError("internal error: check_in outside a collective call")
+        peers = list(peers)
+        c.watch(t)
+        fm = self.flags
+        key = c.key
+        slot = fm.call(c.seq % 2, self.rank)
+        cuda = getattr(t, "device", None) is not None and t.device.type == "cuda"
+        if cuda and not hasattr(t, "wait_all_equal"):
+            c.moving = True
+            return  # a transport without exact waits: the identity is agreed by the exchange only
+        t.signal_all(peers, [slot] * len(peers), [key] * len(peers))
+        if cuda:
+            t.wait_all_equal([fm.call(c.seq % 2, p) for p in peers], [key] * len(peers), peers=peers,
+                             timeout_s=self.options.timeout_s, what=f"rank {{peer}} to enter call #{c.seq} "
+                             f"({c.name})")
+            c.moving = True
+            return
+        for p in peers:
+            ps = fm.call(c.seq % 2, p)
+            t.wait(ps, key & ~0xFFFFFFFF, peer=p, timeout_s=self.options.timeout_s,
+                   what=f"rank {p} to enter call #{c.seq} ({c.name})")
+            got = t.read_flag(ps)
+            if got != key:
+                self._mismatch(p, got, c)
+        c.moving = True
+
+    def _mismatch(self, p: int, got: int, c: "Call") -> None:
+        seq, sig = got >> 32, got & 0xFFFFFFFF
+        mine = describe(c.signature)
+        if seq != c.seq:
+            raise ArgumentMismatchError(
+                f"rank {p} is at call #{seq} of this group while rank {self.rank} is at call #{c.seq} ({mine}): "
+                f"rank {p} did not make this call; every rank must make the same collective calls in the "
+                "same order")
+        theirs = self._sig_names.get(sig, f"a signature this rank has not seen (hash {sig:#010x})")
+        raise ArgumentMismatchError(
+            f"ranks {self.rank} and {p} made different collectives as call #{c.seq} of this group: rank "
+            f"{self.rank}: {mine}; rank {p}: {theirs}")
+
+    def _publish_abort(self, seq: int, kind: str, message: str) -> None:
+        """Tell the peers this rank abandoned call ``seq``: in the bootstrap store (peers in
+        an exchange, and any that look up why) and in every peer's abort flag of every
+        transport this group has (the host transport's waits watch it)."""
+        self._exchange.publish_abort(seq, kind, message)
+        for t in list(self._transports.values()):
+            if getattr(t, "device", None) is None or t.device.type != "cpu":
+                continue  # CUDA: a stream write would queue behind the stuck waits; the store tells
+            try:
+                peers = [r for r in range(t.local_size) if r != t.rank]
+                t.signal_all(peers, [self.flags.abort(self.rank)] * len(peers), [seq] * len(peers))
+            except Exception:  # noqa: BLE001 -- best effort on the way out of an error
+                pass
+
+
+class Call:
+    """One collective call on a group (see :meth:`Group.call`)."""
+
+    def __init__(self, g: Any, name: str) -> None:
+        self.g = g
+        self.name = name
+        self.seq = 0
+        self.index = 0
+        self.signature: object = None
+        self.key = 0
+        self.moving = False
+        """Data of this call may have moved (or peers may be past its start): an error from
+        here on leaves the group broken."""
+        self._watched: list[Any] = []
+
+    def set_signature(self, signature: object) -> None:
+        self.signature = signature
+        self.key = (self.seq << 32) | sig32(signature)
+        keys = self.g._keys
+        keys[self.seq] = (self.key, describe(signature))
+        keys.pop(self.seq - 64, None)
+
+    def watch(self, t: Any) -> None:
+        """Let ``t``'s host-side waits see the peers' aborts of this call."""
+        if hasattr(t, "watch") and t.watch is None:
+            t.watch = self.g._watch_flags(t, self.seq)
+            self._watched.append(t)
+
+    def __enter__(self) -> "Call":
+        g = self.g
+        if not g._call_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"this tide_triton group (rank {g.rank}) is already in a collective call from another thread; "
+                "a group runs one collective at a time: serialise the calls, or make one group per thread "
+                "(tide_triton.init(pg) for another process group)")
+        g._seq += 1
+        self.seq = g._seq
+        if g._broken is not None:
+            why = g._broken
+            try:
+                g._publish_abort(self.seq, "broken", f"its group is broken: {why}")
+            finally:
+                g._call_lock.release()
+            raise GroupBrokenError(
+                f"this tide_triton group (rank {g.rank}) is broken and refuses call #{self.seq} ({self.name}): "
+                f"{why}.  Its staging and flags can no longer be trusted; close it (group.close()) and "
+                "create a new one (tide_triton.init)")
+        g._call = self
+        return self
+
+    def __exit__(self, et: Any, e: BaseException | None, tb: Any) -> None:
+        g = self.g
+        better = None
+        try:
+            for t in self._watched:
+                t.watch = None
+            if e is not None and isinstance(e, Exception):
+                if isinstance(e, TimeoutError):  # a stuck wait: did the peer abandon this call?
+                    better = g.explain_timeout(e, self.seq)
+                self._failed(better or e)
+        finally:
+            g._call = None
+            g._call_lock.release()
+        if better is not None:
+            raise better from e
+
+    def _failed(self, e: Exception) -> None:
+        """Publish the abort (peers waiting on this call raise at once instead of timing
+        out) and, unless nothing can have moved, mark the group broken."""
+        g = self.g
+        argument = isinstance(e, (TypeError, ValueError)) and not self.moving
+        g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}")
+        if not argument:
+            g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")
+
+
+def sig32(signature: object) -> int:
+    """A 32-bit fingerprint of a signature (never 0), the same in every process."""
+    return (zlib.crc32(repr(signature).encode()) & 0xFFFFFFFF) or 1
+
+
+def describe(signature: object) -> str:
+    """A signature as ``name(field=value, ...)`` (signatures are ``(name, (field, value)...)``)."""
+    if isinstance(signature, tuple) and signature and isinstance(signature[0], str) and all(
+            isinstance(f, tuple) and len(f) == 2 and isinstance(f[0], str) for f in signature[1:]):
+        return f"{signature[0]}(" + ", ".join(f"{k}={v!r}" for k, v in signature[1:]) + ")"
+    return repr(signature)
+
+
+def check_same(got: list, me: int) -> None:
+    """Raise ``ArgumentMismatchError`` naming the field, the ranks and their values when the
+    signatures in ``got`` (``(seq, signature, error)`` per rank) differ."""
+    sigs = [s for _, s, _ in got]
+    if all(s == sigs[0] for s in sigs):
+        return
+    first = sigs[0]
+    named = all(isinstance(s, tuple) and s and isinstance(s[0], str) for s in sigs)
+    if named and all(s[0] == first[0] for s in sigs) and all(len(s) == len(first) for s in sigs):
+        for i in range(1, len(first)):
+            field = first[i][0] if isinstance(first[i], tuple) and len(first[i]) == 2 else f"argument {i}"
+            vals = [s[i][1] if isinstance(s[i], tuple) and len(s[i]) == 2 else s[i] for s in sigs]
+            if any(v != vals[0] for v in vals):
+                groups: dict[str, list[int]] = {}
+                for r, v in enumerate(vals):
+                    groups.setdefault(repr(v), []).append(r)
+                parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {v}" for v, rs in groups.items())
+                raise ArgumentMismatchError(f"ranks disagree on {first[0]}'s {field}: {parts}; every rank must "
+                                            "pass the same shapes, dtypes and options")
+    groups2: dict[str, list[int]] = {}
+    for r, s in enumerate(sigs):
+        groups2.setdefault(describe(s), []).append(r)
+    parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {d}" for d, rs in groups2.items())
+    raise ArgumentMismatchError(f"ranks made different collective calls: {parts}; every rank must make the "
+                                "same collective calls in the same order")
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs)) if len(rs) <= 8 else f"{rs[0]}..{rs[-1]} ({len(rs)} ranks)"
