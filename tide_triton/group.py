@@ -89,6 +89,12 @@ class GroupOptions:
     nccl_library: str | None = None
     """Across nodes on CUDA: the libnccl to load (else ``$TIDE_TRITON_NCCL_LIBRARY``, the
     nvidia-nccl wheel, the system's; see :mod:`tide_triton.transport.nccl`)."""
+    multicast: str = "off"
+    """NVSwitch multicast for the node-local collectives (docs/multicast.md): ``"off"``
+    (default: never asked of the driver), ``"auto"`` (used only where the guard passes --
+    every rank's device reports multicast support, the node's ranks agree, no kill switch
+    in the environment -- else the copy-engine path, logged once), ``"on"`` (raises on every
+    rank, saying why, where the guard fails).  Never run on multicast hardware yet."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -111,6 +117,8 @@ class GroupOptions:
             raise ValueError(f'inter_node must be "auto", "put_signal" or "send_recv", got {self.inter_node!r}')
         if self.nccl_library is not None and not isinstance(self.nccl_library, str):
             raise TypeError(f"nccl_library must be None or a path (str), got {type(self.nccl_library).__name__}")
+        if self.multicast not in ("off", "auto", "on"):
+            raise ValueError(f'multicast must be "off", "auto" or "on", got {self.multicast!r}')
         if self.max_ctas is not None and (not is_int(self.max_ctas)
                                           or self.max_ctas < 1):
             raise ValueError(f"max_ctas must be None or an int >= 1, got {self.max_ctas!r}")
