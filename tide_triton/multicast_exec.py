@@ -225,7 +225,7 @@ def path(g: Any, device: torch.device, t: Any) -> MulticastBuffers | None:
 
 def _create(g: Any, device: torch.device, t: Any, cu: Any) -> GpuMulticast:
     """The object over a heap region (aligned inside it to the granularity); every rank together."""
-    gran = 2 << 20  # recommended multicast granularity on H100/H200; checked by MulticastObject
+    gran = 2 << 20  # minimum multicast granularity expected on H100/H200; checked by MulticastObject
     region = g.heap_region(REGION_KEY, _BOUND_BYTES + gran, device)
     t.ensure_heap(region.offset + region.nbytes)
     g.heap_barrier()

@@ -16,7 +16,8 @@ once, touching neither the driver nor the peers.
 **Lifecycle** (:class:`MulticastObject`, one node's ranks; every step agreed across ranks, every
 acquisition undone by a :class:`~.driver.Transaction` when any rank fails):
 
-1. granularity (``cuMulticastGetGranularity``), the size rounded up to it;
+1. granularity (``cuMulticastGetGranularity``, minimum: the recommended one can be far larger
+   than the bound range), the size rounded up to it;
 2. rank 0 creates the object (``cuMulticastCreate``) and exports a POSIX fd
    (``cuMemExportToShareableHandle``), which reaches the other ranks over the fd passing of
    :mod:`~tide_triton.transport.handles`; they import it (``cuMemImportFromShareableHandle``);
@@ -241,7 +242,7 @@ class MulticastObject:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be an int >= 1, got {size!r}")
         gran = int(check(cu.cuMulticastGetGranularity(
-            self._prop(size), cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_RECOMMENDED),
+            self._prop(size), cu.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM),
             f"cuMulticastGetGranularity(rank={self.rank})"))
         self.gran = gran
         self.size = round_up(size, gran)
