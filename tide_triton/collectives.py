@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from . import hier_collectives
+from . import hier_collectives, multicast_exec
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
 from .executor import Streams, Work, wait_vacated, zero_padding
 from .group import Group, resolve
@@ -192,6 +192,13 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
                                                bool(accumulate), stream, async_op, staging)
 
     t = g.transport(device)
+    if g.options.multicast != "off" and multicast_exec.eligible_rs(gdt, sdt, staging):  # docs/multicast.md
+        if (mc := multicast_exec.path(g, device, t)) is not None:
+            st = Streams(g, t, device, stream, async_op)
+            with st.kernels():
+                multicast_exec.reduce_scatter_node(mc, grads_l, shards_l, layout, me, scale=scale,
+                                                   accumulate=bool(accumulate))
+            return st.finish()
     es = gdt.itemsize
     S, ring_bytes = g.options.stages, g.options.ring_bytes
     reg = g.ring_layout()
@@ -373,6 +380,12 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     # pulls the cast bytes on copy engines -- half the bytes of pulling fp32, no SMs at the
     # receivers.
     t = g.transport(device)
+    if g.options.multicast != "off" and multicast_exec.eligible_ag(pdt):  # docs/multicast.md
+        if (mc := multicast_exec.path(g, device, t)) is not None:
+            st = Streams(g, t, device, stream, async_op)
+            with st.kernels():
+                multicast_exec.all_gather_node(mc, shards_l, params_l, layout, me)
+            return st.finish()
     es = pdt.itemsize
     reg = g.ring_layout()
     t.ensure_heap(ag_block_end(reg.ag_off, layout.flat_shard_numel * es))

@@ -27,6 +27,11 @@ Variables of the package
     Diagnostics: ``jit`` launches kernels through Triton's JIT entry point instead of the
     cached compiled kernel (``direct``, default).  Read once, when the segment engine is
     imported.  (:mod:`tide_triton.kernels.segments`)
+``TIDE_TRITON_MULTICAST``
+    Kill switch of NVSwitch multicast: ``0`` keeps every group on the copy-engine path,
+    whatever ``GroupOptions.multicast`` says (``"on"`` then raises, saying so).  Any other
+    value, or unset, leaves the decision to the option and the guard.  The benchmarks'
+    environment sets it to ``0``.  (:mod:`tide_triton.transport.multicast`)
 
 Variables of other software, as the package reads them
 =======================================================
@@ -40,6 +45,12 @@ Variables of other software, as the package reads them
     The driver's number of hardware queues per device, read when the CUDA context is
     created; the single-process mode needs it >= 2 x ranks.  Read and set by
     :mod:`tide_triton.group` (:func:`cuda_device_max_connections` reads it).
+``NCCL_NVLS_ENABLE``
+    NCCL's switch for NVLink SHARP (its own use of multicast objects); ``0`` is honoured by
+    tide_triton as a second kill switch of multicast (:func:`nccl_nvls_enabled`).
+``TORCH_SYMM_MEM_DISABLE_MULTICAST``
+    PyTorch symmetric memory's switch; ``1`` is honoured by tide_triton as a third kill
+    switch of multicast (:func:`torch_symm_mem_multicast_disabled`).
 ``LOCAL_WORLD_SIZE``
     torchrun's ranks per node: the default node size of a group.  Read by
     :mod:`tide_triton.topology` (:func:`local_world_size` reads it).
@@ -61,11 +72,16 @@ __all__ = [
     "use_interpreter_if_no_gpu",
     "cuda_device_max_connections",
     "local_world_size",
+    "MULTICAST",
+    "multicast_enabled",
+    "nccl_nvls_enabled",
+    "torch_symm_mem_multicast_disabled",
 ]
 
 log = logging.getLogger("tide_triton")
 
 NCCL_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
+MULTICAST = "TIDE_TRITON_MULTICAST"
 
 _NCCL_CLOSE = ("destroy", "abort", "none")
 _COPY_MODES = ("auto", "batch", "loop")
@@ -155,3 +171,18 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int | None:
     if n < 1:
         raise ValueError(f"LOCAL_WORLD_SIZE must be >= 1, got {n}")
     return n
+
+
+def multicast_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``$TIDE_TRITON_MULTICAST``: False when it is ``0`` (the kill switch), else True."""
+    return (os.environ if env is None else env).get(MULTICAST, "").strip() != "0"
+
+
+def nccl_nvls_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``$NCCL_NVLS_ENABLE``: False when it is ``0``, else True (unset included)."""
+    return (os.environ if env is None else env).get("NCCL_NVLS_ENABLE", "").strip() != "0"
+
+
+def torch_symm_mem_multicast_disabled(env: Mapping[str, str] | None = None) -> bool:
+    """``$TORCH_SYMM_MEM_DISABLE_MULTICAST``: True when it is ``1``."""
+    return (os.environ if env is None else env).get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "").strip() == "1"

@@ -53,6 +53,13 @@ class GroupOptions:
     """Across nodes on CUDA: the libnccl to load (else ``$TIDE_TRITON_NCCL_LIBRARY``, the
     nvidia-nccl wheel, the system's; see :mod:`tide_triton.transport.nccl`)."""
 
+    multicast: str = "off"
+    """NVSwitch multicast for the node-local collectives (docs/multicast.md): ``"off"``
+    (default: never asked of the driver), ``"auto"`` (used only where the guard passes --
+    every rank's device reports multicast support, the node's ranks agree, no kill switch
+    in the environment -- else the copy-engine path, logged once), ``"on"`` (raises on every
+    rank, saying why, where the guard fails).  Never run on multicast hardware yet."""
+
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
@@ -77,3 +84,5 @@ class GroupOptions:
         if self.max_ctas is not None and (not is_int(self.max_ctas)
                                           or self.max_ctas < 1):
             raise ValueError(f"max_ctas must be None or an int >= 1, got {self.max_ctas!r}")
+        if self.multicast not in ("off", "auto", "on"):
+            raise ValueError(f'multicast must be "off", "auto" or "on", got {self.multicast!r}')

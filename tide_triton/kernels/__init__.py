@@ -13,6 +13,7 @@ from .. import envs as _envs
 _envs.use_interpreter_if_no_gpu()
 
 from .accumulate import accumulate_shards, accumulate_shards_ref, bind_accumulate_shards  # noqa: E402
+from .multimem import multimem_reduce, multimem_reduce_ref, multimem_store, multimem_store_ref  # noqa: E402
 from .pack import bind_pack_shards, pack_shards, pack_shards_ref  # noqa: E402
 from .placement import bind_place_shards, place_shards, place_shards_ref  # noqa: E402
 from .segments import Binding, SegmentProgram, Span  # noqa: E402
@@ -22,4 +23,5 @@ __all__ = [
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
     "Span", "SegmentProgram", "Binding",
+    "multimem_reduce", "multimem_reduce_ref", "multimem_store", "multimem_store_ref",
 ]
