@@ -20,9 +20,13 @@ Per rank, after ``--warmup`` steps:
 
 * ``step ms``: median wall time of ``--steps`` steps (forward, backward, optimizer step), each
   ended by a device synchronisation;
-* ``peak``: ``torch.cuda.max_memory_allocated`` over those steps, plus (tide) the bytes of the
-  VMM heap tide_triton maps outside torch's allocator (``tide_triton.fsdp.heap_bytes``: ring,
-  Slot-Reuse slots, flags); NCCL's own buffers are not counted;
+* ``peak``, time-resolved per phase of every step (forward; backward; optimizer step and
+  ``zero_grad``): torch's peak allocation within the phase (``max_memory_allocated`` after a
+  ``reset_peak_memory_stats`` at its start) plus (tide) the VMM heap tide_triton has mapped
+  outside torch's allocator during it (``tide_triton.fsdp.heap_bytes``: ring, Slot-Reuse slots,
+  flags; sampled at the phase's ends, the larger of the two -- Slot-Reuse maps its slots at the
+  forward's all-gathers and gives them back at the end of backward).  ``total`` is the largest
+  phase sum; the torch and heap columns are their own maxima.  NCCL's own buffers are not counted;
 * one more step under ``torch.profiler``: device time of FSDP2's layout copies (the ops
   ``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``, ``fsdp::chunk_cat`` and their
   aten forms), of NCCL kernels, of tide_triton's kernels, and of copy-engine memcpys.
@@ -165,13 +169,33 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n_step = [0]
 
-    def step() -> torch.Tensor:
+    cuda = device.type == "cuda"
+    phases: list[dict] = []  # per measured step: {phase: (torch peak, heap mapped)}
+
+    def heap_now() -> int:
+        return tide_triton.fsdp.heap_bytes(model) if args.mode != "stock" else 0
+
+    def step(record: bool = False) -> torch.Tensor:
         tokens = batch(cfg, n_step[0], rank, args.batch, args.seq, device)  # a new batch every step
         n_step[0] += 1
+        marks = {}
+        h0 = heap_now() if record else 0
+        if record and cuda:
+            torch.cuda.reset_peak_memory_stats()
         loss = loss_fn(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for name, work in (("forward", None), ("backward", loss.backward), ("optimizer", opt.step)):
+            if work is not None:
+                work()
+            if name == "optimizer":
+                opt.zero_grad(set_to_none=True)
+            if record:
+                h1 = heap_now()
+                marks[name] = (torch.cuda.max_memory_allocated() if cuda else 0, max(h0, h1))
+                h0 = h1
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+        if record:
+            phases.append(marks)
         return loss
 
     for _ in range(args.warmup):
@@ -183,18 +207,18 @@ def main(argv=None) -> int:
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()
-        loss = step()
+        loss = step(record=True)
         sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    peak = max(a for marks in phases for a, _ in marks.values())
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
-    heap = 0
-    if args.mode != "stock":
-        heap = tide_triton.fsdp.heap_bytes(model)
+    heap = max(h for marks in phases for _, h in marks.values())
+    phase_peak = {name: max(m[name][0] + m[name][1] for m in phases) for name in phases[0]}
     prof = _profile_step(step, device)
     mine = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
             "peak_allocated": peak, "peak_reserved": reserved, "tide_heap": heap,
-            "loss": float(loss.detach()), **prof}
+            "peak_total": max(phase_peak.values()), "phase_peak_total": phase_peak,
+            "phases": phases, "loss": float(loss.detach()), **prof}
     rows = [None] * W
     dist.all_gather_object(rows, mine)
     if rank == 0:
@@ -205,7 +229,8 @@ def main(argv=None) -> int:
                "vocab": cfg.vocab, "ranks": rows, **info,
                "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
                "step_ms": max(r["step_ms"] for r in rows),
-               "peak_total_bytes": max(r["peak_allocated"] + r["tide_heap"] for r in rows),
+               "peak_total_bytes": max(r["peak_total"] for r in rows),
+               "peak_phase": max(rows[0]["phase_peak_total"], key=rows[0]["phase_peak_total"].get),
                "layout_copy_us": max(r["layout_copy_us"] for r in rows)}
         mib = 1 << 20
         r0 = rows[0]

@@ -337,6 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backgrounds", nargs="+", default=["tide", "sm"], choices=["tide", "sm"])
     ap.add_argument("--tide-max-ctas", nargs="+", type=int, default=[0],
                     help="accumulation grid bounds to sweep for the tide background (0: one CTA per tile)")
+    ap.add_argument("--gemm-priority", nargs="+", default=["default", "high"], choices=["default", "high"],
+                    help="the GEMM's stream priority: default (0, the lowest, as the collectives' streams) or "
+                         "high (the highest CUDA offers: the collectives' kernels yield to it); one window each")
     ap.add_argument("--bg-warmup", type=int, default=4, help="background iterations before the window")
     ap.add_argument("--ring-bytes", type=int, default=256 << 20)
     ap.add_argument("--no-profile", action="store_true", help="skip the SM time of one tide reduce_scatter")
@@ -379,80 +382,88 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = torch.randn(M, K, device=device).to(torch.bfloat16)
     b = torch.randn(K, N, device=device).to(torch.bfloat16)
     c = torch.empty(M, N, dtype=torch.bfloat16, device=device)
-    gstream = torch.cuda.Stream(device) if device.type == "cuda" else None
     rows: list[dict] = []
     base = dict(script="interference", model=args.model, world_size=W, gemm=[M, N, K],
                 gemm_iters=args.gemm_iters, gated=gate.ok, device=str(device), **info)
 
-    # GEMM alone (a warm-up window first).  The first GEMMs run ungated: with lazy module loading
-    # (CUDA's default) loading cuBLAS's kernel can need a context synchronisation, which would
-    # wait forever on a stream held by the gate that only opens after the enqueue.
-    try:
-        if device.type == "cuda":
-            with torch.cuda.stream(gstream):
-                for _ in range(3):
-                    torch.mm(a, b, out=c)
-            torch.cuda.synchronize(device)
-        time_gemms(a, b, c, 10, clock, gate, gstream)
-        alone = time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream)
-        rows.append({**base, "background": "none", **{k: v for k, v in alone.items() if k != "window"}})
-    except Exception as e:  # noqa: BLE001
-        print(f"ERROR timing the GEMM alone: {type(e).__name__}: {e}")
-        traceback.print_exc()
-        return 1
-
-    plan = [(k, m) for k in args.backgrounds for m in (args.tide_max_ctas if k == "tide" else [0])]
-    for kind, max_ctas in plan:
-        bg = None
-        close: Callable[[], None] = lambda: None  # noqa: E731
+    for gemm_priority in args.gemm_priority:
+        # CUDA's stream priorities: 0 (default) is the lowest; the collectives' kernels run on
+        # default-priority streams, so a GEMM stream of higher priority puts them below it.
+        prio = 0
+        if gemm_priority == "high" and device.type == "cuda":
+            prio = torch.cuda.Stream.priority_range()[1]
+        gstream = torch.cuda.Stream(device, priority=prio) if device.type == "cuda" else None
+        base["gemm_priority"] = gemm_priority
+        base["gemm_stream_priority"] = prio
+        # GEMM alone (a warm-up window first).  The first GEMMs run ungated: with lazy module loading
+        # (CUDA's default) loading cuBLAS's kernel can need a context synchronisation, which would
+        # wait forever on a stream held by the gate that only opens after the enqueue.
         try:
-            if kind == "tide":
-                _, step, done, close = make_tide(tt, shapes, W, device, args.ring_bytes, args.timeout,
-                                                 max_ctas or None)
-                impl = ("tide_triton.reduce_scatter bf16 -> fp32 avg (copy engines + Triton sums, "
-                        f"{f'max_ctas={max_ctas}' if max_ctas else 'one CTA per tile'})")
-            else:
-                step, done, impl = make_sm(shapes, W, device)
-            bg = Background(kind, W, device, clock, step, done, args.timeout)
-            bg.start()
-            bg.wait_iterations(args.bg_warmup)
-            before = min(bg.completed)
-            marks: dict = {}
-            res = time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream,
-                             on_open=lambda: marks.update(c0=list(bg.completed)))
-            marks["c1"] = list(bg.completed)
-            if min(bg.completed) <= before and bg.errors:
-                raise RuntimeError("; ".join(bg.errors))
-            bg.stop()
-            if bg.errors:
-                raise RuntimeError("; ".join(bg.errors))
-            st = bg.stats(res["window"], before)
-            row = {**base, "background": kind, "background_impl": impl, "max_ctas": max_ctas or None,
-                   **{k: v for k, v in res.items() if k != "window"},
-                   "slowdown_pct": 100.0 * (res["median_ms"] / alone["median_ms"] - 1.0),
-                   "slowdown_mean_pct": 100.0 * (res["mean_ms"] / alone["mean_ms"] - 1.0),
-                   "bg_iter_alone_ms": st["iter_alone_ms"], "bg_coverage_min": st["coverage_min"],
-                   "bg_iters_in_window": st["iters_in_window"], "bg_iters_alone_in_window": st["iters_alone_in_window"],
-                   "bg_progress": st["progress"], "bg_completed_host": [y - x for x, y in zip(marks["c0"], marks["c1"])]}
-            rows.append(row)
-        except Exception as e:  # noqa: BLE001
-            print(f"ERROR background {kind}: {type(e).__name__}: {e}")
-            traceback.print_exc()
-            rows.append({**base, "background": kind, "max_ctas": max_ctas or None,
-                         "error": f"{type(e).__name__}: {e}"})
-            if bg is not None:
-                try:
-                    bg.stop()
-                except Exception:  # noqa: BLE001
-                    pass
-        finally:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001
-                print(f"ERROR closing {kind}: {e}")
             if device.type == "cuda":
+                with torch.cuda.stream(gstream):
+                    for _ in range(3):
+                        torch.mm(a, b, out=c)
                 torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
+            time_gemms(a, b, c, 10, clock, gate, gstream)
+            alone = time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream)
+            rows.append({**base, "background": "none", **{k: v for k, v in alone.items() if k != "window"}})
+        except Exception as e:  # noqa: BLE001
+            print(f"ERROR timing the GEMM alone: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            return 1
+
+        plan = [(k, m) for k in args.backgrounds for m in (args.tide_max_ctas if k == "tide" else [0])]
+        for kind, max_ctas in plan:
+            bg = None
+            close: Callable[[], None] = lambda: None  # noqa: E731
+            try:
+                if kind == "tide":
+                    _, step, done, close = make_tide(tt, shapes, W, device, args.ring_bytes, args.timeout,
+                                                     max_ctas or None)
+                    impl = ("tide_triton.reduce_scatter bf16 -> fp32 avg (copy engines + Triton sums, "
+                            f"{f'max_ctas={max_ctas}' if max_ctas else 'one CTA per tile'})")
+                else:
+                    step, done, impl = make_sm(shapes, W, device)
+                bg = Background(kind, W, device, clock, step, done, args.timeout)
+                bg.start()
+                bg.wait_iterations(args.bg_warmup)
+                before = min(bg.completed)
+                marks: dict = {}
+                res = time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream,
+                                 on_open=lambda: marks.update(c0=list(bg.completed)))
+                marks["c1"] = list(bg.completed)
+                if min(bg.completed) <= before and bg.errors:
+                    raise RuntimeError("; ".join(bg.errors))
+                bg.stop()
+                if bg.errors:
+                    raise RuntimeError("; ".join(bg.errors))
+                st = bg.stats(res["window"], before)
+                row = {**base, "background": kind, "background_impl": impl, "max_ctas": max_ctas or None,
+                       **{k: v for k, v in res.items() if k != "window"},
+                       "slowdown_pct": 100.0 * (res["median_ms"] / alone["median_ms"] - 1.0),
+                       "slowdown_mean_pct": 100.0 * (res["mean_ms"] / alone["mean_ms"] - 1.0),
+                       "bg_iter_alone_ms": st["iter_alone_ms"], "bg_coverage_min": st["coverage_min"],
+                       "bg_iters_in_window": st["iters_in_window"], "bg_iters_alone_in_window": st["iters_alone_in_window"],
+                       "bg_progress": st["progress"], "bg_completed_host": [y - x for x, y in zip(marks["c0"], marks["c1"])]}
+                rows.append(row)
+            except Exception as e:  # noqa: BLE001
+                print(f"ERROR background {kind}: {type(e).__name__}: {e}")
+                traceback.print_exc()
+                rows.append({**base, "background": kind, "max_ctas": max_ctas or None,
+                             "error": f"{type(e).__name__}: {e}"})
+                if bg is not None:
+                    try:
+                        bg.stop()
+                    except Exception:  # noqa: BLE001
+                        pass
+            finally:
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001
+                    print(f"ERROR closing {kind}: {e}")
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.empty_cache()
 
     sm_row = None
     if not args.no_profile:
@@ -504,13 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if r["background"] == "sm_time":
             continue
         if "error" in r:
-            print(f"| {r['background']} | ERROR: {r['error']} | | | | | | | | | | |")
+            print(f"| {r['background']} ({r.get('gemm_priority')} GEMM priority) | ERROR: {r['error']} | | | | | | | | | | |")
             continue
         if r["background"] == "none":
-            print(f"| none | GEMM alone | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | {r['mean_ms']:.4f} | | | | | | | |")
+            print(f"| none ({r['gemm_priority']} GEMM priority) | GEMM alone | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | {r['mean_ms']:.4f} | | | | | | | |")
             continue
         fmt = lambda xs, p=2: ", ".join(f"{x:.{p}f}" for x in xs)  # noqa: E731
-        print(f"| {r['background']} | {r['background_impl']} | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | "
+        print(f"| {r['background']} ({r['gemm_priority']} GEMM priority) | {r['background_impl']} | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | "
               f"{r['mean_ms']:.4f} | {r['slowdown_pct']:+.1f}% | {r['slowdown_mean_pct']:+.1f}% | "
               f"{100 * r['bg_coverage_min']:.0f}% | "
               f"{fmt(r['bg_iters_in_window'])} | {fmt(r['bg_iters_alone_in_window'])} | "

@@ -156,21 +156,27 @@ def _scenario_slot(W, rank, device):
             res = {"losses": losses, "grads": grads, "params": _params(model), "report": report,
                    "stats": tt.fsdp.stats(model) if tide else None}
             if slot:
-                slots = {}
+                slots, released = {}, {}
                 for m in [model, *model.layers]:
                     for pg in param_groups(m):  # 2.11: one; 2.13: a list
                         st = group_state(pg)
-                        slots[st.fqn] = (st.slot.region.key, st.slot.region.offset, st.slot.private)
-                        view = st.slot.region.tensor(torch.uint8)
+                        region = st.slot.region
+                        slots[st.fqn] = (region.key, region.offset, st.slot.private)
+                        released[st.fqn] = (region.released, region.mapped_nbytes)
+                        lo = region.group.transport(torch.device(device)).address(rank, region.offset)
                         for fp in pg.fsdp_params:  # the unsharded storage is the slot
                             ptr = fp.all_gather_outputs[0].data_ptr()
-                            assert view.data_ptr() <= ptr < view.data_ptr() + view.numel(), st.fqn
+                            assert lo <= ptr < lo + region.nbytes, st.fqn
                 res["slots"] = slots
+                # after backward every slot is released (all resharded): heap_bytes drops by them
+                res["released"] = released
+                res["heap_bytes_released"] = tt.fsdp.heap_bytes(model)
                 res["slot_bytes"] = sum({st.slot.region.key: st.slot.region.nbytes for m in [model, *model.layers]
                                          for st in [group_state(param_groups(m)[0])]}.values())
                 res["attrs_written"] = _tide_attrs(model)
             if tide:
                 res["heap_bytes"] = tt.fsdp.heap_bytes(model)
+                res["heap_mapped"] = group_state(param_groups(model)[0]).group.heap_nbytes(device)
             if slot:
                 try:  # switching a slotted group's mode in place would leave it on heap storage
                     tt.fsdp.enable(model)
@@ -576,10 +582,14 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             assert sl["slot"]["attrs_written"] == [], sl["slot"]["attrs_written"]
             assert sl["slot"]["reenable"].startswith("enable(slot_reuse=False): <root> is enabled already with "
                                                      "Slot-Reuse; disable it first"), sl["slot"]["reenable"]
-            # heap_bytes counts the heap once per group: the ring (tide), slots on top (slot).
+            # heap_bytes counts the heap once per group, now: the ring (tide); slots on top
+            # (slot) -- released after the step's backward, so not counted then.
             assert sl["tide"]["heap_bytes"] > 0, sl["tide"]["heap_bytes"]
-            assert sl["slot"]["heap_bytes"] >= sl["slot"]["slot_bytes"] > 0, (
-                sl["slot"]["heap_bytes"], sl["slot"]["slot_bytes"])
+            assert all(rel == (True, 0) for rel in sl["slot"]["released"].values()), sl["slot"]["released"]
+            assert sl["slot"]["heap_bytes"] == sl["slot"]["heap_bytes_released"]
+            assert sl["slot"]["slot_bytes"] > 0
+            assert sl["slot"]["heap_bytes"] <= sl["slot"]["heap_mapped"] - sl["slot"]["slot_bytes"], (
+                sl["slot"]["heap_bytes"], sl["slot"]["heap_mapped"], sl["slot"]["slot_bytes"])
             keys = {k: v[0].split(":")[1] for k, v in sl["slot"]["slots"].items()}
             assert keys == {"<root>": "<root>", "layers.0": "slot0", "layers.1": "slot1", "layers.2": "slot0"}, keys
         sl = r0["slot"]

@@ -312,7 +312,9 @@ class Group(CallIdentity):
         with self._lock:
             s = self._extras.get(key)
             if s is None:
-                s = self._extras[key] = torch.cuda.Stream(device)
+                # the lowest priority CUDA offers (priority_range()[0], 0 today: the default's),
+                # named so that it stays below a caller's higher-priority compute streams
+                s = self._extras[key] = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
         return s
 
     def cached(self, key: tuple) -> Any:

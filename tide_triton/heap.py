@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from .schedule import peer_slot, ring_slots
 
 __all__ = ["ALIGN", "round_up", "Ring", "ring", "staging_ring", "CrossNode", "cross_node", "cross_node_fixed_end",
-           "extra_flags", "wire_ring_bytes", "WIRE_HEADER", "regions_floor", "ag_block_end"]
+           "extra_flags", "wire_ring_bytes", "WIRE_HEADER", "regions_floor", "region_end",
+           "ag_block_end"]
 
 ALIGN = 4096
 """Every heap area starts at a multiple of this."""
@@ -119,6 +120,14 @@ def regions_floor(fixed_ends: list[int], regions_end: int, heap_nbytes: int) -> 
     every path the group may take, past every region, past whatever the heap holds now (an
     all-gather block a peer may still read).  The ranks take the maximum of their floors."""
     return max(*fixed_ends, regions_end, heap_nbytes)
+
+
+def region_end(data_end: int, heap_nbytes: int) -> int:
+    """Where a named region whose data ends at ``data_end`` ends in the layout: at the end of
+    the heap segment its growth mapped (``heap_nbytes`` right after), so no other area shares
+    a segment with it and releasing the region (:meth:`~tide_triton.regions.HeapRegion.release`)
+    frees nothing else."""
+    return max(round_up(data_end), heap_nbytes)
 
 
 def ag_block_end(ag_off: int, block_bytes: int) -> int:

@@ -18,6 +18,13 @@ Hand-over protocol, per region and rank (an epoch counts the uses):
   :meth:`HeapRegion.wait_consumed` orders later writes of the owner's own (an all-gather
   into the region) after it.  On the host transport everything is synchronous.
 
+Release (Slot-Reuse between steps): a region starts and ends on segment boundaries of the
+heap (nothing else shares its segments), so :meth:`HeapRegion.release` can give its physical
+memory back on every rank and :meth:`HeapRegion.restore` map new memory at the same addresses
+(views made before stay valid; the contents are not kept).  Both are collective over the
+group; while released the region refuses every use (``tensor``, ``vacate``, staging) with a
+RuntimeError, and views made before must not be touched.
+
 Heap layout of every rank: ``[flags | reduce-scatter ring | regions... | all-gather block]``
 (:mod:`tide_triton.heap`).  A region is placed past everything the heap holds when it is created, and the all-gather
 block moves past the regions, so no byte that a collective may still be using is handed out.
@@ -30,7 +37,7 @@ from typing import Any
 import torch
 
 from ._checks import is_int
-from .heap import regions_floor, round_up
+from .heap import region_end, regions_floor, round_up
 
 __all__ = ["HeapRegion", "heap_region"]
 
@@ -40,13 +47,18 @@ class HeapRegion:
     type per group transport).  Made by :meth:`tide_triton.Group.heap_region`; lives as
     long as the group."""
 
-    def __init__(self, group: Any, device: torch.device, key: str, index: int, offset: int, nbytes: int) -> None:
+    def __init__(self, group: Any, device: torch.device, key: str, index: int, offset: int, nbytes: int,
+                 end: int | None = None) -> None:
         self.group = group
         self.device = device
         self.key = key
         self.index = index
         self.offset = offset
         self.nbytes = nbytes
+        self.end = round_up(offset + nbytes) if end is None else end
+        """Where the heap bytes it owns end (a segment boundary: what :meth:`release` gives back)."""
+        self.released = False
+        """True between :meth:`release` and :meth:`restore`: no physical memory behind it."""
         self.vacated = 0
         """Hand-overs this rank has signalled."""
         self.uses = 0
@@ -55,13 +67,55 @@ class HeapRegion:
 
     def __repr__(self) -> str:
         return (f"HeapRegion({self.key!r}, index={self.index}, offset={self.offset}, "
-                f"nbytes={self.nbytes}, device={self.device.type})")
+                f"nbytes={self.nbytes}, device={self.device.type}{', released' if self.released else ''})")
+
+    @property
+    def mapped_nbytes(self) -> int:
+        """Heap bytes this region holds mapped now (0 while released)."""
+        return 0 if self.released else self.end - self.offset
+
+    def _check_mapped(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what}: heap region {self.key!r} is released (no memory behind it); "
+                               "call restore() on every rank first")
+
+    def release(self) -> None:
+        """Collective over the group: give this region's physical memory back on every rank
+        (its own copy and every peer's mapping of it), after every stream that may touch the
+        heaps is idle (blocks the host until then).  The addresses stay reserved; until
+        :meth:`restore` the region refuses use and views of it must not be touched."""
+        g = self.group
+        err: BaseException | None = None
+        try:
+            self._check_mapped("release")
+        except RuntimeError as e:
+            err = e
+        g.agree(("heap_region.release", self.key, self.device.type), err)
+        t = g.transport(self.device)
+        g.heap_barrier()  # single process: every rank has enqueued its last use before any unmaps
+        t.release_range(self.offset, self.end - self.offset)
+        self.released = True
+        self._consumed = []  # the release waited for them
+
+    def restore(self) -> None:
+        """Collective over the group: new memory behind the released region at the same
+        addresses on every rank (views made before are valid again; contents undefined)."""
+        g = self.group
+        err: BaseException | None = None
+        if not self.released:
+            err = RuntimeError(f"restore: heap region {self.key!r} is not released")
+        g.agree(("heap_region.restore", self.key, self.device.type), err)
+        t = g.transport(self.device)
+        t.restore_range(self.offset, self.end - self.offset)
+        g.heap_barrier()  # single process: nobody addresses a peer's range before it is mapped
+        self.released = False
 
     def tensor(self, dtype: torch.dtype, numel: int | None = None, offset: int = 0) -> torch.Tensor:
         """A 1-D ``dtype`` view of this rank's copy, ``offset`` bytes in (no copy; its
         storage is not resizable and must not be freed)."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        self._check_mapped("tensor")
         item = dtype.itemsize
         if not is_int(offset) or offset < 0 or offset % item:
             raise ValueError(f"offset must be a non-negative multiple of {item}, got {offset!r}")
@@ -80,6 +134,7 @@ class HeapRegion:
         done (on a GPU: enqueued before this point on ``stream``, default the current
         stream).  Signals the ranks of this rank's node (across nodes only they write into
         it).  Returns the epoch signalled.  Not collective."""
+        self._check_mapped("vacate")
         g = self.group
         t = g.transport(self.device)
         self.vacated += 1
@@ -96,6 +151,7 @@ class HeapRegion:
 
     # ---- used by reduce_scatter ---------------------------------------------------------
     def _begin_staging(self) -> int:
+        self._check_mapped("reduce_scatter(staging=...)")
         self.uses += 1
         return self.uses
 
@@ -152,10 +208,15 @@ def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
         fixed.append(g.cross_node_layout().end)
     here = regions_floor(fixed, g.heap_regions_end, t.heap_nbytes())
     offset = round_up(max(g.exchange(here)))
-    end = round_up(offset + nbytes)
-    t.ensure_heap(end)
+    # The region owns whole segments (so release() frees nothing else): everything below it
+    # is mapped first, so it starts where the heap ends, and it ends where its growth ends.
+    t.ensure_heap(offset)
     g.heap_barrier()
-    r = HeapRegion(g, dev, key, len(g._heap_regions), offset, nbytes)
+    offset = max(g.exchange(t.heap_nbytes()))
+    t.ensure_heap(offset + nbytes)
+    g.heap_barrier()
+    end = region_end(offset + nbytes, t.heap_nbytes())
+    r = HeapRegion(g, dev, key, len(g._heap_regions), offset, nbytes, end)
     g._heap_regions[(dev.type, key)] = r
     g.heap_regions_end = max(g.heap_regions_end, end)
     return r

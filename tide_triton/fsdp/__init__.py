@@ -28,7 +28,9 @@ After backward's reshard the post-backward reduce-scatter vacates the slot
 (``HeapRegion.vacate`` on the reduce-scatter stream) and stages the peers' contributions in it
 (``reduce_scatter(..., staging=slot)``) -- only when every group of the slot is resharded,
 otherwise through the ring.  The next all-gather into a slot waits for the frees and the last
-staged reduce-scatter (CUDA events), and raises if another group still holds it.
+staged reduce-scatter (CUDA events), and raises if another group still holds it.  Once
+backward is over, every slot whose groups are all resharded is released (its memory given back
+on every rank) and the next all-gather into it maps it again (``release_slots``).
 
 The parts, one module each: :mod:`._torch_adapter` (which torch, FSDP2's internals checked
 once, readers of its objects), :mod:`.install` (enable / disable and the patching),
@@ -57,7 +59,8 @@ overlap at the cost of one more unsharded group; deeper prefetching needs more (
 all-gather into a slot another group still holds raises, naming both)."""
 
 
-def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) -> dict[str, str | None]:
+def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
+           release_slots: bool = True) -> dict[str, str | None]:
     """Route every ``fully_shard``-ed module inside ``module`` (itself included) through
     tide_triton's all-gather and reduce-scatter.  Call it on every rank, after ``fully_shard``
     and between steps (not inside forward/backward).
@@ -69,10 +72,15 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False) ->
     each group that does not, e.g. the root), and its reduce-scatter stages the peers'
     contributions in that slot once backward has vacated it, instead of in a receive ring.
     A tide_triton group created here then gets a 4 MiB ring (for reduce-scatters that
-    cannot stage: no reshard after backward).  Call it before the first step;
-    the heap slots are never freed (a later enable makes new ones).
+    cannot stage: no reshard after backward).  Call it before the first step.
+    ``release_slots`` (Slot-Reuse): give the slots' memory back after each backward (once
+    every group of a slot is resharded and the step's reduce-scatters are done) and map it
+    again at the next all-gather, so the optimizer step runs without them; this blocks the
+    host until the GPU is idle at the end of backward.  False keeps them mapped for the
+    group's life.
 
     Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
     stock module's reason is also logged once (logger ``"tide_triton"``).
     """
-    return _install.enable(module, group=group, slot_reuse=slot_reuse, slot_pool=SLOT_POOL)
+    return _install.enable(module, group=group, slot_reuse=slot_reuse, slot_pool=SLOT_POOL,
+                           release_slots=release_slots)

@@ -133,12 +133,14 @@ def group_state(pg: Any) -> GroupState | None:
 
 # --------------------------------------------------------------------------- public
 def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
-           slot_pool: int = 2) -> dict[str, str | None]:
+           slot_pool: int = 2, release_slots: bool = True) -> dict[str, str | None]:
     """Implementation of :func:`tide_triton.fsdp.enable` (``slot_pool``: its SLOT_POOL)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(slot_reuse, bool):
         raise TypeError(f"slot_reuse must be a bool, got {type(slot_reuse).__name__}")
+    if not isinstance(release_slots, bool):
+        raise TypeError(f"release_slots must be a bool, got {type(release_slots).__name__}")
     if slot_reuse and (not is_int(slot_pool) or slot_pool < 1):
         raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
                          "set it to 2 (default) or more before enable()")
@@ -182,7 +184,7 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         if groups:
             result[name] = "; ".join(reasons) if reasons else None
     if slot_reuse:
-        slots.assign_slots(mods, slot_pool)
+        slots.assign_slots(mods, slot_pool, release_slots)
     if len(_state.GROUPS):
         _install(api)
     return result
@@ -216,8 +218,8 @@ def is_enabled(module: nn.Module) -> bool:
 
 def heap_bytes(module: nn.Module) -> int:
     """Bytes of the heaps (this rank's) that tide_triton maps outside torch's allocator for the
-    groups enabled inside ``module``: receive ring, Slot-Reuse slots, flags.  Each tide_triton
-    group and device counts once."""
+    groups enabled inside ``module``, now: receive ring, Slot-Reuse slots (released ones not),
+    flags.  Each tide_triton group and device counts once."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     seen: dict[tuple[int, str], int] = {}
@@ -226,8 +228,8 @@ def heap_bytes(module: nn.Module) -> int:
             st = _state.GROUPS.get(pg)
             if st is not None and not st.group.closed:
                 key = (id(st.group), pg.device.type)
-                if key not in seen:
-                    seen[key] = st.group.heap_nbytes(pg.device)
+                if key not in seen:  # released slots are mapped nowhere
+                    seen[key] = st.group.heap_nbytes(pg.device) - slots.released_bytes(st.group, pg.device.type)
     return sum(seen.values())
 
 

@@ -7,12 +7,14 @@ round-robin by the groups that reshard after forward, a private slot for the out
 forward.  FSDP2's ``free_storage`` / ``alloc_storage`` (``resize_``) pass through except for
 these views, where they do nothing (a free records a CUDA event: the next writer waits for it).
 
-What the slots cost: their bytes stay mapped for the tide_triton group's life (a heap region
-is never returned), so they add to every phase's peak -- the optimizer step's too, where stock
-FSDP2 holds no unsharded parameters.  Returning them between a step's last reduce-scatter and
-the next step's first all-gather needs the transport to unmap a region's physical pages on
-every rank of the node and map new ones at the same addresses; it cannot do that yet.  The
-pool is as small as FSDP2's default prefetching allows: two slots.
+What the slots cost: their bytes are mapped while a step uses them.  With ``release`` (the
+default) every slot whose groups are all resharded is released once backward is over
+(:func:`release_idle`, run by an autograd callback queued after FSDP2's final one: the step's
+reduce-scatters are done), so the optimizer step -- where stock FSDP2 holds no unsharded
+parameters either -- runs without them; the first all-gather into a released slot restores it
+(:func:`restore`; collective, and every rank all-gathers in the same order).  A release blocks
+the host until the GPU is idle (the memory is unmapped on every rank; nothing may touch it).
+The pool is as small as FSDP2's default prefetching allows: two slots.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ __all__ = [
     "free_storage",
     "group_layout",
     "heap_slot",
+    "release_idle",
+    "released_bytes",
+    "restore",
     "unbind",
 ]
 
@@ -42,6 +47,8 @@ cannot stage in their slot, e.g. without a reshard after backward, use it)."""
 
 _ALIGN = 64
 _HEAP_STORAGES: dict[tuple[str, int], Slot] = {}  # (device type, storage data_ptr) -> slot
+_SLOTS: list[weakref.ref[Slot]] = []
+"""Every slot made, in creation order (the same on every rank: releases go in this order)."""
 _ENABLES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 """tide_triton Group -> how many Slot-Reuse enables made regions in it (their key prefix)."""
 ORIG_STORAGE: list = []
@@ -52,9 +59,11 @@ class Slot:
     """A heap region holding the unsharded parameters of one or more parameter groups
     (never two at once: checked at every all-gather and reduce-scatter)."""
 
-    def __init__(self, region: Any, private: bool, pool: int) -> None:
+    def __init__(self, region: Any, private: bool, pool: int, release: bool = True) -> None:
         self.region = region
         self.private = private
+        self.release = release
+        """Released between steps (:func:`release_idle`)."""
         self.pool = pool
         """The SLOT_POOL it was made under (named by the error of an overfull pool)."""
         self.members: weakref.WeakSet[Any] = weakref.WeakSet()   # FSDPParamGroups
@@ -63,6 +72,43 @@ class Slot:
     def live_others(self, pg: Any) -> list:
         """Members other than ``pg`` whose parameters are unsharded (in the slot) now."""
         return [m for m in self.members if m is not pg and not all_sharded(m.fsdp_params)]
+
+
+def release_idle() -> list[str]:
+    """Collective: release every slot made with ``release`` whose groups are all resharded
+    (in creation order; every rank holds the same slots in the same state).  Returns the keys
+    of the regions released."""
+    done = []
+    for ref in list(_SLOTS):
+        slot = ref()
+        if slot is None:
+            _SLOTS.remove(ref)
+            continue
+        members = list(slot.members)
+        if (not slot.release or slot.region.released or not members or slot.region.group.closed
+                or not all(all_sharded(m.fsdp_params) for m in members)):
+            continue
+        slot.region.release()  # waits for the GPU: the frees' events are done
+        slot.freed.clear()
+        done.append(slot.region.key)
+    return done
+
+
+def restore(slot: Slot) -> None:
+    """Collective: memory behind a released slot again (the first all-gather into it)."""
+    if slot.region.released:
+        slot.region.restore()
+
+
+def released_bytes(group: Any, device_type: str) -> int:
+    """Heap bytes of ``group``'s released slots on ``device_type`` (mapped nowhere now)."""
+    out = 0
+    for ref in _SLOTS:
+        slot = ref()
+        if slot is not None and slot.region.group is group and slot.region.device.type == device_type \
+                and slot.region.released:
+            out += slot.region.end - slot.region.offset
+    return out
 
 
 def group_layout(pg: Any, W: int) -> tuple[torch.dtype, list[tuple[int, int]], int]:
@@ -78,7 +124,7 @@ def group_layout(pg: Any, W: int) -> tuple[torch.dtype, list[tuple[int, int]], i
     return dt, out, off
 
 
-def assign_slots(mods: list[tuple[str, nn.Module]], pool: int) -> None:
+def assign_slots(mods: list[tuple[str, nn.Module]], pool: int, release: bool = True) -> None:
     """Heap slots for the enabled groups' unsharded parameters (collective: every rank walks
     the same modules in the same order).  Groups that may stay unsharded across other groups'
     work (the outermost FSDP module -- FSDP2 keeps the root unsharded after forward -- and any
@@ -110,14 +156,21 @@ def assign_slots(mods: list[tuple[str, nn.Module]], pool: int) -> None:
     for pg, st in private:
         g = st.group
         nbytes = max(group_layout(pg, g.world_size)[2], floor(g))
-        _bind(pg, st, Slot(g.heap_region(f"{tag[id(g)]}:{st.fqn}", nbytes, pg.device), True, pool))
+        _bind(pg, st, _new_slot(g.heap_region(f"{tag[id(g)]}:{st.fqn}", nbytes, pg.device), True, pool, release))
     for members in pools.values():
         g = members[0][1].group
         need = max(max(group_layout(pg, g.world_size)[2] for pg, _ in members), floor(g))
-        slots = [Slot(g.heap_region(f"{tag[id(g)]}:slot{k}", need, members[0][0].device), False, pool)
+        slots = [_new_slot(g.heap_region(f"{tag[id(g)]}:slot{k}", need, members[0][0].device), False, pool,
+                           release)
                  for k in range(min(pool, len(members)))]
         for i, (pg, st) in enumerate(members):
             _bind(pg, st, slots[i % len(slots)])
+
+
+def _new_slot(region: Any, private: bool, pool: int, release: bool) -> Slot:
+    slot = Slot(region, private, pool, release)
+    _SLOTS.append(weakref.ref(slot))
+    return slot
 
 
 def _bind(pg: Any, st: _state.GroupState, slot: Slot) -> None:

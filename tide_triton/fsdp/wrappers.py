@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import _state
+from . import _state, slots
 from ._state import GroupState, state_of
 from ._torch_adapter import TorchApi, all_sharded, device_handle
 
@@ -66,6 +66,7 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
                 f"{slot.region.key!r}, which {other.fqn if other else 'another group'} still uses (unsharded); "
                 f"more groups are unsharded at once than tide_triton.fsdp.SLOT_POOL={slot.pool} slots "
                 "allow -- raise it before enable()")
+        slots.restore(slot)  # released after the last backward: memory again (collective)
         if cuda:  # after the previous occupants' compute and the last staged reduce-scatter
             for ev in slot.freed:
                 ag_stream.wait_event(ev)
@@ -187,6 +188,28 @@ def _reduce_plan(api: TorchApi, a: dict):
     return op, (post if post not in (None, 1) else None), orig_dtype
 
 
+_RELEASE_QUEUED = [False]
+
+
+def _queue_release() -> None:
+    """Once per backward: release the idle slots after FSDP2's final callback (queued at the
+    root's pre-backward, so it runs first: the step's reduce-scatters are waited for).  Outside
+    a backward (a reduce-scatter FSDP2 runs from its final callback still is inside) nothing
+    is queued and the slots stay mapped."""
+    if _RELEASE_QUEUED[0]:
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_release_after_backward)
+    except RuntimeError:  # not inside a backward pass
+        return
+    _RELEASE_QUEUED[0] = True
+
+
+def _release_after_backward() -> None:
+    _RELEASE_QUEUED[0] = False
+    slots.release_idle()
+
+
 def _combine(op: str | float, post: float, W: int) -> float:
     base = 1.0 if op == "sum" else (1.0 / W if op == "avg" else float(op))
     return base / post
@@ -237,7 +260,7 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
                 shards.append(flat[off:off + n].view(s))
                 off += n
         staging = None
-        if st.slot is not None and not st.slot.live_others(None):
+        if st.slot is not None and not st.slot.region.released and not st.slot.live_others(None):
             # Slot-Reuse: every group of the slot is resharded, so backward has vacated it
             # (on a GPU: once the work the reduce-scatter stream waited for is done).
             staging = st.slot.region
@@ -245,6 +268,8 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
                        stream=rs_stream if cuda else None, staging=staging)
         st.reduce_scatters += 1
+        if st.slot is not None and st.slot.release:
+            _queue_release()
         st.staged_reduce_scatters += staging is not None
         st.direct_accumulations += direct
         reduce_scatter_event = rs_stream.record_event()

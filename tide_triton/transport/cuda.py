@@ -465,11 +465,17 @@ class CudaTransport:
         return peer._heap.mapped
 
     def _grow(self, new_mapped: int) -> None:
-        """Map ``[mapped, new_mapped)`` on every rank: create + export, pass the fds, import;
-        two exchange rounds, and everything of this round undone on every rank if any fails."""
-        heap = self._heap
-        offset = heap.mapped
+        """Map ``[mapped, new_mapped)`` on every rank (:meth:`_map_round`) and record it."""
+        offset = self._heap.mapped
         size = new_mapped - offset
+        handle = self._map_round(offset, size)
+        self._heap.commit_segment(offset, size, handle)
+
+    def _map_round(self, offset: int, size: int) -> Any:
+        """Map ``size`` bytes at mapping offset ``offset`` on every rank: create + export, pass
+        the fds, import; two exchange rounds, and everything of this round undone on every
+        rank if any fails.  Returns the own allocation handle (the caller records it)."""
+        heap = self._heap
         self._generation += 1
         gen = self._generation
         tx = Transaction()
@@ -493,8 +499,7 @@ class CudaTransport:
 
         if self._local:
             tx.commit()
-            heap.commit_segment(offset, size, handle)
-            return
+            return handle
 
         try:
             infos = self._allgather({"err": err, "fd": own_fd, "size": size, "offset": offset,
@@ -532,7 +537,62 @@ class CudaTransport:
             if own_fd >= 0:
                 os.close(own_fd)
         tx.commit()
-        heap.commit_segment(offset, size, handle)
+        return handle
+
+    # ------------------------------------------------------------------------------------
+    # release / restore of whole segments (collective; Slot-Reuse between steps)
+    # ------------------------------------------------------------------------------------
+    def _user_range(self, offset: int, nbytes: int) -> tuple[int, int]:
+        for name, v, low in (("offset", offset, 0), ("nbytes", nbytes, 1)):
+            _check_int(name, v, low)
+        start = self._words.user_off + offset
+        return start, start + nbytes
+
+    def release_range(self, offset: int, nbytes: int) -> None:
+        """Collective over the node: unmap heap bytes ``[offset, offset + nbytes)`` (whole
+        segments, else ValueError on every rank) on every rank -- its own mapping and its
+        mappings of every peer's -- and release their physical memory.  Blocks until every
+        stream that may touch the heaps is idle (the device too) first.  The addresses stay
+        reserved: :meth:`restore_range` maps new memory there (contents are not kept).  In
+        the single-process mode each rank's call releases its own range; the caller orders
+        the ranks (no rank may still address a peer's range)."""
+        self._check_open()
+        start, end = self._user_range(offset, nbytes)
+        err = None
+        try:
+            self._heap.spans_in(start, end)
+            devs = {self.device}
+            if self._peers is not None:
+                devs |= {t.device for t in (ref() for ref in self._peers) if t is not None and not t._closed}
+            for d in devs:
+                torch.cuda.synchronize(d)
+            if not self._drain(self.options.timeout_s):
+                raise TimeoutError(f"rank {self.rank}: streams still busy after {self.options.timeout_s} s "
+                                   "before release_range")
+        except Exception as exc:  # noqa: BLE001 - shared with the peers
+            if self._local:
+                raise
+            err = describe(exc)
+        if not self._local:  # every rank is idle before anyone unmaps
+            raise_if_failed(self._allgather({"err": err}), "CudaTransport release_range")
+        self._heap.unmap_range(start, end)
+
+    def restore_range(self, offset: int, nbytes: int) -> None:
+        """Collective over the node: map new memory at the released segments of ``[offset,
+        offset + nbytes)`` on every rank and every peer's mapping of them (the same addresses,
+        so existing views stay valid; the contents are undefined).  A no-op for segments that
+        are mapped; every rank must have released the same ones."""
+        self._check_open()
+        start, end = self._user_range(offset, nbytes)
+        spans = self._heap.released_in(start, end)
+        if not self._local:
+            infos = self._allgather({"spans": spans})
+            bad = [r for r, i in enumerate(infos) if i["spans"] != spans]
+            if bad:
+                raise RuntimeError(f"restore_range({offset}, {nbytes}): ranks {bad} released other segments "
+                                   f"than rank {self.rank} ({spans}); release and restore on every rank alike")
+        for off, size in spans:
+            self._heap.restore_segment(off, size, self._map_round(off, size))
 
     # ------------------------------------------------------------------------------------
     # addresses and views

@@ -31,6 +31,9 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _PROT_NONE = 0
@@ -150,6 +153,32 @@ class HostTransport:
 
     def heap_nbytes(self) -> int:
         return self._size
+
+    def _segment_range(self, what: str, offset: int, nbytes: int) -> None:
+        for name, v, low in (("offset", offset, 0), ("nbytes", nbytes, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{what}: {name} must be an int >= {low}, got {v!r}")
+        if offset % _SEGMENT or (offset + nbytes) % _SEGMENT or offset + nbytes > self._size:
+            raise ValueError(f"{what}: [{offset}, {offset + nbytes}) must be whole {_SEGMENT}-byte segments "
+                             f"of the {self._size}-byte heap; make the region end on a segment boundary")
+
+    def release_range(self, offset: int, nbytes: int) -> None:
+        """Collective: give back the pages of heap bytes ``[offset, offset + nbytes)`` (whole
+        segments) on every rank -- a hole punched into each rank's file, which frees them for
+        every process mapping it.  The addresses stay mapped; they read as zeros until written."""
+        self._check_open()
+        self._segment_range("release_range", offset, nbytes)
+        self._exchange(None)  # every rank is done with the range (host work is synchronous)
+        if _libc.fallocate(self._fds[self.rank], _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes):
+            err = ctypes.get_errno()
+            raise OSError(err, f"fallocate(PUNCH_HOLE, {offset}, {nbytes}) on rank {self.rank}'s heap failed: "
+                               f"{os.strerror(err)}")
+
+    def restore_range(self, offset: int, nbytes: int) -> None:
+        """Collective: the range is usable again (pages come back, zeroed, when touched)."""
+        self._check_open()
+        self._segment_range("restore_range", offset, nbytes)
+        self._exchange(None)
 
     def address(self, rank: int, offset: int) -> int:
         return self._bases[rank] + offset

@@ -12,6 +12,11 @@ engines read peers' heaps through its own mappings, over peer access when the pe
 sits on another GPU); in the single-process mode, where every rank addresses every other
 rank's own range, the devices of all ranks (``access_devices``).
 
+Release (Slot-Reuse between steps): whole segments can be unmapped and their handles released
+on every rank (:meth:`VmmHeap.unmap_range`), own mapping and every peer's; the physical memory
+is freed once every importer has let go.  The addresses stay reserved, so re-creating the
+segments later at the same offsets (:meth:`VmmHeap.restore_segment`) keeps every view valid.
+
 Every multi-step acquisition registers its undo on a :class:`~.driver.Transaction`, so a
 failure part-way leaves nothing mapped.  Nothing here is collective: the transport
 (:mod:`tide_triton.transport.cuda`) sequences these steps with its peers.
@@ -53,7 +58,7 @@ class VmmHeap:
         self.access_devices = tuple(dict.fromkeys([device_index, *access_devices]))
         self._access = self._access_descs(self.access_devices)
         self.mapped = 0
-        self.segments: list[tuple[int, int, Any]] = []  # own (offset, size, handle)
+        self.segments: list[tuple[int, int, Any]] = []  # own (offset, size, handle); handle None: released
         self.peer_segments: dict[int, list[tuple[int, int, Any]]] = {}
         self.peer_va: dict[int, int] = {}
         with guard:
@@ -139,6 +144,59 @@ class VmmHeap:
         self.segments.append((offset, size, handle))
         self.mapped = offset + size
 
+    # ---- release and restore (whole segments) -----------------------------------------
+    def spans_in(self, start: int, end: int) -> list[tuple[int, int, Any]]:
+        """The own segments that tile ``[start, end)`` exactly (mapping offsets), in order;
+        ValueError when the range cuts a segment or leaves the mapped heap."""
+        if not 0 <= start < end <= self.mapped:
+            raise ValueError(f"range [{start}, {end}) must lie in rank {self.rank}'s mapped heap "
+                             f"[0, {self.mapped})")
+        out = [s for s in self.segments if start <= s[0] and s[0] + s[1] <= end]
+        covered = sum(s[1] for s in out)
+        cut = [s for s in self.segments if s[0] < end and s[0] + s[1] > start and s not in out]
+        if cut or covered != end - start:
+            edges = sorted({o for o, _, _ in self.segments} | {self.mapped})
+            raise ValueError(f"range [{start}, {end}) must start and end on segment boundaries of rank "
+                             f"{self.rank}'s heap (boundaries near it: "
+                             f"{[e for e in edges if start - self.segment_bytes <= e <= end + self.segment_bytes]}); "
+                             "make the region end on a segment boundary (tide_triton.heap)")
+        return sorted(out, key=lambda s: s[0])
+
+    def unmap_range(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Unmap and release the own segments tiling ``[start, end)`` and every peer's mapping
+        of the same offsets (the caller made sure no work touches them).  Returns the
+        ``(offset, size)`` released (segments released before are skipped).  Local."""
+        spans = self.spans_in(start, end)
+        done = []
+        for p, segs in self.peer_segments.items():
+            keep = []
+            for off, size, h in segs:
+                if start <= off and off + size <= end:
+                    self._unmap(self.peer_va[p] + off, size)
+                    self._release(h)
+                else:
+                    keep.append((off, size, h))
+            segs[:] = keep
+        for i, (off, size, h) in enumerate(self.segments):
+            if h is not None and (off, size, h) in spans:
+                self._unmap(self.own_va + off, size)
+                self._release(h)
+                self.segments[i] = (off, size, None)
+                done.append((off, size))
+        return done
+
+    def released_in(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``(offset, size)`` of the released own segments tiling ``[start, end)``."""
+        return [(o, s) for o, s, h in self.spans_in(start, end) if h is None]
+
+    def restore_segment(self, offset: int, size: int, handle: Any) -> None:
+        """Record the re-created segment at ``offset`` (mapped by :meth:`create_segment`)."""
+        for i, (off, sz, h) in enumerate(self.segments):
+            if off == offset and sz == size and h is None:
+                self.segments[i] = (off, sz, handle)
+                return
+        raise ValueError(f"no released segment ({offset}, {size}) in rank {self.rank}'s heap")
+
     # ---- teardown -------------------------------------------------------------------------
     def _release(self, handle: Any) -> None:
         with self._guard:
@@ -157,6 +215,8 @@ class VmmHeap:
                 quiet(self._release, h)
         while self.segments:
             off, size, h = self.segments.pop()
+            if h is None:  # released (Slot-Reuse between steps): nothing mapped
+                continue
             quiet(self._unmap, self.own_va + off, size)
             quiet(self._release, h)
         self.mapped = 0

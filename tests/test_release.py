@@ -1,0 +1,160 @@
+"""Releasing and restoring a named heap region (Slot-Reuse between steps): ``HeapRegion.release()``
+gives its physical memory back on every rank, ``restore()`` maps memory at the same addresses.
+
+Host transport (CPU, several processes): the release punches a hole into every rank's heap
+file (the pages read as zeros afterwards, and the file holds fewer blocks), restore is a
+no-op on the pages, views made before keep working after it, and every use while released
+raises naming the region.  CUDA (marked ``gpu``): the same lifecycle over VMM memory -- the
+device's free memory grows by the region's bytes at release, the data written after restore
+reads back on every peer through its own mapping.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    from _dist import rank_device, run_multiprocess
+except ImportError:  # pragma: no cover
+    from tests._dist import rank_device, run_multiprocess
+
+pytestmark = pytest.mark.multiproc
+
+
+def _lifecycle(rank: int, W: int, device: str) -> dict:
+    import tide_triton as tt
+    from tide_triton.layout import ShardLayout
+
+    dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    g = tt.init(timeout_s=60, ring_bytes=4096 * W)
+    out: dict = {}
+    a = g.heap_region("a", 3000 * W, dev)
+    b = g.heap_region("b", 5000 * W, dev)
+    t = g.transport(dev)
+    out["starts_on_heap_end"] = a.end <= b.offset
+    out["a"] = (a.offset, a.end)
+    va = a.tensor(torch.int32)
+    vb = b.tensor(torch.int32)
+    va.fill_(rank + 1)
+    vb.fill_(100 + rank)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    fd_blocks = None
+    if dev.type == "cpu":
+        fd = t._fds[rank]
+        before = os.fstat(fd).st_blocks
+    else:
+        free_before = torch.cuda.mem_get_info(dev)[0]
+    a.release()
+    out["released"] = (a.released, a.mapped_nbytes)
+    if dev.type == "cpu":
+        fd_blocks = before - os.fstat(fd).st_blocks
+        out["freed_bytes"] = fd_blocks * 512
+    else:
+        out["freed_bytes"] = torch.cuda.mem_get_info(dev)[0] - free_before
+    out["span"] = a.end - a.offset
+    # b is untouched by a's release (it owns other segments)
+    out["b_kept"] = bool((vb == 100 + rank).all())
+    errors = {}
+    for name, fn in (("tensor", lambda: a.tensor(torch.uint8)), ("vacate", a.vacate),
+                     ("release", a.release)):
+        try:
+            fn()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    shapes = [(W, 3), (2 * W + 1,)]
+    layout = ShardLayout(shapes, W)
+    grads = [torch.full(s, float(rank + 1), dtype=torch.bfloat16, device=dev) for s in shapes]
+    a.restore()
+    out["restored"] = (a.released, a.mapped_nbytes)
+    try:
+        a.restore()
+        out["restore_twice"] = None
+    except RuntimeError as e:
+        out["restore_twice"] = str(e)
+    # the view made before the release is valid again; peers see what this rank writes
+    va.fill_(7 * (rank + 1))
+    sync()
+    g.exchange(None)
+    peers = [t.heap_tensor(p, a.offset, 4, torch.int32).cpu().tolist() for p in range(W)]
+    out["peers"] = peers
+    # the region works as staging again after restore: equals the ring path
+    for _ in range(2):
+        ring = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+        staged = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+        tt.reduce_scatter(grads, ring)
+        a.vacate()
+        tt.reduce_scatter(grads, staged, staging=a)
+        out.setdefault("staged_equal", []).append(all(torch.equal(x, y) for x, y in zip(ring, staged)))
+        sync()
+        a.release()
+        a.restore()
+    # a staged reduce-scatter into a released region is refused on every rank (the executor's
+    # check: it breaks the group, so it comes last)
+    a.release()
+    try:
+        tt.reduce_scatter(grads, [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)], staging=a)
+        out["staging"] = None
+    except Exception as e:  # noqa: BLE001 - the message is checked by the test
+        out["staging"] = f"{type(e).__name__}: {e}"
+    g.close()
+    return out
+
+
+def _check(out: list, W: int, device: str) -> None:
+    for r, res in enumerate(out):
+        assert res["starts_on_heap_end"], res
+        assert res["released"] == (True, 0)
+        assert res["restored"][0] is False and res["restored"][1] == res["span"]
+        # host: the pages written (3000 * W bytes) are gone from the file; CUDA: the whole
+        # segment span (other processes on the GPU may allocate meanwhile: half of it at least)
+        want = (3000 * W) // 4096 * 4096 if device == "cpu" else res["span"] // 2
+        assert res["freed_bytes"] >= want, (r, res["freed_bytes"], res["span"])
+        assert res["b_kept"]
+        for name in ("tensor", "vacate", "release"):
+            assert res["errors"][name] is not None and "'a' is released" in res["errors"][name], res["errors"]
+        assert res["staging"] is not None and "released" in res["staging"], res["staging"]
+        assert res["restore_twice"] is not None and "is not released" in res["restore_twice"]
+        assert res["peers"] == [[7 * (p + 1)] * 4 for p in range(W)]
+        assert res["staged_equal"] == [True, True]
+    assert len({res["a"] for res in out}) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_release_restore_lifecycle_host(world_size: int) -> None:
+    _check(run_multiprocess(_lifecycle, world_size, "cpu", timeout=180), world_size, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_release_restore_lifecycle_cuda(world_size: int) -> None:
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    _check(run_multiprocess(_lifecycle, world_size, "cuda", timeout=300, env=env), world_size, "cuda")
+
+
+def test_host_release_range_rejects_partial_segments() -> None:
+    from tide_triton.transport.host import HostTransport
+
+    t = HostTransport(0, 1, lambda obj: [obj])
+    try:
+        t.ensure_heap(3 << 22)
+        with pytest.raises(ValueError, match="whole 4194304-byte segments"):
+            t.release_range(4096, 1 << 22)
+        with pytest.raises(ValueError, match="nbytes must be an int >= 1"):
+            t.release_range(1 << 22, 0)
+        view = t.heap_tensor(0, 1 << 22, 16, torch.int64)
+        view.fill_(5)
+        t.release_range(1 << 22, 1 << 22)
+        assert int(view.sum()) == 0  # a punched hole reads as zeros
+        t.restore_range(1 << 22, 1 << 22)
+        view.fill_(3)
+        assert int(view.sum()) == 48
+    finally:
+        t.close()
