@@ -43,6 +43,9 @@ def _check_staging(g: Group, staging: object, device: torch.device) -> None:
     if staging.device.type != device.type:
         raise ValueError(f"staging region {staging.key!r} is in the {staging.device.type} heap, "
                          f"the gradients are on {device.type}")
+    if getattr(staging, "released", False):
+        raise ValueError(f"staging region {staging.key!r} is released (its memory is unmapped): "
+                         "restore() it on every rank before staging in it")
 
 
 def _scale(op: object, world: int) -> float | None:
