@@ -20,7 +20,7 @@ import torch
 
 from . import hier_collectives
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
-from .executor import Streams, Work, wait_vacated, zero_padding
+from .executor import Streams, Work, plan_copies, prepare_planned, wait_vacated, zero_padding
 from .group import Group, resolve
 from .heap import Ring, ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
@@ -126,7 +126,8 @@ def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, g
                 dsts.append(dst0 + pc.slot_off * es)
                 srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
                 sizes.append(pc.numel * es)
-        pushes.append((t.prepare_copies(dsts, srcs, sizes), len(sizes)))
+        plan = plan_copies(dsts, srcs, sizes)  # equal-shaped neighbours: one strided copy per peer
+        pushes.append((prepare_planned(t, plan), len(plan)))
     return reducers, pushes
 
 
@@ -282,7 +283,9 @@ def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tupl
                         es: int) -> list:
     """The copy-engine descriptors of an all-gather into parameters at ``pptrs`` -- every
     rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)
-    -- prepared for the transport in batches of :data:`_AG_BATCH`."""
+    -- planned (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters
+    allocated back to back is one strided copy per rank) and prepared for the transport in
+    batches of :data:`_AG_BATCH` descriptors."""
     offs, S = layout.flat_offsets, layout.padded_shard_numels
     dsts, srcs, sizes = [], [], []
     for r in range(g.world_size):
@@ -292,8 +295,8 @@ def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tupl
                 dsts.append(pptrs[p] + r * S[p] * es)
                 srcs.append(block + offs[p] * es)
                 sizes.append(n * es)
-    return [t.prepare_copies(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
-            for i in range(0, len(sizes), _AG_BATCH)]
+    plan = plan_copies(dsts, srcs, sizes)
+    return [prepare_planned(t, plan[i:i + _AG_BATCH]) for i in range(0, len(plan), _AG_BATCH)]
 
 
 def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[torch.Tensor],
@@ -314,12 +317,13 @@ def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[tor
                          known_ptrs=((block,), sptrs))
         caster.prepare()
     else:
-        copies = t.prepare_copies([block + o * es for o in offs], list(sptrs), [n * es for n in numels])
+        copies = prepare_planned(t, plan_copies([block + o * es for o in offs], list(sptrs),
+                                                [n * es for n in numels]))
     pads = [(p, n) for p, n in enumerate(numels) if n < S[p]]
     zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
-    pad_copies = t.prepare_copies([block + (offs[p] + n) * es for p, n in pads],
-                                  [zeros.data_ptr()] * len(pads) if pads else [],
-                                  [(S[p] - n) * es for p, n in pads])
+    pad_copies = prepare_planned(t, plan_copies([block + (offs[p] + n) * es for p, n in pads],
+                                                [zeros.data_ptr()] * len(pads) if pads else [],
+                                                [(S[p] - n) * es for p, n in pads]))
     return caster, copies, pad_copies, zeros
 
 
