@@ -20,7 +20,7 @@ import torch
 
 from . import hier_collectives
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
-from .executor import Streams, Work, plan_copies, prepare_planned, wait_vacated, zero_padding
+from .executor import Streams, Strided, Work, plan_copies, prepare_planned, wait_vacated, zero_padding
 from .group import Group, resolve
 from .heap import Ring, ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
@@ -114,21 +114,29 @@ def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, g
                     (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, tuple(ptrs)))
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
-    pushes = []
+    pushes = [(prepare_planned(t, p), len(p)) for p in _push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)]
+    return reducers, pushes
+
+
+def _push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
+                es: int) -> list[list[Strided]]:
+    """Per round, the copies pushing rank ``me``'s slices of its gradients (at ``gptrs``)
+    into its peers' slots, planned: equal-shaped gradients allocated back to back (experts)
+    are one strided copy per peer and round."""
+    out = []
     for j in range(plan.rounds):
-        s = j % S
+        s = j % plan.stages
         dsts, srcs, sizes = [], [], []
         for d in range(W):
             if d == me or j >= len(plan.chunks[d]):
                 continue
-            dst0 = t.address(d, reg.slot(s, me, d))
+            dst0 = address(d, reg.slot(s, me, d))
             for pc in plan.chunks[d][j]:
                 dsts.append(dst0 + pc.slot_off * es)
                 srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
                 sizes.append(pc.numel * es)
-        plan = plan_copies(dsts, srcs, sizes)  # equal-shaped neighbours: one strided copy per peer
-        pushes.append((prepare_planned(t, plan), len(plan)))
-    return reducers, pushes
+        out.append(plan_copies(dsts, srcs, sizes))
+    return out
 
 
 def reduce_scatter(
