@@ -246,4 +246,5 @@ def test_planned_collectives_exact_and_bit_identical(W: int, monkeypatch: pytest
             assert torch.equal(planned[r][0][p][:rows], want[r * c: r * c + rows])
             got = planned[r][1][p][:shapes[p][0]]
             assert torch.equal(got, want.to(torch.bfloat16))
-    assert sum(a for a, _ in counts) > 2 * sum(b for _, b in counts), counts
+    if W == 2:  # at W=3 the scaled experts' three matrices pad to two sizes: no equal runs to stride
+        assert sum(a for a, _ in counts) > 2 * sum(b for _, b in counts), counts

@@ -58,6 +58,32 @@ def _scale(op: object, world: int) -> float | None:
     raise ValueError(f'op must be "sum", "avg" or a float (pre-multiplied sum), got {op!r}')
 
 
+def _capturing(stream: object) -> bool:
+    """Whether ``stream`` (default: the current stream) is being captured into a CUDA graph."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    if isinstance(stream, torch.cuda.Stream):
+        with torch.cuda.stream(stream):
+            return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(name: str, stream: object) -> None:
+    """A collective enqueued into a CUDA graph capture raises this at once (before it takes
+    a call number, so the group stays usable) instead of recording a graph that hangs or
+    reads early when replayed."""
+    if _capturing(stream):
+        raise RuntimeError(
+            f"tide_triton.{name} cannot be captured in a CUDA graph (torch.cuda.graph / "
+            "torch.cuda.CUDAGraph.capture_begin): (1) its flags carry per-call values -- the call number "
+            "(call identity), the reduce-scatter chunk sequence, the all-gather epoch -- which a graph would "
+            "bake in, so a second replay finds its waits already satisfied and reads slots before the peers "
+            "wrote them; (2) its pacing waits on events from the host (group._Pacer), which a capture "
+            "cannot do; (3) a first call of a signature, heap growth or a new transport exchange with the "
+            "peers on the host.  Call it outside the captured region (capture the compute around it), or "
+            "run it eagerly")
+
+
 def _check_stream(stream: object) -> None:
     if stream is not None and not isinstance(stream, torch.cuda.Stream):
         raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
@@ -168,6 +194,7 @@ def reduce_scatter(
     its own copy, before or during this call, or its peers wait for it.
     """
     g = resolve(group)
+    _refuse_capture("reduce_scatter", stream)
     with g.call("reduce_scatter"):
         return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging)
 
@@ -356,6 +383,7 @@ def all_gather(
     nearest even, and every rank pulls the cast bytes on copy engines).
     """
     g = resolve(group)
+    _refuse_capture("all_gather", stream)
     with g.call("all_gather"):
         return _all_gather(g, shards, params, stream, async_op)
 

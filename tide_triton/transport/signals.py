@@ -6,8 +6,9 @@ Copies
     has it (CUDA >= 12.8), otherwise one ``cuMemcpyAsync`` per piece; the path is chosen at
     creation and logged once.  A stream being captured into a CUDA graph gets the loop
     (``cuMemcpyBatchAsync`` cannot be captured).  Strided runs (equal rows at constant
-    pitches, :class:`tide_triton.executor.Strided`) are one ``cuMemcpy2DAsync`` each.  Addresses may lie on another GPU (a peer's heap mapped with
-    peer access): the copy engines of this rank's device move the bytes.
+    pitches, :class:`tide_triton.executor.Strided`) are one ``cuMemcpy2DAsync`` each.
+    Addresses may lie on another GPU (a peer's heap mapped with peer access): the copy
+    engines of this rank's device move the bytes.
 
 Signals
     ``signal`` writes a flag of a peer with ``cuStreamWriteValue64`` -- straight to the
