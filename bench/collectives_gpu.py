@@ -16,8 +16,9 @@ path, with the device-copy ceiling measured in the same run as a line (needs mat
 ``pip install 'tide_triton[bench]'``).
 
 reduce_scatter: bf16 full gradients -> fp32 shards (avg); all_gather: bf16 shards -> bf16
-parameters.  Time per collective is the wall time of ``iters`` back-to-back collectives on
-every rank divided by ``iters`` (all ranks start together, end with a synchronize).  Host
+parameters; shards and parameters padded (FSDP2's layout), every list allocated back to
+back.  Time per collective is the wall time of ``iters`` back-to-back collectives on every
+rank divided by ``iters`` (all ranks start together, end with a synchronize).  Host
 enqueue: the host time of those calls (pacing waits included).  Driver calls: CUDA driver
 calls one collective of rank 0 makes once prepared (counted on one extra call, on the
 transport's driver module: copies, stream memory operations, stream queries), the number
@@ -77,16 +78,30 @@ def driver_calls(g, fn) -> int:
     return counter.calls
 
 
+def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
+    """Tensors of ``shapes`` carved one after another out of one buffer, as FSDP2 allocates
+    its padded all-gather outputs and a flat gradient buffer (runs of equal shapes then take
+    one strided copy per rank)."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    flat = (torch.randn(sum(numels), device=device) if fill is None
+            else torch.full((sum(numels),), fill, device=device)).to(dtype)
+    out, o = [], 0
+    for s, n in zip(shapes, numels):
+        out.append(flat[o:o + n].view(s))
+        o += n
+    return out
+
+
 def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None,
         share_gpu: bool = False) -> dict:
     devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes)
-    grads = [[torch.randn(s, device=devs[r]).to(torch.bfloat16) for s in shapes] for r in range(W)]
-    shards = [[torch.empty(s, device=devs[r]) for s in layout.shard_shapes(r)] for r in range(W)]
-    bshards = [[x.to(torch.bfloat16) for x in shards[r]] for r in range(W)]
-    params = [[torch.empty(s, dtype=torch.bfloat16, device=devs[r]) for s in shapes] for r in range(W)]
+    grads = [back_to_back(shapes, torch.bfloat16, devs[r]) for r in range(W)]
+    shards = [back_to_back(layout.shard_shapes(r, padded=True), torch.float32, devs[r], 0.0) for r in range(W)]
+    bshards = [back_to_back(layout.shard_shapes(r, padded=True), torch.bfloat16, devs[r], 0.0) for r in range(W)]
+    params = [back_to_back(layout.padded_shapes, torch.bfloat16, devs[r], 0.0) for r in range(W)]
     barrier = threading.Barrier(W)
     prof_ctx: list = [None]
     times: dict = {}
@@ -166,11 +181,10 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False) -
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
     g = tt.init(timeout_s=120, ring_bytes=ring_bytes)
-    gen = torch.Generator(device=dev).manual_seed(rank)
-    grads = [torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) for s in shapes]
-    shards = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
-    bshards = [x.to(torch.bfloat16) for x in shards]
-    params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+    grads = back_to_back(shapes, torch.bfloat16, dev)
+    shards = back_to_back(layout.shard_shapes(rank, padded=True), torch.float32, dev, 0.0)
+    bshards = back_to_back(layout.shard_shapes(rank, padded=True), torch.bfloat16, dev, 0.0)
+    params = back_to_back(layout.padded_shapes, torch.bfloat16, dev, 0.0)
     row: dict = {}
     for name, fn in [("rs", lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
                      ("ag", lambda: tt.all_gather(bshards, params, group=g))]:

@@ -176,13 +176,13 @@ def test_reduce_scatter_push_descriptors_are_o_of_w(model: str, W: int) -> None:
 
 
 # ------------------------------------------------------------------------------ exact end to end
-def _flat_views(shapes, dtype, fill=None, gen=None):
+def _flat_views(shapes, dtype, fill=None, gen=None, device="cpu"):
     """Tensors of ``shapes`` carved back to back out of one buffer (as FSDP2 allocates)."""
     numels = [int(torch.Size(s).numel()) for s in shapes]
     if fill is None:
-        flat = torch.randint(-8, 9, (sum(numels),), generator=gen).to(dtype)
+        flat = torch.randint(-8, 9, (sum(numels),), generator=gen).to(dtype).to(device)
     else:
-        flat = torch.full((sum(numels),), fill, dtype=dtype)
+        flat = torch.full((sum(numels),), fill, dtype=dtype, device=device)
     out, o = [], 0
     for s, n in zip(shapes, numels):
         out.append(flat[o:o + n].view(s))
@@ -191,19 +191,22 @@ def _flat_views(shapes, dtype, fill=None, gen=None):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("W", [2, 3])
-def test_planned_collectives_exact_and_bit_identical(W: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Host transport, single-process mode: a slice of the 256-expert layer (scaled for the
-    interpreter: 1 router + 16 experts x 3 + norms) reduce-scattered and all-gathered with
-    plans and without (every copy its own descriptor); results equal bit for bit and equal
-    to the contract; the planned calls hand the transport fewer descriptors."""
+def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single-process mode (host transport; on a GPU the CUDA transport's strided copies):
+    a slice of the 256-expert layer (scaled for the interpreter: 1 router + 16 experts x 3 +
+    norms) reduce-scattered and all-gathered with plans and without (every copy its own
+    descriptor); results equal bit for bit and equal to the contract; the planned calls hand
+    the transport fewer descriptors."""
     import tide_triton as tt
 
     full = scaled_shapes("synthetic-moe-256e", 32)
     shapes = list(full[:1 + 3 * 16]) + list(full[-2:])
     layout = ShardLayout(shapes, W)
     gen = torch.Generator().manual_seed(W)
-    grads = [_flat_views(shapes, torch.bfloat16, gen=gen) for _ in range(W)]
+    dev = torch.device(device)
+    grads = [_flat_views(shapes, torch.bfloat16, gen=gen, device=dev) for _ in range(W)]
     counts: list[tuple[int, int]] = []
     real_plan = coll.plan_copies
 
@@ -220,14 +223,22 @@ def test_planned_collectives_exact_and_bit_identical(W: int, monkeypatch: pytest
         groups = tt.local_groups(W, timeout_s=60, ring_bytes=4096 * W)
 
         def body(r: int):
-            shards = _flat_views(layout.shard_shapes(r, padded=True), torch.float32, fill=-1.0)
+            if dev.type == "cuda":  # every rank its own compute stream, as on its own GPU
+                with torch.cuda.stream(torch.cuda.Stream(dev)):
+                    return ranked(r)
+            return ranked(r)
+
+        def ranked(r: int):
+            shards = _flat_views(layout.shard_shapes(r, padded=True), torch.float32, fill=-1.0, device=dev)
             tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")
             tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")  # cached: replayed
-            params = _flat_views(layout.padded_shapes, torch.bfloat16, fill=-3.0)
+            params = _flat_views(layout.padded_shapes, torch.bfloat16, fill=-3.0, device=dev)
             mine = [x.to(torch.bfloat16) for x in shards]
             tt.all_gather(mine, params, group=groups[r])
             tt.all_gather(mine, params, group=groups[r])
-            return [x.clone() for x in shards], [x.clone() for x in params]
+            if dev.type == "cuda":
+                tt.synchronize(groups[r], timeout_s=60)
+            return [x.cpu() for x in shards], [x.cpu() for x in params]
 
         try:
             return run_threads(body, W, timeout=300)
@@ -241,7 +252,7 @@ def test_planned_collectives_exact_and_bit_identical(W: int, monkeypatch: pytest
         for a, b in zip(planned[r][0] + planned[r][1], plain[r][0] + plain[r][1]):
             assert torch.equal(a, b)
         for p in range(len(shapes)):  # the contract: the sum over ranks, then gathered
-            want = sum(grads[q][p].float() for q in range(W))
+            want = sum(grads[q][p].float().cpu() for q in range(W))
             c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
             assert torch.equal(planned[r][0][p][:rows], want[r * c: r * c + rows])
             got = planned[r][1][p][:shapes[p][0]]
