@@ -1,9 +1,12 @@
-"""Collective timings, single-process multi-rank mode (one thread per rank, each with its
-own heap and copy stream, so ranks' work overlaps as on a node).  Rank r runs on
+"""Collective timings in two launch modes.  Single-process multi-rank mode (default: one
+thread per rank, each with its own heap and copy stream, so ranks' work overlaps as on a
+node; the ranks share one interpreter lock, so host cost grows with W^2), or one process per
+rank as users run it (under ``torchrun``: the world size is torchrun's).  Rank r runs on
 ``cuda:r % torch.cuda.device_count()`` (the torchrun convention); ``--share-gpu`` puts every
 rank on cuda:0 (how the recorded one-GPU runs were made).
 
-    python bench/collectives_gpu.py [--world-sizes 2 4] [--models llama-3.1-70b qwen3-30b-a3b]
+    python bench/collectives_gpu.py [--world-sizes 2 4] [--models llama-3.1-70b qwen3-30b-a3b synthetic-moe-256e]
+    torchrun --nproc-per-node 2 bench/collectives_gpu.py --share-gpu --models qwen3-30b-a3b --json rows.jsonl
     python bench/collectives_gpu.py --json rows.jsonl --plot collectives.png
     python bench/collectives_gpu.py --plot collectives.png --from rows.jsonl [nccl_rows.jsonl]
 
@@ -13,8 +16,13 @@ path, with the device-copy ceiling measured in the same run as a line (needs mat
 ``pip install 'tide_triton[bench]'``).
 
 reduce_scatter: bf16 full gradients -> fp32 shards (avg); all_gather: bf16 shards -> bf16
-parameters.  Time per collective is the wall time of ``iters`` back-to-back collectives on
-every rank divided by ``iters`` (all ranks start together, end with a synchronize).
+parameters; shards and parameters padded (FSDP2's layout), every list allocated back to
+back.  Time per collective is the wall time of ``iters`` back-to-back collectives on every
+rank divided by ``iters`` (all ranks start together, end with a synchronize).  Host
+enqueue: the host time of those calls (pacing waits included).  Driver calls: CUDA driver
+calls one collective of rank 0 makes once prepared (counted on one extra call, on the
+transport's driver module: copies, stream memory operations, stream queries), the number
+that must not grow with the parameter count.
 """
 from __future__ import annotations
 
@@ -42,16 +50,58 @@ def rank_devices(W: int, share_gpu: bool) -> list[torch.device]:
     return [torch.device("cuda", 0 if share_gpu else r % n) for r in range(W)]
 
 
+class _CountCalls:
+    """The driver module with every ``cu*`` function call counted (bench only)."""
+
+    def __init__(self, cu) -> None:
+        self._cu, self.calls = cu, 0
+
+    def __getattr__(self, name: str):
+        f = getattr(self._cu, name)
+        if not (name.startswith("cu") and callable(f)):
+            return f
+
+        def counted(*a, **k):
+            self.calls += 1
+            return f(*a, **k)
+        return counted
+
+
+def driver_calls(g, fn) -> int:
+    """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call)."""
+    sig = g.transport(torch.device("cuda", torch.cuda.current_device()))._sig
+    counter = sig._cu = _CountCalls(sig._cu)
+    try:
+        fn()
+    finally:
+        sig._cu = counter._cu
+    return counter.calls
+
+
+def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
+    """Tensors of ``shapes`` carved one after another out of one buffer, as FSDP2 allocates
+    its padded all-gather outputs and a flat gradient buffer (runs of equal shapes then take
+    one strided copy per rank)."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    flat = (torch.randn(sum(numels), device=device) if fill is None
+            else torch.full((sum(numels),), fill, device=device)).to(dtype)
+    out, o = [], 0
+    for s, n in zip(shapes, numels):
+        out.append(flat[o:o + n].view(s))
+        o += n
+    return out
+
+
 def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None,
         share_gpu: bool = False) -> dict:
     devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes)
-    grads = [[torch.randn(s, device=devs[r]).to(torch.bfloat16) for s in shapes] for r in range(W)]
-    shards = [[torch.empty(s, device=devs[r]) for s in layout.shard_shapes(r)] for r in range(W)]
-    bshards = [[x.to(torch.bfloat16) for x in shards[r]] for r in range(W)]
-    params = [[torch.empty(s, dtype=torch.bfloat16, device=devs[r]) for s in shapes] for r in range(W)]
+    grads = [back_to_back(shapes, torch.bfloat16, devs[r]) for r in range(W)]
+    shards = [back_to_back(layout.shard_shapes(r, padded=True), torch.float32, devs[r], 0.0) for r in range(W)]
+    bshards = [back_to_back(layout.shard_shapes(r, padded=True), torch.bfloat16, devs[r], 0.0) for r in range(W)]
+    params = [back_to_back(layout.padded_shapes, torch.bfloat16, devs[r], 0.0) for r in range(W)]
     barrier = threading.Barrier(W)
     prof_ctx: list = [None]
     times: dict = {}
@@ -82,6 +132,11 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
             if r == 0:
                 times[name] = (time.perf_counter() - t0) / iters * 1e3
                 times[name + "_host"] = (t1 - t0) / iters * 1e3
+            calls = driver_calls(g, fn)  # every rank makes the call; rank 0's count is kept
+            tt.synchronize(g, timeout_s=120)
+            barrier.wait()
+            if r == 0:
+                times[name + "_calls"] = calls
             if profile and name == "reduce_scatter":
                 barrier.wait()
                 if r == 0:
@@ -110,9 +165,55 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
         _profile_summary(prof_ctx[0], profile, f"{model} W={W} ring={ring_bytes >> 20} MiB")
     return dict(model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
                 rs_host_ms=times["reduce_scatter_host"], ag_host_ms=times["all_gather_host"],
-                staging_bytes=ring_bytes, fsdp_rs_input_bytes=4 * sum(layout.padded_numels),
+                rs_driver_calls=times["reduce_scatter_calls"], ag_driver_calls=times["all_gather_calls"],
+                launch="threads", staging_bytes=ring_bytes, fsdp_rs_input_bytes=4 * sum(layout.padded_numels),
                 layer_numel=numel, rs_bytes=rs_bytes, ag_bytes=ag_bytes,
                 gpus_used=len({d.index for d in devs}), share_gpu=share_gpu)
+
+
+def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False) -> dict | None:
+    """One process per rank (under torchrun, gloo bootstrap): the row on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    dev = rank_devices(W, share_gpu)[rank]
+    torch.cuda.set_device(dev)
+    shapes = layer_shapes(model)
+    layout = tt.ShardLayout(shapes, W)
+    g = tt.init(timeout_s=120, ring_bytes=ring_bytes)
+    grads = back_to_back(shapes, torch.bfloat16, dev)
+    shards = back_to_back(layout.shard_shapes(rank, padded=True), torch.float32, dev, 0.0)
+    bshards = back_to_back(layout.shard_shapes(rank, padded=True), torch.bfloat16, dev, 0.0)
+    params = back_to_back(layout.padded_shapes, torch.bfloat16, dev, 0.0)
+    row: dict = {}
+    for name, fn in [("rs", lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
+                     ("ag", lambda: tt.all_gather(bshards, params, group=g))]:
+        fn()
+        tt.synchronize(g, timeout_s=120)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        t1 = time.perf_counter()
+        tt.synchronize(g, timeout_s=120)
+        dist.barrier()
+        row[name + "_ms"] = (time.perf_counter() - t0) / iters * 1e3
+        row[name + "_host_ms"] = (t1 - t0) / iters * 1e3  # this rank's; the slowest is reported
+        row[name + "_driver_calls"] = driver_calls(g, fn)
+        tt.synchronize(g, timeout_s=120)
+        dist.barrier()
+    rows: list = [None] * W
+    dist.all_gather_object(rows, row)
+    g.close()
+    if rank:
+        return None
+    numel = sum(layout.numels)
+    moved = collective_bytes(numel, W)
+    out = {k: max(r[k] for r in rows) for k in rows[0]}
+    return dict(model=model, world_size=W, **out, launch="torchrun", staging_bytes=ring_bytes,
+                fsdp_rs_input_bytes=4 * sum(layout.padded_numels), layer_numel=numel, rs_bytes=moved["rs"],
+                ag_bytes=moved["ag"], gpus_used=1 if share_gpu else min(W, torch.cuda.device_count()),
+                share_gpu=share_gpu)
 
 
 def _profile_summary(prof, path: str, title: str) -> None:
@@ -160,7 +261,7 @@ def main() -> None:
                                       file=sys.stderr)
     ap = argparse.ArgumentParser(prog="python bench/collectives_gpu.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
-    ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b"])
+    ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b", "synthetic-moe-256e"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ring-bytes", type=int, nargs="+", default=[256 << 20])
     ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
@@ -185,33 +286,55 @@ def main() -> None:
     if not torch.cuda.is_available():
         ap.error("no CUDA device is visible to torch: this benchmark needs a GPU (plot recorded rows with "
                  "--plot FILE --from ROWS.jsonl)")
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    if torchrun:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if args.profile:
+            ap.error("--profile runs in the single-process mode only")
+        args.world_sizes = [dist.get_world_size()]
+        lead = dist.get_rank() == 0
+    else:
+        lead = True
     dev = torch.device("cuda", 0)
     info = env_info(dev)
-    ceiling = copy_ceiling(dev, 4 << 30).gbps()  # device copy, read + write, this run
+    ceiling = copy_ceiling(dev, 4 << 30).gbps() if lead else 0.0  # device copy, read + write, this run
+    if torchrun:
+        dist.barrier()  # the other ranks wait: the ceiling is measured on an idle GPU
     torch.cuda.empty_cache()
     n_gpu = 1 if args.share_gpu else min(torch.cuda.device_count(), max(args.world_sizes))
-    print(f"{info['gpu']} x {n_gpu} used | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
-          f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, cuda:0, this run)")
-    print("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue (ms) | "
-          "all_gather bf16 (ms) | of ceiling | host enqueue (ms) | FSDP2 fp32 RS input / rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    launch = "one process per rank (torchrun)" if torchrun else "single process, one thread per rank"
+    say = print if lead else (lambda *a, **k: None)
+    say(f"{info['gpu']} x {n_gpu} used | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
+        f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, cuda:0, this run) | {launch}")
+    say("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue (ms) | driver calls | "
+        "all_gather bf16 (ms) | of ceiling | host enqueue (ms) | driver calls | FSDP2 fp32 RS input / rank |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     first = True
     rows: list[dict] = []
     cases = list(itertools.product(args.models, args.world_sizes, args.ring_bytes))
-    with Progress(len(cases), "collectives") as progress:
+    with Progress(len(cases) if lead else 0, "collectives") as progress:
         for model, W, ring in cases:
-            progress.step(f"{model} W={W} ring {ring >> 20} MiB")
+            if lead:
+                progress.step(f"{model} W={W} ring {ring >> 20} MiB")
             try:
-                row = run(model, W, args.iters, ring, args.profile if first else None, args.share_gpu)
+                if torchrun:  # a failure here is every rank's (the group raises everywhere)
+                    row = run_dist(model, args.iters, ring, args.share_gpu)
+                    if row is None:
+                        continue
+                else:
+                    row = run(model, W, args.iters, ring, args.profile if first else None, args.share_gpu)
             except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
-                print(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
+                say(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
                 continue
             first = False
             row["ceiling_gbps"] = ceiling
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
             print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | "
-                  f"{row['rs_host_ms']:.2f} | {row['ag_ms']:.2f} | {ag_frac:.1%} | {row['ag_host_ms']:.2f} | "
+                  f"{row['rs_host_ms']:.2f} | {row['rs_driver_calls']} | {row['ag_ms']:.2f} | {ag_frac:.1%} | "
+                  f"{row['ag_host_ms']:.2f} | {row['ag_driver_calls']} | "
                   f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
             rows.append({**row, **info})
             if args.json:
@@ -220,6 +343,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.plot and rows:
         _plot(ap, args.plot, rows)
+    if torchrun:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

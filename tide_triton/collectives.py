@@ -20,7 +20,7 @@ import torch
 
 from . import hier_collectives, multicast_exec
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
-from .executor import Streams, Work, wait_vacated, zero_padding
+from .executor import Streams, Strided, Work, plan_copies, prepare_planned, wait_vacated, zero_padding
 from .group import Group, resolve
 from .heap import Ring, ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
@@ -59,6 +59,32 @@ def _scale(op: object, world: int) -> float | None:
                              "NaN or infinite)")
         return op
     raise ValueError(f'op must be "sum", "avg" or a float (pre-multiplied sum), got {op!r}')
+
+
+def _capturing(stream: object) -> bool:
+    """Whether ``stream`` (default: the current stream) is being captured into a CUDA graph."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    if isinstance(stream, torch.cuda.Stream):
+        with torch.cuda.stream(stream):
+            return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(name: str, stream: object) -> None:
+    """A collective enqueued into a CUDA graph capture raises this at once (before it takes
+    a call number, so the group stays usable) instead of recording a graph that hangs or
+    reads early when replayed."""
+    if _capturing(stream):
+        raise RuntimeError(
+            f"tide_triton.{name} cannot be captured in a CUDA graph (torch.cuda.graph / "
+            "torch.cuda.CUDAGraph.capture_begin): (1) its flags carry per-call values -- the call number "
+            "(call identity), the reduce-scatter chunk sequence, the all-gather epoch -- which a graph would "
+            "bake in, so a second replay finds its waits already satisfied and reads slots before the peers "
+            "wrote them; (2) its pacing waits on events from the host (group._Pacer), which a capture "
+            "cannot do; (3) a first call of a signature, heap growth or a new transport exchange with the "
+            "peers on the host.  Call it outside the captured region (capture the compute around it), or "
+            "run it eagerly")
 
 
 def _check_stream(stream: object) -> None:
@@ -117,20 +143,29 @@ def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, g
                     (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, tuple(ptrs)))
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
-    pushes = []
+    pushes = [(prepare_planned(t, p), len(p)) for p in _push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)]
+    return reducers, pushes
+
+
+def _push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
+                es: int) -> list[list[Strided]]:
+    """Per round, the copies pushing rank ``me``'s slices of its gradients (at ``gptrs``)
+    into its peers' slots, planned: equal-shaped gradients allocated back to back (experts)
+    are one strided copy per peer and round."""
+    out = []
     for j in range(plan.rounds):
-        s = j % S
+        s = j % plan.stages
         dsts, srcs, sizes = [], [], []
         for d in range(W):
             if d == me or j >= len(plan.chunks[d]):
                 continue
-            dst0 = t.address(d, reg.slot(s, me, d))
+            dst0 = address(d, reg.slot(s, me, d))
             for pc in plan.chunks[d][j]:
                 dsts.append(dst0 + pc.slot_off * es)
                 srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
                 sizes.append(pc.numel * es)
-        pushes.append((t.prepare_copies(dsts, srcs, sizes), len(sizes)))
-    return reducers, pushes
+        out.append(plan_copies(dsts, srcs, sizes))
+    return out
 
 
 def reduce_scatter(
@@ -162,6 +197,7 @@ def reduce_scatter(
     its own copy, before or during this call, or its peers wait for it.
     """
     g = resolve(group)
+    _refuse_capture("reduce_scatter", stream)
     with g.call("reduce_scatter"):
         return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging)
 
@@ -292,7 +328,9 @@ def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tupl
                         es: int) -> list:
     """The copy-engine descriptors of an all-gather into parameters at ``pptrs`` -- every
     rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)
-    -- prepared for the transport in batches of :data:`_AG_BATCH`."""
+    -- planned (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters
+    allocated back to back is one strided copy per rank) and prepared for the transport in
+    batches of :data:`_AG_BATCH` descriptors."""
     offs, S = layout.flat_offsets, layout.padded_shard_numels
     dsts, srcs, sizes = [], [], []
     for r in range(g.world_size):
@@ -302,8 +340,8 @@ def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tupl
                 dsts.append(pptrs[p] + r * S[p] * es)
                 srcs.append(block + offs[p] * es)
                 sizes.append(n * es)
-    return [t.prepare_copies(dsts[i:i + _AG_BATCH], srcs[i:i + _AG_BATCH], sizes[i:i + _AG_BATCH])
-            for i in range(0, len(sizes), _AG_BATCH)]
+    plan = plan_copies(dsts, srcs, sizes)
+    return [prepare_planned(t, plan[i:i + _AG_BATCH]) for i in range(0, len(plan), _AG_BATCH)]
 
 
 def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[torch.Tensor],
@@ -324,12 +362,13 @@ def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[tor
                          known_ptrs=((block,), sptrs))
         caster.prepare()
     else:
-        copies = t.prepare_copies([block + o * es for o in offs], list(sptrs), [n * es for n in numels])
+        copies = prepare_planned(t, plan_copies([block + o * es for o in offs], list(sptrs),
+                                                [n * es for n in numels]))
     pads = [(p, n) for p, n in enumerate(numels) if n < S[p]]
     zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
-    pad_copies = t.prepare_copies([block + (offs[p] + n) * es for p, n in pads],
-                                  [zeros.data_ptr()] * len(pads) if pads else [],
-                                  [(S[p] - n) * es for p, n in pads])
+    pad_copies = prepare_planned(t, plan_copies([block + (offs[p] + n) * es for p, n in pads],
+                                                [zeros.data_ptr()] * len(pads) if pads else [],
+                                                [(S[p] - n) * es for p, n in pads]))
     return caster, copies, pad_copies, zeros
 
 
@@ -354,6 +393,7 @@ def all_gather(
     nearest even, and every rank pulls the cast bytes on copy engines).
     """
     g = resolve(group)
+    _refuse_capture("all_gather", stream)
     with g.call("all_gather"):
         return _all_gather(g, shards, params, stream, async_op)
 

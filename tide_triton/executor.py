@@ -1,6 +1,13 @@
 """What every executor shares: the :class:`Work` handle, the stream policy, the zeroing of
 padding rows and the wait for a staging region's hand-over.
 
+Copy plans (:func:`plan_copies`): a collective's copy list, prepared once per set of
+addresses, is shrunk before it reaches the transport -- copies back to back on both sides
+merge into one, and runs of equal-sized copies at constant strides (the experts of a MoE
+layer, allocated one after another) become one strided copy -- so the descriptors a call
+enqueues grow with the world size and the number of distinct parameter shapes, not with the
+number of parameters.
+
 The executors -- node-local (:mod:`tide_triton.collectives`) and cross-node
 (:mod:`tide_triton.hier_collectives`) -- run a collective the API has already validated and
 agreed; they address the heap through :mod:`tide_triton.heap` and move bytes through the
@@ -9,11 +16,21 @@ group's transport.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Work", "Streams", "zero_padding", "wait_vacated"]
+__all__ = ["Work", "Streams", "zero_padding", "wait_vacated", "Strided", "plan_copies", "expand_copies",
+           "prepare_planned", "STRIDED_MIN_ROWS", "MAX_PITCH"]
+
+STRIDED_MIN_ROWS = 4
+"""Shortest run of equal copies made one strided copy.  Below it the rows stay in the
+transport's one batch call (a strided copy is one driver call of its own); not measured
+yet -- bench/collectives_gpu.py reports the driver calls per collective to tune it."""
+
+MAX_PITCH = (1 << 31) - 1
+"""Largest row pitch (bytes) of a strided copy: ``CU_DEVICE_ATTRIBUTE_MAX_PITCH`` of every
+NVIDIA GPU since Kepler; longer strides stay single copies."""
 
 
 class Work:
@@ -126,3 +143,78 @@ def wait_vacated(t: Any, flags: Any, staging: Any, peers: Sequence[int], timeout
     t.wait_all([flags.vacated(staging.index, d) for d in peers], [e] * len(peers), peers=peers,
                timeout_s=timeout_s, what=f"rank {{peer}} to vacate staging region {staging.key!r} "
                f"(use {e}: its staging.vacate())")
+
+
+class Strided(NamedTuple):
+    """``rows`` copies of ``nbytes``: row ``i`` from ``src + i * src_pitch`` to
+    ``dst + i * dst_pitch`` (one row: a plain copy)."""
+
+    dst: int
+    src: int
+    nbytes: int
+    rows: int = 1
+    dst_pitch: int = 0
+    src_pitch: int = 0
+
+
+def plan_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
+                min_rows: int = STRIDED_MIN_ROWS) -> list[Strided]:
+    """The same bytes moved by fewer descriptors, in list order: empty copies dropped,
+    neighbours back to back on both sides merged, then runs of at least ``min_rows`` copies
+    of one size at constant strides (each at least the size: rows never overlap) made one
+    :class:`Strided`.  Exact for any copy list whose pieces may run in any order (the
+    transports' contract): every byte has the same source as before."""
+    n = len(nbytes)
+    if len(dsts) != n or len(srcs) != n:
+        raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got {len(dsts)}, {len(srcs)} and {n}")
+    flat: list[list[int]] = []
+    for d, x, b in zip(dsts, srcs, nbytes):
+        if b < 0:
+            raise ValueError(f"nbytes must be >= 0, got {b}")
+        if not b:
+            continue
+        if flat and flat[-1][0] + flat[-1][2] == d and flat[-1][1] + flat[-1][2] == x:
+            flat[-1][2] += b
+        else:
+            flat.append([int(d), int(x), int(b)])
+    out: list[Strided] = []
+    i, m = 0, len(flat)
+    while i < m:
+        d, x, b = flat[i]
+        j = i + 1
+        if j < m and flat[j][2] == b:
+            dp, sp = flat[j][0] - d, flat[j][1] - x
+            if b <= dp <= MAX_PITCH and b <= sp <= MAX_PITCH:
+                while j < m and flat[j][2] == b and flat[j][0] - flat[j - 1][0] == dp \
+                        and flat[j][1] - flat[j - 1][1] == sp:
+                    j += 1
+                if j - i >= max(2, min_rows):
+                    out.append(Strided(d, x, b, j - i, dp, sp))
+                    i = j
+                    continue
+        out.append(Strided(d, x, b))
+        i += 1
+    return out
+
+
+def expand_copies(plan: Sequence[Strided]) -> tuple[list[int], list[int], list[int]]:
+    """A plan as plain ``(dsts, srcs, nbytes)`` (strided runs row by row)."""
+    dsts: list[int] = []
+    srcs: list[int] = []
+    sizes: list[int] = []
+    for c in plan:
+        for r in range(c.rows):
+            dsts.append(c.dst + r * c.dst_pitch)
+            srcs.append(c.src + r * c.src_pitch)
+            sizes.append(c.nbytes)
+    return dsts, srcs, sizes
+
+
+def prepare_planned(t: Any, plan: Sequence[Strided]) -> Any:
+    """``plan`` prepared by transport ``t``: strided runs as strided copies where the
+    transport has them (``t.strided_copies``: the CUDA transport), row by row elsewhere."""
+    if getattr(t, "strided_copies", False):
+        plain = [c for c in plan if c.rows == 1]
+        return t.prepare_copies([c.dst for c in plain], [c.src for c in plain], [c.nbytes for c in plain],
+                                strided=[c for c in plan if c.rows > 1])
+    return t.prepare_copies(*expand_copies(plan))

@@ -2,6 +2,12 @@
 
 ``layer_shapes("llama-3.1-70b")`` gives the parameter shapes of one decoder layer; the
 benchmarks and tests shard them with :class:`~tide_triton.ShardLayout`.
+
+``synthetic-moe-256e`` is not a published model: 256 experts x 3 matrices of [512, 1024]
+(771 parameters, DeepSeek-V3's expert count at a size one GPU holds for several ranks).  It
+exists because a collective's host cost grows with the number of parameters per FSDP unit
+(copy descriptors, flag operations), and that is where it shows most.  Tests that iterate
+:data:`MODELS` under the interpreter use :func:`scaled_shapes`.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from importlib import resources
 
 __all__ = ["MODELS", "layer_shapes", "layer_names", "scaled_shapes"]
 
-MODELS = ("llama-3.1-70b", "qwen3-30b-a3b", "wan2.2-14b")
+MODELS = ("llama-3.1-70b", "qwen3-30b-a3b", "wan2.2-14b", "synthetic-moe-256e")
 
 
 @lru_cache(maxsize=None)

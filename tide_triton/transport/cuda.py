@@ -671,10 +671,16 @@ class CudaTransport:
         """The stream every copy (and, by default, every signal and wait) goes on."""
         return self._sig.copy_stream
 
-    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> PreparedCopies:
+    strided_copies = True
+    """:meth:`prepare_copies` takes strided runs (``cuMemcpy2DAsync``)."""
+
+    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
+                       strided: Sequence[Any] = ()) -> PreparedCopies:
         """Check and convert a list of copies once, for :meth:`copy_prepared` to enqueue many
-        times (converting addresses to driver objects costs ~10x the enqueue itself)."""
-        return self._sig.prepare_copies(dsts, srcs, nbytes)
+        times (converting addresses to driver objects costs ~10x the enqueue itself).
+        ``strided``: runs ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` of equal rows
+        (:class:`tide_triton.executor.Strided`), one ``cuMemcpy2DAsync`` each."""
+        return self._sig.prepare_copies(dsts, srcs, nbytes, strided=strided)
 
     def copy_prepared(self, prepared: PreparedCopies, *, stream: torch.cuda.Stream | None = None) -> None:
         """:meth:`copy` of a :meth:`prepare_copies` result."""

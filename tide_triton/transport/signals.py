@@ -4,8 +4,11 @@ Copies
     On a dedicated stream (``copy_stream``, a ``torch.cuda`` stream object so events and the
     caching allocator work with it): one ``cuMemcpyBatchAsync`` per call where the driver
     has it (CUDA >= 12.8), otherwise one ``cuMemcpyAsync`` per piece; the path is chosen at
-    creation and logged once.  Addresses may lie on another GPU (a peer's heap mapped with
-    peer access): the copy engines of this rank's device move the bytes.
+    creation and logged once.  A stream being captured into a CUDA graph gets the loop
+    (``cuMemcpyBatchAsync`` cannot be captured).  Strided runs (equal rows at constant
+    pitches, :class:`tide_triton.executor.Strided`) are one ``cuMemcpy2DAsync`` each.
+    Addresses may lie on another GPU (a peer's heap mapped with peer access): the copy
+    engines of this rank's device move the bytes.
 
 Signals
     ``signal`` writes a flag of a peer with ``cuStreamWriteValue64`` -- straight to the
@@ -78,6 +81,13 @@ class PreparedCopies:
     nbytes: list[int]
     dst_ptrs: list[Any]
     src_ptrs: list[Any]
+    strided: tuple[Any, ...] = ()
+    """``CUDA_MEMCPY2D`` structs, one ``cuMemcpy2DAsync`` each."""
+
+    @property
+    def descriptors(self) -> int:
+        """Copy descriptors one enqueue hands the driver (a strided run counts one)."""
+        return len(self.nbytes) + len(self.strided)
 
 
 def _check_value(value: Any, name: str = "value") -> None:
@@ -246,7 +256,10 @@ class CopyEngine:
             check(cu.cuStreamSynchronize(self._host_stream), "cuStreamSynchronize")
 
     # ---- copies ---------------------------------------------------------------------------
-    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> PreparedCopies:
+    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
+                       strided: Sequence[Any] = ()) -> PreparedCopies:
+        """``strided``: ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` runs
+        (:class:`tide_triton.executor.Strided`), pitches >= nbytes."""
         n = len(nbytes)
         if len(dsts) != n or len(srcs) != n:
             raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got "
@@ -258,22 +271,46 @@ class CopyEngine:
         x = [int(srcs[i]) for i in keep]
         b = [int(nbytes[i]) for i in keep]
         dp = self._cu.CUdeviceptr
-        return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x])
+        return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x],
+                              tuple(self._memcpy2d(*run) for run in strided))
+
+    def _memcpy2d(self, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
+        if not (nbytes > 0 and rows > 0 and nbytes <= dst_pitch and nbytes <= src_pitch):
+            raise ValueError(f"strided copy must have nbytes > 0, rows > 0 and pitches >= nbytes, got "
+                             f"nbytes={nbytes}, rows={rows}, dst_pitch={dst_pitch}, src_pitch={src_pitch}")
+        cu = self._cu
+        m = cu.CUDA_MEMCPY2D()
+        dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        m.srcMemoryType, m.srcDevice, m.srcPitch = dev, cu.CUdeviceptr(int(src)), int(src_pitch)
+        m.dstMemoryType, m.dstDevice, m.dstPitch = dev, cu.CUdeviceptr(int(dst)), int(dst_pitch)
+        m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
+        m.WidthInBytes, m.Height = int(nbytes), int(rows)
+        return m
+
+    def capturing(self, s: int) -> bool:
+        """Whether stream ``s`` is being captured into a CUDA graph."""
+        status = check(self._cu.cuStreamIsCapturing(s), f"cuStreamIsCapturing(rank={self.rank})")
+        return int(status) == int(self._cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
 
     def copy_prepared(self, prepared: PreparedCopies, *, stream: Any = None) -> None:
-        if not prepared.nbytes:
+        if not prepared.nbytes and not prepared.strided:
             return
         s = self.stream_int(stream)
         cu = self._cu
         with self._guard:
-            if self.copy_path == "batch" and s not in (0, 1, 2):  # legacy / per-thread default
+            for m in prepared.strided:
+                check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
+            if not prepared.nbytes:
+                return
+            if self.copy_path == "batch" and s not in (0, 1, 2) and not self.capturing(s):
                 check(cu.cuMemcpyBatchAsync(prepared.dst_ptrs, prepared.src_ptrs, prepared.nbytes,
                                             len(prepared.nbytes), self._attrs, [0], 1, s),
                       f"cuMemcpyBatchAsync(rank={self.rank}, {len(prepared.nbytes)} copies)")
                 return
             if self.copy_path == "batch":
-                log_once("copy-legacy", logging.INFO, "copies on a default "
-                         "stream use a cuMemcpyAsync loop (cuMemcpyBatchAsync refuses it)")
+                log_once("copy-legacy", logging.INFO, "copies on a default stream or a stream under "
+                         "graph capture use a cuMemcpyAsync loop (cuMemcpyBatchAsync refuses the first "
+                         "and cannot be captured)")
             for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
 

@@ -1,0 +1,261 @@
+"""Host cost of a collective independent of the parameter count: copy plans
+(:func:`tide_triton.executor.plan_copies`) merge back-to-back copies and make runs of equal
+copies one strided copy, exactly.
+
+* The plan moves every byte from the same source as the list it replaces (random lists on a
+  byte buffer, and the collectives themselves: results bit-identical with and without plans).
+* On the real workloads with parameters allocated back to back (FSDP2's padded
+  all-gather outputs, a flat gradient buffer), the descriptors of an all-gather and of a
+  reduce-scatter round are O(W x distinct shape runs), not O(W x parameters): counted here
+  at full size (pure Python, no tensors) before and after.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+try:
+    from _dist import run_threads
+except ImportError:  # pragma: no cover
+    from tests._dist import run_threads
+
+import tide_triton.collectives as coll
+from tide_triton.executor import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies
+from tide_triton.heap import ring as heap_ring
+from tide_triton.layout import ShardLayout
+from tide_triton.schedule import ring_plan
+from tide_triton.workloads import layer_shapes, scaled_shapes
+
+
+# ------------------------------------------------------------------------------ the planner
+def _apply(buf: bytearray, dsts, srcs, sizes) -> bytearray:
+    """Copies of one batch read the buffer as it was before the batch (any order is allowed)."""
+    src = bytes(buf)
+    out = bytearray(buf)
+    for d, x, n in zip(dsts, srcs, sizes):
+        out[d:d + n] = src[x:x + n]
+    return out
+
+
+def _random_copies(rng: random.Random, size: int):
+    """Disjoint destinations in the upper half, sources in the lower half: runs back to back,
+    runs at constant strides (equal sizes), awkward sizes (1, primes), empty copies."""
+    dsts, srcs, sizes = [], [], []
+    d, x = size // 2, 0
+    while True:
+        kind = rng.choice(["plain", "contig", "strided", "empty"])
+        n = rng.choice([1, 2, 3, 7, 16, 31])
+        rows = rng.randint(1, 9)
+        gap_d, gap_s = rng.choice([0, 0, 1, 5]), rng.choice([0, 1, 4])
+        if d + rows * (n + gap_d) >= size or x + rows * (n + gap_s) >= size // 2:
+            return dsts, srcs, sizes
+        for _ in range(rows if kind in ("contig", "strided") else 1):
+            dsts.append(d)
+            srcs.append(x)
+            sizes.append(0 if kind == "empty" else n)
+            d += n + (gap_d if kind == "strided" else 0)
+            x += n + (gap_s if kind == "strided" else 0)
+        d += rng.choice([0, 3])
+        x += rng.choice([0, 2])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_moves_the_same_bytes(seed: int) -> None:
+    rng = random.Random(seed)
+    size = 4096
+    buf = bytearray(rng.randrange(256) for _ in range(size))
+    dsts, srcs, sizes = _random_copies(rng, size)
+    plan = plan_copies(dsts, srcs, sizes, min_rows=rng.choice([2, STRIDED_MIN_ROWS]))
+    assert _apply(buf, *expand_copies(plan)) == _apply(buf, dsts, srcs, sizes)
+    assert len(plan) <= sum(1 for n in sizes if n)
+    assert all(c.rows == 1 or (c.dst_pitch >= c.nbytes and c.src_pitch >= c.nbytes) for c in plan)
+
+
+def test_plan_merges_and_strides() -> None:
+    # back to back on both sides: one copy; back to back on one side only: kept apart
+    assert plan_copies([100, 110], [0, 10], [10, 5]) == [Strided(100, 0, 15)]
+    assert plan_copies([100, 110], [0, 20], [10, 5]) == [Strided(100, 0, 10), Strided(110, 20, 5)]
+    # 5 equal copies at strides (30, 8): one strided copy; 3 stay plain below min_rows=4
+    rows = plan_copies([1000 + 30 * i for i in range(5)], [8 * i for i in range(5)], [8] * 5)
+    assert rows == [Strided(1000, 0, 8, 5, 30, 8)]
+    assert len(plan_copies([1000 + 30 * i for i in range(3)], [8 * i for i in range(3)], [8] * 3)) == 3
+    # a source pitch below the size (rows would overlap) never makes a strided copy
+    assert all(c.rows == 1 for c in plan_copies([0, 100, 200, 300, 400], [0] * 5, [8] * 5))
+
+
+def test_plan_validation() -> None:
+    with pytest.raises(ValueError, match="one entry per copy, got 2, 1 and 1"):
+        plan_copies([0, 1], [0], [1])
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -3"):
+        plan_copies([0], [0], [-3])
+
+
+# ------------------------------------------------------------------------------ descriptor counts
+class _Counting:
+    """A transport stand-in for the prepare functions: addresses in a flat space, the
+    prepared copies kept as plans (descriptors = plan entries)."""
+
+    strided_copies = True
+
+    def __init__(self, heap_bytes: int) -> None:
+        self.heap_bytes = heap_bytes
+
+    def address(self, rank: int, offset: int) -> int:
+        return (1 << 44) + rank * self.heap_bytes + offset
+
+    def prepare_copies(self, dsts, srcs, nbytes, *, strided=()):
+        return [Strided(d, x, n) for d, x, n in zip(dsts, srcs, nbytes)] + list(strided)
+
+
+class _G:
+    def __init__(self, W: int) -> None:
+        self.world_size = W
+
+
+def _runs(sizes) -> int:
+    """Descriptors of one rank's copies when maximal runs of consecutive equal sizes are one
+    strided copy each (runs shorter than STRIDED_MIN_ROWS: one copy per row)."""
+    lengths: list[int] = []
+    for i, s in enumerate(sizes):
+        if i and sizes[i - 1] == s:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return sum(1 if n >= STRIDED_MIN_ROWS else n for n in lengths)
+
+
+def _contiguous(numels, es: int, base: int = 1 << 40) -> tuple[int, ...]:
+    out, acc = [], base
+    for n in numels:
+        out.append(acc)
+        acc += n * es
+    return tuple(out)
+
+
+MODELS = ("llama-3.1-70b", "qwen3-30b-a3b", "synthetic-moe-256e")
+
+
+@pytest.mark.parametrize("W", [2, 4, 8])
+@pytest.mark.parametrize("model", MODELS)
+def test_all_gather_descriptors_are_o_of_w(model: str, W: int) -> None:
+    layout = ShardLayout(layer_shapes(model), W)
+    es = 2
+    pptrs = _contiguous(layout.padded_numels, es)  # FSDP2's padded outputs, back to back
+    reg = heap_ring(64, W, 1 << 20, 2, 0)
+    batches = coll._prepare_all_gather(_G(W), _Counting(1 << 36), reg, layout, pptrs, es)
+    after = sum(len(b) for b in batches)
+    before = sum(1 for r in range(W) for n in layout.shard_numels(r) if n)
+    bound = W * (_runs(layout.padded_shard_numels) + 1)  # +1: the last rank's short rows
+    assert after <= bound, (model, W, before, after)
+    if len(layout) > 100:  # the MoE layers: the plan removes the parameter count
+        assert after * 20 <= before, (model, W, before, after)
+
+
+@pytest.mark.parametrize("W", [2, 4, 8])
+@pytest.mark.parametrize("model", MODELS)
+def test_reduce_scatter_push_descriptors_are_o_of_w(model: str, W: int) -> None:
+    layout = ShardLayout(layer_shapes(model), W)
+    es, ring_bytes, stages = 2, 256 << 20, 2
+    gptrs = _contiguous(layout.padded_numels, es)  # a flat gradient buffer (padded rows)
+    reg = heap_ring(64, W, ring_bytes, stages, 0)
+    plan = ring_plan(layout, ring_bytes, es, stages)
+    t = _Counting(1 << 36)
+    for me in range(W):
+        rounds = coll._push_plans(W, me, plan, t.address, reg, gptrs, layout.padded_shard_numels, es)
+        for j, p in enumerate(rounds):
+            pieces = [[layout.padded_shard_numels[pc.param] for pc in plan.chunks[d][j]]
+                      for d in range(W) if d != me and j < len(plan.chunks[d])]
+            bound = sum(_runs(x) + 2 for x in pieces)  # +2: a chunk's first and last pieces are partial
+            assert len(p) <= bound, (model, W, me, j, len(p), bound)
+        before = sum(len(plan.chunks[d][j]) for d in range(W) if d != me for j in range(len(plan.chunks[d])))
+        after = sum(len(p) for p in rounds)
+        if len(layout) > 100:  # the MoE layers (measured: Qwen3 W=8 2807 -> 238, 256 experts 5432 -> 133)
+            assert after * 8 <= before, (model, W, me, before, after)
+
+
+# ------------------------------------------------------------------------------ exact end to end
+def _flat_views(shapes, dtype, fill=None, gen=None, device="cpu"):
+    """Tensors of ``shapes`` carved back to back out of one buffer (as FSDP2 allocates)."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    if fill is None:
+        flat = torch.randint(-8, 9, (sum(numels),), generator=gen).to(dtype).to(device)
+    else:
+        flat = torch.full((sum(numels),), fill, dtype=dtype, device=device)
+    out, o = [], 0
+    for s, n in zip(shapes, numels):
+        out.append(flat[o:o + n].view(s))
+        o += n
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("W", [2, 3])
+def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single-process mode (host transport; on a GPU the CUDA transport's strided copies):
+    a slice of the 256-expert layer (scaled for the interpreter: 1 router + 16 experts x 3 +
+    norms) reduce-scattered and all-gathered with plans and without (every copy its own
+    descriptor); results equal bit for bit and equal to the contract; the planned calls hand
+    the transport fewer descriptors."""
+    import tide_triton as tt
+
+    full = scaled_shapes("synthetic-moe-256e", 32)
+    shapes = list(full[:1 + 3 * 16]) + list(full[-2:])
+    layout = ShardLayout(shapes, W)
+    gen = torch.Generator().manual_seed(W)
+    dev = torch.device(device)
+    grads = [_flat_views(shapes, torch.bfloat16, gen=gen, device=dev) for _ in range(W)]
+    counts: list[tuple[int, int]] = []
+    real_plan = coll.plan_copies
+
+    def counting(dsts, srcs, sizes, **k):
+        p = real_plan(dsts, srcs, sizes, **k)
+        counts.append((sum(1 for n in sizes if n), len(p)))
+        return p
+
+    def unplanned(dsts, srcs, sizes, **k):
+        return [Strided(d, x, n) for d, x, n in zip(dsts, srcs, sizes) if n]
+
+    def run(plan_fn):
+        monkeypatch.setattr(coll, "plan_copies", plan_fn)
+        groups = tt.local_groups(W, timeout_s=60, ring_bytes=4096 * W)
+
+        def body(r: int):
+            if dev.type == "cuda":  # every rank its own compute stream, as on its own GPU
+                with torch.cuda.stream(torch.cuda.Stream(dev)):
+                    return ranked(r)
+            return ranked(r)
+
+        def ranked(r: int):
+            shards = _flat_views(layout.shard_shapes(r, padded=True), torch.float32, fill=-1.0, device=dev)
+            tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+            tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")  # cached: replayed
+            params = _flat_views(layout.padded_shapes, torch.bfloat16, fill=-3.0, device=dev)
+            mine = [x.to(torch.bfloat16) for x in shards]
+            tt.all_gather(mine, params, group=groups[r])
+            tt.all_gather(mine, params, group=groups[r])
+            if dev.type == "cuda":
+                tt.synchronize(groups[r], timeout_s=60)
+            return [x.cpu() for x in shards], [x.cpu() for x in params]
+
+        try:
+            return run_threads(body, W, timeout=300)
+        finally:
+            for g in groups:
+                g.close()
+
+    planned = run(counting)
+    plain = run(unplanned)
+    for r in range(W):
+        for a, b in zip(planned[r][0] + planned[r][1], plain[r][0] + plain[r][1]):
+            assert torch.equal(a, b)
+        for p in range(len(shapes)):  # the contract: the sum over ranks, then gathered
+            want = sum(grads[q][p].float().cpu() for q in range(W))
+            c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+            assert torch.equal(planned[r][0][p][:rows], want[r * c: r * c + rows])
+            got = planned[r][1][p][:shapes[p][0]]
+            assert torch.equal(got, want.to(torch.bfloat16))
+    if W == 2:  # at W=3 the scaled experts' three matrices pad to two sizes: no equal runs to stride
+        assert sum(a for a, _ in counts) > 2 * sum(b for _, b in counts), counts
