@@ -344,4 +344,6 @@ def _mixed_params(rank: int, W: int, L: int) -> str:
 def test_cross_node_all_gather_refuses_mixed_full_and_padded_params_on_every_rank() -> None:
     out = run_multiprocess(_mixed_params, 4, 2, timeout=120)
     for r, msg in enumerate(out):
-        assert msg.startswith("ranks disagree on the collective's arguments") and "params shapes" in msg, (r, msg)
+        # the message names the argument and the ranks with their values
+        assert msg.startswith("ranks disagree on all_gather's params shapes: "), (r, msg)
+        assert "rank 1: ((8, 3),)" in msg and "ranks 0, 2, 3: ((5, 3),)" in msg, (r, msg)
