@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -85,7 +85,9 @@ def check_uniform(
         if t.device != dev:
             raise ValueError(f"{name}[{i}] must be on {dev}, got {t.device}")
         if not t.is_contiguous():
-            raise ValueError(f"{name}[{i}] must be contiguous, got strides {tuple(t.stride())}")
+            raise ValueError(f"{name}[{i}] must be contiguous, got strides {tuple(t.stride())} for shape "
+                             f"{tuple(t.shape)}: pass {name}[{i}].contiguous() (a copy), or a tensor that owns "
+                             "its storage in row-major order")
     return dtype, dev
 
 
@@ -97,6 +99,7 @@ def check_shapes(
     *,
     what: str = "",
     alt_what: str = "padded",
+    why: "Callable[[int], str] | None" = None,
 ) -> list[bool]:
     """Each tensor has ``expected[i]`` or ``alternative[i]``; returns per tensor whether it
     matched the alternative."""
@@ -116,7 +119,8 @@ def check_shapes(
             want = f"{what + ' ' if what else ''}{_shape_str(e)}"
             if alternative is not None and alternative[i] != e:
                 want += f" or {alt_what} {_shape_str(alternative[i])}"
-            raise ValueError(f"{name}[{i}] must have shape {want}, got {_shape_str(shape)}")
+            rule = f" ({why(i)})" if why is not None else ""
+            raise ValueError(f"{name}[{i}] must have shape {want}, got {_shape_str(shape)}{rule}")
     return out
 
 

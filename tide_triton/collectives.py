@@ -208,7 +208,8 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     sig: object = None
     try:
         grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
-        check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True))
+        check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                     why=lambda i: layout.shard_rule(i, me))
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         scale = _scale(op, W)
         _check_stream(stream)
@@ -321,7 +322,7 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
         if not ok:
             want = (real[i], *shape[1:])
             alt = "" if real[i] == c else f" or padded {(c, *shape[1:])}"
-            raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got}")
+            raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got} ({layout.shard_rule(i, rank)})")
 
 
 def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tuple[int, ...],

@@ -151,6 +151,14 @@ class ShardLayout:
         self._check_rank(rank)
         return tuple(rank * s for s in self.padded_shard_numels)
 
+    def shard_rule(self, i: int, rank: int) -> str:
+        """Why rank ``rank``'s shard of parameter ``i`` has the rows it has (for error messages)."""
+        d0, w = self.shapes[i][0], self.world_size
+        c, n = self.rows_per_rank[i], self.shard_rows(rank)[i]
+        return (f"parameter {i} has dim 0 = {d0}; FSDP2 gives each of the {w} ranks ceil({d0} / {w}) = {c} rows, "
+                f"and rank {rank} holds rows [{rank * c}, {rank * c + c}) of which {n} are real "
+                f"(unpadded shard: {n} rows; padded: {c}); shapes come from ShardLayout(...).shard_shapes({rank})")
+
     def shard_shapes(self, rank: int, *, padded: bool = False) -> tuple[tuple[int, ...], ...]:
         """Shape of rank ``rank``'s shard of each parameter, ``(rows, *shape[1:])``; with
         ``padded=True`` every shard has ``rows_per_rank`` rows."""

@@ -70,7 +70,8 @@ def bind_accumulate_shards(
         "srcs", srcs, count_name="contribution", count=None,
         flat_numel=layout.flat_shard_numel, n_params=P,
     )
-    check_shapes("shards", shards_l, layout.shard_shapes(rank), layout.shard_shapes(rank, padded=True))
+    check_shapes("shards", shards_l, layout.shard_shapes(rank), layout.shard_shapes(rank, padded=True),
+                 why=lambda i: layout.shard_rule(i, rank))
     if not flat:
         for j, e in enumerate(entries):
             check_shapes(f"srcs[{j}]", e, layout.shapes, layout.padded_shapes)
