@@ -44,6 +44,9 @@ while its stream waits on a peer is a deadlock waiting to happen."""
 _AGREED_KEEP = 4096
 """Signatures remembered with ``agree="first"`` (a model's parameter groups x ops)."""
 
+_BROKEN_DRAIN_S = 3.0
+"""How long closing a broken group waits for its GPU work (which may never finish)."""
+
 _PREPARED_KEEP = 8
 """Prepared collectives kept per group: a training step's few (tensors, op) combinations."""
 
@@ -381,7 +384,13 @@ class Group(CallIdentity):
             if close is not None:
                 close()
         for t in self._transports.values():
-            t.close()
+            inner = getattr(t, "inner", t)  # a node's view (GlobalRanks) closes its transport
+            if self._broken is not None and hasattr(inner, "synchronize"):
+                # A broken group's GPU work may wait forever on peers: do not hold the
+                # process 30 s at close for it (its heap is leaked, never unmapped under it).
+                inner.close(drain_timeout_s=_BROKEN_DRAIN_S)
+            else:
+                t.close()
         self._transports.clear()
         if self.pg is not None and _GROUPS.get(id(self.pg)) is self:
             _GROUPS.pop(id(self.pg), None)

@@ -796,17 +796,18 @@ class CudaTransport:
                         if t is not None and t is not self and not t._closed]
         return all(t._sig.drain(t._sig.busy_streams(), deadline) for t in members)
 
-    def close(self) -> None:
+    def close(self, *, drain_timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
         """Unmap and free everything this rank holds (local; idempotent).  Waits up to
-        30 s for the copy streams; if they never drain (a flag wait that no peer will
-        release), the memory is leaked instead of unmapped under running copies."""
+        ``drain_timeout_s`` (30 s) for the copy streams; if they never drain (a flag wait
+        that no peer will release: a broken group's), the memory is leaked instead of
+        unmapped under running copies."""
         if self._closed:
             return
         self._closed = True
-        if not self._drain(_DRAIN_TIMEOUT_S):
+        if not self._drain(drain_timeout_s):
             log.error("rank %d: streams still busy after %.0f s at close; "
                       "leaking the heap rather than unmapping it under running work",
-                      self.rank, _DRAIN_TIMEOUT_S)
+                      self.rank, drain_timeout_s)
             return
         self._heap.release_segments()
         self._heap.free_ranges()
