@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from functools import lru_cache
 from typing import Any, Sequence
 
 from .bootstrap import Abort
@@ -245,11 +246,13 @@ class Call:
             g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")
 
 
+@lru_cache(maxsize=1024)
 def sig32(signature: object) -> int:
     """A 32-bit fingerprint of a signature (never 0), the same in every process."""
     return (zlib.crc32(repr(signature).encode()) & 0xFFFFFFFF) or 1
 
 
+@lru_cache(maxsize=1024)
 def describe(signature: object) -> str:
     """A signature as ``name(field=value, ...)`` (signatures are ``(name, (field, value)...)``)."""
     if isinstance(signature, tuple) and signature and isinstance(signature[0], str) and all(

@@ -112,7 +112,15 @@ def _full_and_shards(name: str, full: object, shards: object, world: int):
     if not full_l:
         raise ValueError(f"{name} must hold at least one tensor, got none")
     dtype, device = check_uniform(name, full_l, dtypes=FLOAT_DTYPES)
-    return full_l, shards_l, dtype, device, ShardLayout([tuple(t.shape) for t in full_l], world)
+    return full_l, shards_l, dtype, device, _layout(tuple(map(torch.Tensor.size, full_l)), world)
+
+
+@lru_cache(maxsize=256)
+def _layout(sizes: tuple[torch.Size, ...], world: int) -> ShardLayout:
+    """The layout of these full shapes, built once per (shapes, W): a training step's few
+    parameter groups repeat every step, and building one checks every shape (~1.7 ms of host
+    time for the 393 parameters of a Qwen3-30B-A3B layer, measured on the CPU)."""
+    return ShardLayout([tuple(x) for x in sizes], world)
 
 
 # --------------------------------------------------------------------------- reduce-scatter
@@ -314,6 +322,9 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
     """Shard ``i`` is ``(rows, *rest)`` with rows = ``c`` (padded) or this rank's real rows.
     A parameter passed padded (``W*c`` rows) hides its true dim 0, so there any row count
     up to ``c`` is a valid unpadded shard: the rows it lacks arrive as zero padding."""
+    sizes = list(map(torch.Tensor.size, shards))  # fast path: all unpadded or all padded
+    if sizes == list(layout.shard_shapes(rank)) or sizes == list(layout.shard_shapes(rank, padded=True)):
+        return
     real = layout.shard_rows(rank)
     for i, (x, shape, c) in enumerate(zip(shards, layout.shapes, layout.rows_per_rank)):
         got = tuple(x.shape)
