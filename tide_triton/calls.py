@@ -274,18 +274,18 @@ def check_same(got: list, me: int) -> None:
             field = first[i][0] if isinstance(first[i], tuple) and len(first[i]) == 2 else f"argument {i}"
             vals = [s[i][1] if isinstance(s[i], tuple) and len(s[i]) == 2 else s[i] for s in sigs]
             if any(v != vals[0] for v in vals):
-                groups: dict[str, list[int]] = {}
-                for r, v in enumerate(vals):
-                    groups.setdefault(repr(v), []).append(r)
-                parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {v}" for v, rs in groups.items())
-                raise ArgumentMismatchError(f"ranks disagree on {first[0]}'s {field}: {parts}; every rank must "
-                                            "pass the same shapes, dtypes and options")
-    groups2: dict[str, list[int]] = {}
-    for r, s in enumerate(sigs):
-        groups2.setdefault(describe(s), []).append(r)
-    parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {d}" for d, rs in groups2.items())
-    raise ArgumentMismatchError(f"ranks made different collective calls: {parts}; every rank must make the "
-                                "same collective calls in the same order")
+                raise ArgumentMismatchError(f"ranks disagree on {first[0]}'s {field}: {_by_value(map(repr, vals))}; "
+                                            "every rank must pass the same shapes, dtypes and options")
+    raise ArgumentMismatchError(f"ranks made different collective calls: {_by_value(map(describe, sigs))}; every "
+                                "rank must make the same collective calls in the same order")
+
+
+def _by_value(texts: Any) -> str:
+    """``"rank 1: a; ranks 0, 2: b"``: the ranks grouped by the text of their value."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(texts):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {v}" for v, rs in groups.items())
 
 
 def _ranks(rs: list[int]) -> str:

@@ -18,7 +18,6 @@ import torch
 
 if TYPE_CHECKING:
     from ._torch_adapter import TorchApi
-    from .slots import Slot
 
 __all__ = ["GROUPS", "PARAMS", "GroupState", "active", "set_active", "state_of"]
 
@@ -43,8 +42,9 @@ class GroupState:
     """Calls served by tide_triton.reduce_scatter."""
     direct_accumulations: int = 0
     """Of those, summed straight into an existing ``.grad``."""
-    slot: Slot | None = None
-    """Slot-Reuse: the heap slot holding the unsharded parameters."""
+    slot: Any = None
+    """Slot-Reuse: the heap slot (a :class:`~tide_triton.fsdp.slots.Slot`, which imports this
+    module: not imported here) holding the unsharded parameters."""
     staged_reduce_scatters: int = 0
     """Reduce-scatters staged in the vacated slot (Slot-Reuse)."""
 
