@@ -165,10 +165,11 @@ def test_writers_wait_for_the_owners_vacate_and_time_out_naming_it(world_size: i
             # its contributions never came: the writers' aborts name why (they waited for rank 1)
             assert msg.startswith(("peer=0", "peer=2", "aborted by 0", "aborted by 2")), msg
             assert "vacate" in msg or msg.startswith("peer="), msg
-        else:  # its own timeout, or -- racing with it -- rank 1's abort, caused by the same wait
+        else:  # its own timeout, or -- racing with it -- rank 1's abort: rank 1 waits for this
+            # writer's contribution while the writer waits for rank 1's vacate, so whichever
+            # deadline passes first names the other; either way the error names rank 1
             assert msg.startswith("peer=1: timed out after 2.0 s waiting for rank 1 (rank 1 to vacate "
-                                  "staging region 'params'") or (
-                msg.startswith("aborted by 1:") and "to vacate staging region 'params'" in msg), (r, msg)
+                                  "staging region 'params'") or msg.startswith("aborted by 1:"), (r, msg)
 
 
 def _never_vacated(rank: int, W: int) -> str:
