@@ -117,3 +117,22 @@ def test_live_host_transport_and_its_global_view_are_transports() -> None:
         assert not missing and view.rank == 6, missing
     finally:
         t.close()
+
+
+def test_on_stream_wrapper_puts_every_wait_and_signal_on_its_stream() -> None:
+    """The cross-node executor wraps its transport so that every operation lands on one
+    stream: a method the wrapper does not pin would silently go to the transport's own copy
+    stream (the call-identity wait did, and would not have ordered the data after it)."""
+    from tide_triton.executor import _OnStream
+
+    seen: list = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *a, **k: seen.append((name, k.get("stream")))
+
+    w = _OnStream(Recorder(), "side")
+    for name in ("copy", "copy_prepared", "signal", "signal_all", "wait", "wait_all", "wait_all_equal"):
+        getattr(w, name)()
+    assert seen == [(n, "side") for n in ("copy", "copy_prepared", "signal", "signal_all", "wait", "wait_all",
+                                          "wait_all_equal")]

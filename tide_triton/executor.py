@@ -75,6 +75,10 @@ class _OnStream:
     def wait_all(self, *a: object, **k: object) -> None:
         self.t.wait_all(*a, stream=self.stream, **k)
 
+    def wait_all_equal(self, *a: object, **k: object) -> None:
+        # the call-identity check (Group.check_in) must precede this stream's data movement
+        self.t.wait_all_equal(*a, stream=self.stream, **k)
+
 
 class Streams:
     """Where a collective's work goes.  Host: everything is synchronous, in program order.
