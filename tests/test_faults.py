@@ -473,3 +473,35 @@ def test_errors_are_exported_with_one_base() -> None:
         assert name in tt.__all__, name
     assert issubclass(tt.PeerTimeoutError, TimeoutError)
     assert issubclass(tt.ArgumentMismatchError, ValueError)
+
+
+# ---- the multicast path's identity check (through the store; no flag words there) -------
+def test_identity_exchange_names_both_calls_and_lets_equal_calls_pass() -> None:
+    import tide_triton as tt
+    from tests._dist import run_threads
+
+    groups = tt.local_groups(2, timeout_s=20)
+    sigs = [("reduce_scatter", ("grads shapes", ((6, 4),))), ("reduce_scatter", ("grads shapes", ((4, 6),)))]
+
+    def rank(r: int) -> str:
+        g = groups[r]
+        with g.call("reduce_scatter") as c:
+            c.set_signature(sigs[0])
+            g.check_in_exchange()  # the same call on both ranks: passes
+        try:
+            with g.call("reduce_scatter") as c:
+                c.set_signature(sigs[r])
+                g.check_in_exchange()
+            return "no error"
+        except tt.ArgumentMismatchError as e:
+            return str(e)
+
+    try:
+        out = run_threads(rank, 2, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    for r, msg in enumerate(out):
+        assert "made different collectives as call #2" in msg, (r, msg)
+        # its own call in words; the peer's too where this rank agreed it before (here it did not)
+        assert ("(6, 4)" if r == 0 else "(4, 6)") in msg, (r, msg)

@@ -142,6 +142,18 @@ class CallIdentity:
                 self._mismatch(p, got, c)
         c.moving = True
 
+    def check_in_exchange(self) -> None:
+        """:meth:`check_in` through the bootstrap store instead of flag words, for a path whose
+        data moves between host-synchronised barriers (the multicast path): every rank's call
+        identity, compared before any data moves."""
+        c = self._call
+        if c is None:
+            raise RuntimeError("internal error: check_in_exchange outside a collective call")
+        for p, got in enumerate(self.exchange(c.key)):
+            if got != c.key:
+                self._mismatch(p, got, c)
+        c.moving = True
+
     def _mismatch(self, p: int, got: int, c: "Call") -> None:
         seq, sig = got >> 32, got & 0xFFFFFFFF
         mine = describe(c.signature)

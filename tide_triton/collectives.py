@@ -242,6 +242,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     t = g.transport(device)
     if g.options.multicast != "off" and multicast_exec.eligible_rs(gdt, sdt, staging):  # docs/multicast.md
         if (mc := multicast_exec.path(g, device, t)) is not None:
+            g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
             st = Streams(g, t, device, stream, async_op)
             with st.kernels():
                 multicast_exec.reduce_scatter_node(mc, grads_l, shards_l, layout, me, scale=scale,
@@ -437,6 +438,7 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     t = g.transport(device)
     if g.options.multicast != "off" and multicast_exec.eligible_ag(pdt):  # docs/multicast.md
         if (mc := multicast_exec.path(g, device, t)) is not None:
+            g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
             st = Streams(g, t, device, stream, async_op)
             with st.kernels():
                 multicast_exec.all_gather_node(mc, shards_l, params_l, layout, me)
