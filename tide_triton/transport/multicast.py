@@ -268,7 +268,8 @@ class MulticastObject:
             err = describe(exc)
         infos = self._exchange({"err": err, "sock": channel.name if channel else b"", "pid": os.getpid()})
         raise_if_failed(infos, "multicast object: fd channel")
-        assert channel is not None  # every rank made one, or every rank raised above
+        if channel is None:  # every rank made one, or every rank raised above
+            raise RuntimeError("internal error: multicast fd channel missing after an agreed success")
         try:
             channel.set_peers([i["sock"] for i in infos], [i["pid"] for i in infos])
             if self.rank == 0:
