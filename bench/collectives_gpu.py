@@ -273,15 +273,9 @@ def main() -> None:
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
     if args.from_rows:
-        if not args.plot:
-            ap.error("--from needs --plot FILE (it plots recorded rows without running anything)")
-        from tide_triton.report import load_rows
+        from tide_triton._cli import recorded_rows
 
-        try:
-            rows = load_rows(args.from_rows)
-        except (OSError, ValueError) as e:
-            ap.error(f"--from: {e}")
-        _plot(ap, args.plot, rows)
+        _plot(ap, args.plot, recorded_rows(ap, args.from_rows, args.plot))
         return
     if not torch.cuda.is_available():
         ap.error("no CUDA device is visible to torch: this benchmark needs a GPU (plot recorded rows with "

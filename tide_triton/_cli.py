@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["Progress", "rank_device", "require_device"]
+__all__ = ["Progress", "rank_device", "require_device", "recorded_rows"]
 
 
 class Progress:
@@ -99,3 +99,16 @@ def rank_device(rank: int, *, share_gpu: bool = False):
         return torch.device("cuda", 0)
     local = int(os.environ.get("LOCAL_RANK", rank))
     return torch.device("cuda", local % n)
+
+
+def recorded_rows(parser, from_rows, plot):
+    """The rows of ``--from ROWS.jsonl ...`` (which only goes with ``--plot FILE``), or a
+    parser error saying what is wrong."""
+    if not plot:
+        parser.error("--from needs --plot FILE (it plots recorded rows without running anything)")
+    from .report import load_rows
+
+    try:
+        return load_rows(from_rows)
+    except (OSError, ValueError) as e:
+        parser.error(f"--from: {e}")

@@ -59,7 +59,7 @@ def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from ._cli import Progress, require_device
+    from ._cli import Progress, recorded_rows, require_device
     from .workloads import MODELS, layer_shapes, scaled_shapes
 
     ap = argparse.ArgumentParser(prog="python -m tide_triton.bench", description=__doc__.split("\n\n")[0])
@@ -77,15 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.from_rows:
-        if not args.plot:
-            ap.error("--from needs --plot FILE (it plots recorded rows without running anything)")
-        from .report import load_rows
-
-        try:
-            rows = load_rows(args.from_rows)
-        except (OSError, ValueError) as e:
-            ap.error(f"--from: {e}")
-        _plot(ap, args.plot, rows)
+        _plot(ap, args.plot, recorded_rows(ap, args.from_rows, args.plot))
         return 0
     if any(w < 1 for w in args.world_sizes or []):
         ap.error(f"--world-sizes must be >= 1, got {args.world_sizes}")

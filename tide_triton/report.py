@@ -347,6 +347,15 @@ def _finish(fig, axes_time, axes_bw, rows: Sequence[dict], path: str, title: str
     fig.savefig(path, dpi=130)
 
 
+
+def _curve(at, ab, pts, *, baseline: bool, color: str, label: str) -> None:
+    """One implementation's points ``(W, ms, bytes)``: time on ``at``, bandwidth on ``ab``
+    (dashed squares for the baseline a user would otherwise run, solid circles for tide_triton)."""
+    style, marker = ("--", "s") if baseline else ("-", "o")
+    xs = [p[0] for p in pts]
+    at.plot(xs, [p[1] for p in pts], style, marker=marker, color=color, label=label)
+    ab.plot(xs, [p[2] / (p[1] * 1e-3) / 1e9 for p in pts], style, marker=marker, color=color, label=label)
+
 def plot_kernel_rows(rows: Sequence[dict], path: str, *, title: str | None = None) -> str:
     """Time and bandwidth against world size of ``python -m tide_triton.bench``'s JSON rows:
     one column per operation (placement, cast, accumulation), FSDP2's kernels dashed and
@@ -371,13 +380,8 @@ def plot_kernel_rows(rows: Sequence[dict], path: str, *, title: str | None = Non
                              if r["op"] == op and r["impl"] == impl and r["model"].split(" (")[0] == model)
                 if not pts:
                     continue
-                style = "--" if impl.startswith("FSDP2") else "-"
-                marker = "s" if impl.startswith("FSDP2") else "o"
-                lab = f"{model}: {impl}"
-                xs = [p[0] for p in pts]
-                at.plot(xs, [p[1] for p in pts], style, marker=marker, color=_COLORS[mi % len(_COLORS)], label=lab)
-                ab.plot(xs, [p[2] / (p[1] * 1e-3) / 1e9 for p in pts], style, marker=marker,
-                        color=_COLORS[mi % len(_COLORS)], label=lab)
+                _curve(at, ab, pts, baseline=impl.startswith("FSDP2"), color=_COLORS[mi % len(_COLORS)],
+                       label=f"{model}: {impl}")
         at.set_ylabel("time per call (ms)")
         ab.set_ylabel("GB/s (bytes read + written / time)")
         for c in ceilings:
@@ -440,12 +444,8 @@ def plot_collective_rows(rows: Sequence[dict], path: str, *, title: str | None =
                 pts = sorted((p[3], p[4], p[5]) for p in points if p[0] == kind and p[1] == impl and p[2] == model)
                 if not pts:
                     continue
-                style, marker = ("--", "s") if impl.startswith("NCCL") else ("-", "o")
-                lab = f"{model}: {impl}"
-                xs = [p[0] for p in pts]
-                at.plot(xs, [p[1] for p in pts], style, marker=marker, color=_COLORS[mi % len(_COLORS)], label=lab)
-                ab.plot(xs, [p[2] / (p[1] * 1e-3) / 1e9 for p in pts], style, marker=marker,
-                        color=_COLORS[mi % len(_COLORS)], label=lab)
+                _curve(at, ab, pts, baseline=impl.startswith("NCCL"), color=_COLORS[mi % len(_COLORS)],
+                       label=f"{model}: {impl}")
         at.set_ylabel("time per collective (ms)")
         ab.set_ylabel("GB/s (bytes the collective must move / time)")
         ceils = sorted({round(r["ceiling_gbps"]) for r in rows if r.get("ceiling_gbps")})

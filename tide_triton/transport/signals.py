@@ -287,11 +287,6 @@ class CopyEngine:
         m.WidthInBytes, m.Height = int(nbytes), int(rows)
         return m
 
-    def capturing(self, s: int) -> bool:
-        """Whether stream ``s`` is being captured into a CUDA graph."""
-        status = check(self._cu.cuStreamIsCapturing(s), f"cuStreamIsCapturing(rank={self.rank})")
-        return int(status) == int(self._cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)
-
     def copy_prepared(self, prepared: PreparedCopies, *, stream: Any = None) -> None:
         if not prepared.nbytes and not prepared.strided:
             return
@@ -302,15 +297,16 @@ class CopyEngine:
                 check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
             if not prepared.nbytes:
                 return
-            if self.copy_path == "batch" and s not in (0, 1, 2) and not self.capturing(s):
+            # Graph capture never reaches here: the collectives refuse it before any transport
+            # call (collectives._refuse_capture), so no per-call capture query on this path.
+            if self.copy_path == "batch" and s not in (0, 1, 2):
                 check(cu.cuMemcpyBatchAsync(prepared.dst_ptrs, prepared.src_ptrs, prepared.nbytes,
                                             len(prepared.nbytes), self._attrs, [0], 1, s),
                       f"cuMemcpyBatchAsync(rank={self.rank}, {len(prepared.nbytes)} copies)")
                 return
             if self.copy_path == "batch":
-                log_once("copy-legacy", logging.INFO, "copies on a default stream or a stream under "
-                         "graph capture use a cuMemcpyAsync loop (cuMemcpyBatchAsync refuses the first "
-                         "and cannot be captured)")
+                log_once("copy-legacy", logging.INFO, "copies on a default stream use a cuMemcpyAsync "
+                         "loop (cuMemcpyBatchAsync refuses it)")
             for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
 
