@@ -23,10 +23,8 @@ typedef int CUresult;
 static CUresult generic(void) { return 0; }
 static CUresult drvver(int* v) { if (v) *v = 13000; return 0; }
 static CUresult errname(int e, const char** s) { if (s) *s = "CUDA_SUCCESS"; return 0; }
-static CUresult iscap(void* stream, int* st) { if (st) *st = 0; return 0; }  /* not capturing */
 static void* pick(const char* s) {
   if (!strcmp(s, "cuDriverGetVersion")) return (void*)drvver;
-  if (!strcmp(s, "cuStreamIsCapturing")) return (void*)iscap;
   if (!strcmp(s, "cuGetErrorName") || !strcmp(s, "cuGetErrorString")) return (void*)errname;
   return (void*)generic;
 }
