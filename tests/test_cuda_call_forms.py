@@ -77,6 +77,31 @@ for sig in ("direct", "copy"):
 t._memops(t.copy_stream_int, [(t._WRITE_OP, base, 7, t.WRITE)] * 300, "write")  # > 255: two calls
 assert set(t._pending) == {1, 2, 3}, t._pending
 
+# A close whose streams did not drain releases this rank's own pending flag waits: the short
+# ones only (a GEQ counter below its value, an EQ identity word holding another value), with
+# the value each wait expects -- never lowering a counter that is past it.
+class Recording:
+    def __init__(self, real):
+        self.real, self.writes = real, []
+    def __getattr__(self, name):
+        f = getattr(self.real, name)
+        if name != "cuStreamWriteValue64":
+            return f
+        def write(s, addr, value, flags):
+            self.writes.append((int(addr), int(value)))
+            return f(s, addr, value, flags)
+        return write
+t._cu = Recording(cu)
+t._host_stream, t.host_stream_int = cu.CUstream(0x6000), 0x6000
+t._pending = {1: (5, 1, 0x5000, ""), 2: (6, 2, 0x5000, ""), 3: (7, 3, 0x5000, ""), 4: (8, 3, 0x5000, "")}
+t._equal = {3, 4}
+cur = {1: 9, 2: 2, 3: 12, 4: 8}             # 1 passed; 2 short; 3 another identity; 4 passed
+t.read_flag = lambda slot: cur[slot]
+import time
+assert t.release_own_waits(time.monotonic() + 1.0) == 2
+assert t._cu.writes == [(t.flag_addr(0, 2), 6), (t.flag_addr(0, 3), 7)], t._cu.writes
+t._cu = cu
+
 # Cross-device heap calls: one cuMemSetAccess with a descriptor per device that touches
 # the mapping (the single-process mode over GPUs 0, 1, 2), and the peer-access query.
 h = object.__new__(VmmHeap)

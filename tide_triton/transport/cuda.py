@@ -56,6 +56,9 @@ __all__ = ["CudaTransport", "CudaOptions", "PreparedCopies", "local_devices"]
 log = logging.getLogger("tide_triton")
 
 _DRAIN_TIMEOUT_S = 30.0
+_RELEASE_DRAIN_S = 5.0
+"""How long a close waits for streams released from their stuck flag waits (see
+:meth:`CudaTransport._release_stuck_waits`)."""
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
@@ -798,13 +801,15 @@ class CudaTransport:
 
     def close(self, *, drain_timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
         """Unmap and free everything this rank holds (local; idempotent).  Waits up to
-        ``drain_timeout_s`` (30 s) for the copy streams; if they never drain (a flag wait
-        that no peer will release: a broken group's), the memory is leaked instead of
-        unmapped under running copies."""
+        ``drain_timeout_s`` (30 s) for the copy streams; if they do not drain (a flag wait
+        that no peer will release: a broken group's), this rank's own pending waits are
+        released (:meth:`_release_stuck_waits`: else the streams, and every later device-wide
+        synchronize of the process, would wait forever), and only if the streams still do
+        not drain is the memory leaked instead of unmapped under running copies."""
         if self._closed:
             return
         self._closed = True
-        if not self._drain(drain_timeout_s):
+        if not self._drain(drain_timeout_s) and not self._release_stuck_waits():
             log.error("rank %d: streams still busy after %.0f s at close; "
                       "leaking the heap rather than unmapping it under running work",
                       self.rank, drain_timeout_s)
@@ -815,6 +820,23 @@ class CudaTransport:
         quiet(self._release_ctx)
         if self._channel is not None:
             self._channel.close()
+
+    def _release_stuck_waits(self) -> bool:
+        """Streams still busy at close: release this rank's own pending flag waits
+        (:meth:`SignalPaths.release_own_waits`) and drain again, briefly.  True when the
+        streams are idle then (the heap can be unmapped)."""
+        deadline = time.monotonic() + _RELEASE_DRAIN_S
+        try:
+            n = self._sig.release_own_waits(deadline)
+        except Exception as e:  # noqa: BLE001 - close never raises for this; it leaks instead
+            log.error("rank %d: could not release its stuck flag waits at close: %s", self.rank, e)
+            return False
+        if n == 0:
+            return False
+        idle = self._drain(max(0.0, deadline - time.monotonic()))
+        log.warning("rank %d: released %d stuck flag wait(s) at close; streams %s", self.rank, n,
+                    "idle" if idle else "still busy")
+        return idle
 
     def _release_ctx(self) -> None:
         check(self._cu.cuDevicePrimaryCtxRelease(self._cudev), "cuDevicePrimaryCtxRelease")

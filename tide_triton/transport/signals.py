@@ -45,6 +45,8 @@ from ..errors import PeerTimeoutError
 from ._once import log_once, round_up
 from .driver import CtxGuard, CudaError, Transaction, check, driver_version
 
+log = logging.getLogger("tide_triton")
+
 __all__ = ["CopyEngine", "HiddenWords", "PreparedCopies", "SIGNAL_MODES", "COPY_MODES"]
 
 SIGNAL_MODES = ("auto", "direct", "copy")
@@ -494,6 +496,33 @@ class CopyEngine:
                            "(no pending flag wait is short)")
 
     # ---- teardown -------------------------------------------------------------------------
+    def release_own_waits(self, deadline: float) -> int:
+        """Last resort of a close whose streams did not drain (a peer that will never signal:
+        a broken group's): write into this rank's own flag words the value each pending
+        stream wait expects -- never lowering a counter -- so the stuck streams run to their
+        end.  Without it they wait forever, the heap cannot be unmapped, and every later
+        device-wide synchronize of the process (``torch.cuda.synchronize``) hangs.  What the
+        released work then computes was already reported as an error; its copies land in
+        mappings this rank still holds (unmapped only after the streams are idle).  An
+        earlier wait on a word for another value than its latest (two calls' identities on
+        one parity word) cannot be released: the close then leaks as before.  Returns the
+        words written."""
+        writes = []
+        for slot, (value, _peer, _s, _what) in sorted(self._pending.items()):
+            cur = self.read_flag(slot)
+            if (cur != value) if slot in self._eq_slots() else (cur < value):
+                writes.append((slot, value))
+        if not writes:
+            return 0
+        cu = self._cu
+        with self._guard:
+            for slot, value in writes:
+                check(cu.cuStreamWriteValue64(self._host_stream, self.flag_addr(self.rank, slot), value,
+                                              self.WRITE), f"cuStreamWriteValue64(rank={self.rank}, release {slot})")
+        if not self.drain({self.host_stream_int}, deadline):
+            log.error("rank %d: releasing its own stuck flag waits did not complete", self.rank)
+        return len(writes)
+
     def busy_streams(self) -> set[int]:
         """Handles of every stream that may still touch heaps: own ones and the caller's."""
         return {self.copy_stream_int, self.host_stream_int, *self.streams_used}
