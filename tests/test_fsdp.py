@@ -174,6 +174,8 @@ def _scenario_slot(W, rank, device):
                 res["slot_bytes"] = sum({st.slot.region.key: st.slot.region.nbytes for m in [model, *model.layers]
                                          for st in [group_state(param_groups(m)[0])]}.values())
                 res["attrs_written"] = _tide_attrs(model)
+                from tide_triton.collectives import released_block_bytes
+                res["block_released"] = released_block_bytes(region.group, torch.device(device).type)
             if tide:
                 res["heap_bytes"] = tt.fsdp.heap_bytes(model)
                 res["heap_mapped"] = group_state(param_groups(model)[0]).group.heap_nbytes(device)
@@ -588,7 +590,10 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             assert all(rel == (True, 0) for rel in sl["slot"]["released"].values()), sl["slot"]["released"]
             assert sl["slot"]["heap_bytes"] == sl["slot"]["heap_bytes_released"]
             assert sl["slot"]["slot_bytes"] > 0
-            assert sl["slot"]["heap_bytes"] <= sl["slot"]["heap_mapped"] - sl["slot"]["slot_bytes"], (
+            # ... and so is the all-gather block (each rank's staged shards)
+            assert sl["slot"]["block_released"] > 0, sl["slot"]
+            assert sl["slot"]["heap_bytes"] <= (sl["slot"]["heap_mapped"] - sl["slot"]["slot_bytes"]
+                                                - sl["slot"]["block_released"]), (
                 sl["slot"]["heap_bytes"], sl["slot"]["heap_mapped"], sl["slot"]["slot_bytes"])
             keys = {k: v[0].split(":")[1] for k, v in sl["slot"]["slots"].items()}
             assert keys == {"<root>": "<root>", "layers.0": "slot0", "layers.1": "slot1", "layers.2": "slot0"}, keys

@@ -4,9 +4,10 @@ gives its physical memory back on every rank, ``restore()`` maps memory at the s
 Host transport (CPU, several processes): the release punches a hole into every rank's heap
 file (the pages read as zeros afterwards, and the file holds fewer blocks), restore is a
 no-op on the pages, views made before keep working after it, and every use while released
-raises naming the region.  CUDA (marked ``gpu``): the same lifecycle over VMM memory -- the
-device's free memory grows by the region's bytes at release, the data written after restore
-reads back on every peer through its own mapping.
+raises naming the region.  CUDA (marked ``gpu``): the same lifecycle over VMM memory -- no
+mapping is left behind the region (own or peers') after release, the data written after
+restore reads back on every peer through its own mapping.  The all-gather block (released by
+Slot-Reuse with the slots) likewise: released, re-mapped by the next all-gather, exact.
 """
 from __future__ import annotations
 
@@ -172,3 +173,71 @@ def test_host_release_range_rejects_partial_segments() -> None:
         assert int(view.sum()) == 48
     finally:
         t.close()
+
+
+# ---- the all-gather block ---------------------------------------------------------------
+def _block(rank: int, W: int, device: str) -> dict:
+    import tide_triton as tt
+    from tide_triton.collectives import release_all_gather_block, released_block_bytes
+
+    dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    shapes = [(5 * W + 1, 3), (7,), (2 * W, 4)]
+    layout = tt.ShardLayout(shapes, W)
+    out: dict = {}
+
+    def ag(g, v):
+        shards = [torch.full(s, float(v + rank), dtype=torch.bfloat16, device=dev) for s in layout.shard_shapes(rank)]
+        params = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+        tt.all_gather(shards, params, group=g)
+        tt.synchronize(g)
+        sync()
+        return [p.cpu() for p in params]
+
+    bare = tt.init(timeout_s=60, ring_bytes=4096 * W)  # no regions: the block shares the ring's segment
+    ag(bare, 1)
+    out["bare"] = release_all_gather_block(bare, dev)
+    bare.close()
+    g = tt.init(timeout_s=60, ring_bytes=4096 * W)
+    out["no block yet"] = release_all_gather_block(g, dev)
+    g.heap_region("slot", 3000 * W, dev)
+    first = ag(g, 1)
+    out["values"] = sorted({float(v) for p in first for v in p.flatten().tolist()})
+    out["released"] = release_all_gather_block(g, dev)
+    out["counted"] = released_block_bytes(g, dev.type)
+    out["again"] = release_all_gather_block(g, dev)
+    t = g.transport(dev)
+    if dev.type == "cuda":
+        out["mapped_after"] = [_cuda_mapped(t.address(p, g.ring_layout().ag_off)) for p in range(W)]
+    for step in range(2):  # re-mapped by the next all-gather, exact; and released again
+        out.setdefault("equal", []).append(all(torch.equal(x, y) for x, y in zip(first, ag(g, 1))))
+        out.setdefault("counted after", []).append(released_block_bytes(g, dev.type))
+        if step == 0:
+            out["released twice"] = release_all_gather_block(g, dev) == out["released"]
+    g.close()
+    return out
+
+
+def _check_block(out: list, W: int) -> None:
+    for r, res in enumerate(out):
+        assert res["bare"] == 0 and res["no block yet"] == 0, (r, res)
+        assert res["values"] == [float(v) for v in range(1, W + 1)], (r, res)
+        assert res["released"] > 0 and res["counted"] == res["released"] and res["again"] == 0, (r, res)
+        assert res.get("mapped_after", [False] * W) == [False] * W, (r, res)
+        assert res["equal"] == [True, True] and res["counted after"] == [0, 0], (r, res)
+        assert res["released twice"], (r, res)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_block_release_host(world_size: int) -> None:
+    _check_block(run_multiprocess(_block, world_size, "cpu", timeout=180), world_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_gather_block_release_cuda(world_size: int) -> None:
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    _check_block(run_multiprocess(_block, world_size, "cuda", timeout=300, env=env), world_size)

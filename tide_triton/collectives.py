@@ -29,10 +29,13 @@ from .layout import ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
 
-__all__ = ["reduce_scatter", "all_gather", "Work", "synchronize"]
+__all__ = ["reduce_scatter", "all_gather", "Work", "synchronize", "release_all_gather_block",
+           "released_block_bytes"]
 
 _AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
+_BLOCK_RELEASED = "all-gather block released"
+"""Group state key (with the device type): ``{"offset", "nbytes"}`` of a released block."""
 
 
 def _check_staging(g: Group, staging: object, device: torch.device) -> None:
@@ -444,6 +447,7 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
                 multicast_exec.all_gather_node(mc, shards_l, params_l, layout, me)
             return st.finish()
     es = pdt.itemsize
+    _restore_all_gather_block(g, t, device)
     reg = g.ring_layout()
     t.ensure_heap(ag_block_end(reg.ag_off, layout.flat_shard_numel * es))
     st = Streams(g, t, device, stream, async_op)
@@ -497,6 +501,54 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     t.signal_all(ranks, [fm.ag_done(me)] * W, [e] * W)
     t.fence_to(cs)  # the parameters are complete for later work on the stream
     return st.finish()
+
+
+def release_all_gather_block(group: Group, device: object) -> int:
+    """Collective over ``group``: give the physical memory of its all-gather block on
+    ``device`` back on every rank until the next all-gather, which maps new memory at the same
+    addresses first (collective as well: every rank all-gathers in the same order).  The block
+    holds each rank's staged shards only while an all-gather runs; between training steps it
+    is 1/W of the largest all-gathered layer held for nothing (the FSDP2 drop-in's Slot-Reuse
+    releases it after backward, with the slots).  Blocks the host until the GPU work that may
+    touch the heaps is done.
+
+    Returns the bytes released on this rank; 0, releasing nothing, when there is no block
+    (no all-gather yet), when it is released already, for a group over several nodes, or
+    when the block does not start on a heap segment boundary (without named regions it
+    shares the ring's segment)."""
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be a tide_triton Group, got {type(group).__name__}")
+    dev = torch.device(device)
+    t = group.existing_transport(dev.type)
+    released = group.state((_BLOCK_RELEASED, dev.type), dict)
+    start = group.ring_layout().ag_off
+    end = t.heap_nbytes() if t is not None else 0
+    ok = (t is not None and group.nodes == 1 and not released and group.heap_regions_end > 0
+          and start == group.heap_regions_end and end > start)
+    # the same decision on every rank (same heap layout), checked: a rank that differs raises
+    group.agree(("release_all_gather_block", dev.type, ok, start if ok else 0, end if ok else 0), None)
+    if not ok:
+        return 0
+    group.heap_barrier()  # single process: every rank's last read of a peer's block is enqueued
+    t.release_range(start, end - start)
+    released.update(offset=start, nbytes=end - start)
+    return end - start
+
+
+def released_block_bytes(group: Group, device_type: str) -> int:
+    """Heap bytes of ``group``'s all-gather block on ``device_type`` released now
+    (:func:`release_all_gather_block`), mapped nowhere until the next all-gather."""
+    released = group.state((_BLOCK_RELEASED, device_type))
+    return released.get("nbytes", 0) if released else 0
+
+
+def _restore_all_gather_block(g: Group, t, device: torch.device) -> None:
+    """New memory behind a released all-gather block (collective: inside the all-gather)."""
+    released = g.state((_BLOCK_RELEASED, device.type))
+    if released:
+        t.restore_range(released["offset"], released["nbytes"])
+        g.heap_barrier()  # single process: nobody addresses a peer's block before it is mapped
+        released.clear()
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,

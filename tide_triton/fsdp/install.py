@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import is_int
+from ..collectives import released_block_bytes
 from . import _state, slots, wrappers
 from ._state import GroupState
 from ._torch_adapter import (
@@ -218,8 +219,8 @@ def is_enabled(module: nn.Module) -> bool:
 
 def heap_bytes(module: nn.Module) -> int:
     """Bytes of the heaps (this rank's) that tide_triton maps outside torch's allocator for the
-    groups enabled inside ``module``, now: receive ring, Slot-Reuse slots (released ones not),
-    flags.  Each tide_triton group and device counts once."""
+    groups enabled inside ``module``, now: flags, receive ring, Slot-Reuse slots and the
+    all-gather block (released ones not).  Each tide_triton group and device counts once."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     seen: dict[tuple[int, str], int] = {}
@@ -229,7 +230,8 @@ def heap_bytes(module: nn.Module) -> int:
             if st is not None and not st.group.closed:
                 key = (id(st.group), pg.device.type)
                 if key not in seen:  # released slots are mapped nowhere
-                    seen[key] = st.group.heap_nbytes(pg.device) - slots.released_bytes(st.group, pg.device.type)
+                    seen[key] = (st.group.heap_nbytes(pg.device) - slots.released_bytes(st.group, pg.device.type)
+                                 - released_block_bytes(st.group, pg.device.type))
     return sum(seen.values())
 
 

@@ -8,7 +8,8 @@ forward.  FSDP2's ``free_storage`` / ``alloc_storage`` (``resize_``) pass throug
 these views, where they do nothing (a free records a CUDA event: the next writer waits for it).
 
 What the slots cost: their bytes are mapped while a step uses them.  With ``release`` (the
-default) every slot whose groups are all resharded is released once backward is over
+default) every slot whose groups are all resharded -- and the all-gather block, each rank's
+staged shards -- is released once backward is over
 (:func:`release_idle`, run by an autograd callback queued after FSDP2's final one: the step's
 reduce-scatters are done), so the optimizer step -- where stock FSDP2 holds no unsharded
 parameters either -- runs without them; the first all-gather into a released slot restores it
@@ -76,9 +77,13 @@ class Slot:
 
 def release_idle() -> list[str]:
     """Collective: release every slot made with ``release`` whose groups are all resharded
-    (in creation order; every rank holds the same slots in the same state).  Returns the keys
-    of the regions released."""
-    done = []
+    (in creation order; every rank holds the same slots in the same state), then the
+    all-gather block of each tide_triton group that released a slot.  Returns the keys of the
+    regions released (and ``"all-gather block of <device type>"``)."""
+    from ..collectives import release_all_gather_block
+
+    done: list[str] = []
+    blocks: list[tuple[Any, torch.device]] = []
     for ref in list(_SLOTS):
         slot = ref()
         if slot is None:
@@ -91,6 +96,13 @@ def release_idle() -> list[str]:
         slot.region.release()  # waits for the GPU: the frees' events are done
         slot.freed.clear()
         done.append(slot.region.key)
+        if (slot.region.group, slot.region.device) not in blocks:
+            blocks.append((slot.region.group, slot.region.device))
+    # The all-gather block (each rank's staged shards, 1/W of the largest layer) is idle too
+    # until the next step's first all-gather, which maps it again.
+    for group, device in blocks:
+        if release_all_gather_block(group, device):
+            done.append(f"all-gather block of {device.type}")
     return done
 
 

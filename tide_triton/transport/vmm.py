@@ -35,8 +35,12 @@ log = logging.getLogger("tide_triton")
 
 VA_BYTES = 64 << 30
 """Virtual addresses reserved per rank: the most the heap can ever grow to."""
-SEGMENT_BYTES = 64 << 20
-"""Growth quantum: ``ensure_heap`` maps whole multiples of this (rounded to granularity)."""
+SEGMENT_BYTES = 2 << 20
+"""Growth quantum: ``ensure_heap`` maps whole multiples of this (rounded to granularity).  The
+allocation granularity of current GPUs: a heap maps no more than it uses (64 MiB before:
+flags and a 4 MiB ring held a 64 MiB segment, and every region and the all-gather block were
+rounded up to 64 MiB).  A growth is one segment whatever its size, so a small quantum adds no
+handles."""
 
 
 class VmmHeap:
