@@ -19,7 +19,9 @@ reduce_scatter: bf16 full gradients -> fp32 shards (avg); all_gather: bf16 shard
 parameters; shards and parameters padded (FSDP2's layout), every list allocated back to
 back.  Time per collective is the wall time of ``iters`` back-to-back collectives on every
 rank divided by ``iters`` (all ranks start together, end with a synchronize).  Host
-enqueue: the host time of those calls (pacing waits included).  Driver calls: CUDA driver
+enqueue: the host time of those calls (pacing waits included); host CPU: the CPU time of
+the calling thread over them (``time.thread_time``: the host's own work, without the waits
+it sleeps through).  ``--host-profile FILE``: a cProfile of rank 0's calls.  Driver calls: CUDA driver
 calls one collective of rank 0 makes once prepared (counted on one extra call, on the
 transport's driver module: copies, stream memory operations, stream queries), the number
 that must not grow with the parameter count.
@@ -27,6 +29,7 @@ that must not grow with the parameter count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -93,7 +96,7 @@ def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
 
 
 def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None,
-        share_gpu: bool = False) -> dict:
+        share_gpu: bool = False, host_profile: str | None = None) -> dict:
     devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
@@ -123,15 +126,17 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
             fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            t1 = time.perf_counter()  # host time to enqueue (pacing included)
+            with _host_profile(host_profile if r == 0 else None, f"{model} W={W} {name} (rank 0's thread)"):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for _ in range(iters):
+                    fn()
+                t1, c1 = time.perf_counter(), time.thread_time()  # host time to enqueue (pacing included)
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
             if r == 0:
                 times[name] = (time.perf_counter() - t0) / iters * 1e3
                 times[name + "_host"] = (t1 - t0) / iters * 1e3
+                times[name + "_cpu"] = (c1 - c0) / iters * 1e3
             calls = driver_calls(g, fn)  # every rank makes the call; rank 0's count is kept
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
@@ -165,13 +170,15 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
         _profile_summary(prof_ctx[0], profile, f"{model} W={W} ring={ring_bytes >> 20} MiB")
     return dict(model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
                 rs_host_ms=times["reduce_scatter_host"], ag_host_ms=times["all_gather_host"],
+                rs_host_cpu_ms=times["reduce_scatter_cpu"], ag_host_cpu_ms=times["all_gather_cpu"],
                 rs_driver_calls=times["reduce_scatter_calls"], ag_driver_calls=times["all_gather_calls"],
                 launch="threads", staging_bytes=ring_bytes, fsdp_rs_input_bytes=4 * sum(layout.padded_numels),
                 layer_numel=numel, rs_bytes=rs_bytes, ag_bytes=ag_bytes,
                 gpus_used=len({d.index for d in devs}), share_gpu=share_gpu)
 
 
-def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False) -> dict | None:
+def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
+             host_profile: str | None = None) -> dict | None:
     """One process per rank (under torchrun, gloo bootstrap): the row on rank 0, None elsewhere."""
     import torch.distributed as dist
 
@@ -191,14 +198,16 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False) -
         fn()
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        t1 = time.perf_counter()
+        with _host_profile(host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)"):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(iters):
+                fn()
+            t1, c1 = time.perf_counter(), time.thread_time()
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
         row[name + "_ms"] = (time.perf_counter() - t0) / iters * 1e3
         row[name + "_host_ms"] = (t1 - t0) / iters * 1e3  # this rank's; the slowest is reported
+        row[name + "_host_cpu_ms"] = (c1 - c0) / iters * 1e3
         row[name + "_driver_calls"] = driver_calls(g, fn)
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
@@ -214,6 +223,29 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False) -
                 fsdp_rs_input_bytes=4 * sum(layout.padded_numels), layer_numel=numel, rs_bytes=moved["rs"],
                 ag_bytes=moved["ag"], gpus_used=1 if share_gpu else min(W, torch.cuda.device_count()),
                 share_gpu=share_gpu)
+
+
+@contextlib.contextmanager
+def _host_profile(path: str | None, title: str):
+    """cProfile of this thread's host work inside the block, the top functions by own time
+    appended to ``path`` (nothing when ``path`` is None)."""
+    if path is None:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        with open(path, "a") as f:
+            f.write(f"==== {title}\n{buf.getvalue()}\n")
 
 
 def _profile_summary(prof, path: str, title: str) -> None:
@@ -265,6 +297,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ring-bytes", type=int, nargs="+", default=[256 << 20])
     ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
+    ap.add_argument("--host-profile", default=None, metavar="FILE",
+                    help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on cuda:0 (default: rank r on cuda:r %% number of GPUs)")
     ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
@@ -302,8 +336,8 @@ def main() -> None:
     say = print if lead else (lambda *a, **k: None)
     say(f"{info['gpu']} x {n_gpu} used | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
         f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, cuda:0, this run) | {launch}")
-    say("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue (ms) | driver calls | "
-        "all_gather bf16 (ms) | of ceiling | host enqueue (ms) | driver calls | FSDP2 fp32 RS input / rank |")
+    say("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue / CPU (ms) | driver calls | "
+        "all_gather bf16 (ms) | of ceiling | host enqueue / CPU (ms) | driver calls | FSDP2 fp32 RS input / rank |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     first = True
     rows: list[dict] = []
@@ -314,11 +348,12 @@ def main() -> None:
                 progress.step(f"{model} W={W} ring {ring >> 20} MiB")
             try:
                 if torchrun:  # a failure here is every rank's (the group raises everywhere)
-                    row = run_dist(model, args.iters, ring, args.share_gpu)
+                    row = run_dist(model, args.iters, ring, args.share_gpu, args.host_profile)
                     if row is None:
                         continue
                 else:
-                    row = run(model, W, args.iters, ring, args.profile if first else None, args.share_gpu)
+                    row = run(model, W, args.iters, ring, args.profile if first else None, args.share_gpu,
+                              args.host_profile)
             except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
                 say(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
                 continue
@@ -327,8 +362,9 @@ def main() -> None:
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
             print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | "
-                  f"{row['rs_host_ms']:.2f} | {row['rs_driver_calls']} | {row['ag_ms']:.2f} | {ag_frac:.1%} | "
-                  f"{row['ag_host_ms']:.2f} | {row['ag_driver_calls']} | "
+                  f"{row['rs_host_ms']:.2f} / {row['rs_host_cpu_ms']:.2f} | {row['rs_driver_calls']} | "
+                  f"{row['ag_ms']:.2f} | {ag_frac:.1%} | "
+                  f"{row['ag_host_ms']:.2f} / {row['ag_host_cpu_ms']:.2f} | {row['ag_driver_calls']} | "
                   f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
             rows.append({**row, **info})
             if args.json:
