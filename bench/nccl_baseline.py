@@ -205,20 +205,25 @@ def short_kernel_names(res: dict, n: int = 4, width: int = 48) -> str:
 
 
 def nccl_versions() -> dict:
-    """``torch.cuda.nccl.version()`` and the runtime version of the libnccl mapped into this
-    process (ctypes ``ncclGetVersion`` on the path found in /proc/self/maps)."""
+    """``torch.cuda.nccl.version()`` and the runtime version of the libnccl in effect in this
+    process (ctypes ``ncclGetVersion`` on the library in ``LD_PRELOAD``, else on the first
+    found in /proc/self/maps)."""
     out: dict = {}
     try:
         v = torch.cuda.nccl.version()
         out["nccl_torch"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception as e:  # noqa: BLE001
         out["nccl_torch"] = f"n/a ({type(e).__name__}: {e})"
-    path = None
+    # A library in LD_PRELOAD is the one every NCCL symbol binds to (bench/gpu_env.sh's
+    # with_nccl); torch's own libnccl is then mapped too, often first in /proc/self/maps.
+    preloaded = [p for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+                 if os.path.basename(p).startswith("libnccl") and os.path.exists(p)]
+    path = preloaded[0] if preloaded else None
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libnccl"):
+                if path is None and len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libnccl"):
                     path = parts[-1]
                     break
     except OSError:
