@@ -98,6 +98,7 @@ t._equal = {3, 4}
 cur = {1: 9, 2: 2, 3: 12, 4: 8}             # 1 passed; 2 short; 3 another identity; 4 passed
 t.read_flag = lambda slot: cur[slot]
 import time
+assert t.stuck_peers() == {2, 3}, t.stuck_peers()   # the peers of the short waits
 assert t.release_own_waits(time.monotonic() + 1.0) == 2
 assert t._cu.writes == [(t.flag_addr(0, 2), 6), (t.flag_addr(0, 3), 7)], t._cu.writes
 t._cu = cu

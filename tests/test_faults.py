@@ -505,3 +505,27 @@ def test_identity_exchange_names_both_calls_and_lets_equal_calls_pass() -> None:
         assert "made different collectives as call #2" in msg, (r, msg)
         # its own call in words; the peer's too where this rank agreed it before (here it did not)
         assert ("(6, 4)" if r == 0 else "(4, 6)") in msg, (r, msg)
+
+
+# ---- 9. a broken group's close releases its stuck waits only when their peers gave up --
+def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() -> None:
+    """A broken group's close may write the values its stuck stream waits expect (so the
+    process's device-wide synchronize does not hang), but only when every peer those waits
+    wait for published an abort: a peer that is only slow would otherwise receive pushes into
+    slots it has not read yet (a wrong result without an error)."""
+    from tide_triton.bootstrap import Abort
+    from tide_triton.calls import CallIdentity
+
+    class Aborts:
+        def __init__(self, by: dict) -> None:
+            self.by = by
+
+        def abort_of(self, r: int):
+            return self.by.get(r)
+
+    g = object.__new__(CallIdentity)
+    g.rank = 0
+    g._exchange = Aborts({1: Abort((7, "failed", "RuntimeError: injected")), 3: Abort((2, "broken", "x"))})
+    assert g._all_aborted({1}) and g._all_aborted({1, 3})
+    assert not g._all_aborted({1, 2})  # rank 2 published nothing: maybe only slow
+    assert not g._all_aborted({0})     # never "released" on this rank's own account

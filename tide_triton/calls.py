@@ -44,6 +44,11 @@ class CallIdentity:
             raise PeerArgumentError(r, a.message)
         raise PeerAbortedError(r, a.call, a.message)
 
+    def _all_aborted(self, ranks: set[int]) -> bool:
+        """Every rank of ``ranks`` published an abort (of any call): none of them signals or
+        consumes data of this group any more."""
+        return all(r != self.rank and self._peer_abort(r, 0) is not None for r in ranks)
+
     def _check_aborts(self, ranks: Sequence[int]) -> None:
         """Raise for the first of ``ranks`` that published an abort of this call or later."""
         c = self._call

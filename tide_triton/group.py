@@ -387,8 +387,11 @@ class Group(CallIdentity):
             inner = getattr(t, "inner", t)  # a node's view (GlobalRanks) closes its transport
             if self._broken is not None and hasattr(inner, "synchronize"):
                 # A broken group's GPU work may wait forever on peers: do not hold the
-                # process 30 s at close for it (its heap is leaked, never unmapped under it).
-                inner.close(drain_timeout_s=_BROKEN_DRAIN_S)
+                # process 30 s at close for it, and release its own stuck flag waits so its
+                # streams end -- if every peer they wait for abandoned its call (published an
+                # abort), so nobody consumes what the released work sends; else the heap is
+                # leaked, never unmapped under running work.
+                inner.close(drain_timeout_s=_BROKEN_DRAIN_S, may_release=self._all_aborted)
             else:
                 t.close()
         self._transports.clear()

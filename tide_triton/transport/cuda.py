@@ -799,17 +799,23 @@ class CudaTransport:
                         if t is not None and t is not self and not t._closed]
         return all(t._sig.drain(t._sig.busy_streams(), deadline) for t in members)
 
-    def close(self, *, drain_timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
+    def close(self, *, drain_timeout_s: float = _DRAIN_TIMEOUT_S,
+              may_release: Callable[[set[int]], bool] | None = None) -> None:
         """Unmap and free everything this rank holds (local; idempotent).  Waits up to
-        ``drain_timeout_s`` (30 s) for the copy streams; if they do not drain (a flag wait
-        that no peer will release: a broken group's), this rank's own pending waits are
-        released (:meth:`_release_stuck_waits`: else the streams, and every later device-wide
-        synchronize of the process, would wait forever), and only if the streams still do
-        not drain is the memory leaked instead of unmapped under running copies."""
+        ``drain_timeout_s`` (30 s) for the copy streams.  If they do not drain,
+        ``may_release`` is given (a broken group's close) and it returns True for the peers
+        the stuck waits wait for (global ranks) -- they abandoned their calls and will
+        neither signal nor consume any more -- this rank's own pending waits are released
+        (:meth:`_release_stuck_waits`: else the streams, and every later device-wide
+        synchronize of the process, wait forever).  Never for a peer that may only be slow:
+        the released work would push into its slots before it has read them.  If the
+        streams still do not drain, the memory is leaked instead of unmapped under running
+        copies."""
         if self._closed:
             return
         self._closed = True
-        if not self._drain(drain_timeout_s) and not self._release_stuck_waits():
+        if not self._drain(drain_timeout_s) and not (may_release is not None
+                                                     and self._release_stuck_waits(may_release)):
             log.error("rank %d: streams still busy after %.0f s at close; "
                       "leaking the heap rather than unmapping it under running work",
                       self.rank, drain_timeout_s)
@@ -821,12 +827,18 @@ class CudaTransport:
         if self._channel is not None:
             self._channel.close()
 
-    def _release_stuck_waits(self) -> bool:
-        """Streams still busy at close: release this rank's own pending flag waits
+    def _release_stuck_waits(self, may_release: Callable[[set[int]], bool]) -> bool:
+        """Streams still busy at close: if ``may_release`` allows it for the peers of the
+        short waits, release this rank's own pending flag waits
         (:meth:`SignalPaths.release_own_waits`) and drain again, briefly.  True when the
         streams are idle then (the heap can be unmapped)."""
         deadline = time.monotonic() + _RELEASE_DRAIN_S
         try:
+            peers = self._sig.stuck_peers()
+            if not peers or not may_release(peers):
+                log.error("rank %d: streams stuck on flag waits for ranks %s, which have not all abandoned "
+                          "their calls: not released", self.rank, sorted(peers))
+                return False
             n = self._sig.release_own_waits(deadline)
         except Exception as e:  # noqa: BLE001 - close never raises for this; it leaks instead
             log.error("rank %d: could not release its stuck flag waits at close: %s", self.rank, e)

@@ -507,11 +507,7 @@ class CopyEngine:
         earlier wait on a word for another value than its latest (two calls' identities on
         one parity word) cannot be released: the close then leaks as before.  Returns the
         words written."""
-        writes = []
-        for slot, (value, _peer, _s, _what) in sorted(self._pending.items()):
-            cur = self.read_flag(slot)
-            if (cur != value) if slot in self._eq_slots() else (cur < value):
-                writes.append((slot, value))
+        writes = [(slot, value) for slot, value, _peer in self._short_waits()]
         if not writes:
             return 0
         cu = self._cu
@@ -522,6 +518,20 @@ class CopyEngine:
         if not self.drain({self.host_stream_int}, deadline):
             log.error("rank %d: releasing its own stuck flag waits did not complete", self.rank)
         return len(writes)
+
+    def _short_waits(self) -> list[tuple[int, int, int]]:
+        """``(slot, value, peer)`` of the pending waits whose flag is still short of their
+        value (``peer``: the global rank that was to write it)."""
+        out = []
+        for slot, (value, peer, _s, _what) in sorted(self._pending.items()):
+            cur = self.read_flag(slot)
+            if (cur != value) if slot in self._eq_slots() else (cur < value):
+                out.append((slot, value, peer))
+        return out
+
+    def stuck_peers(self) -> set[int]:
+        """Global ranks that pending stream waits of this rank still wait for."""
+        return {peer for _slot, _value, peer in self._short_waits()}
 
     def busy_streams(self) -> set[int]:
         """Handles of every stream that may still touch heaps: own ones and the caller's."""
