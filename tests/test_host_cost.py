@@ -144,7 +144,7 @@ def test_all_gather_descriptors_are_o_of_w(model: str, W: int) -> None:
     es = 2
     pptrs = _contiguous(layout.padded_numels, es)  # FSDP2's padded outputs, back to back
     reg = heap_ring(64, W, 1 << 20, 2, 0)
-    batches = coll._prepare_all_gather(_G(W), _Counting(1 << 36), reg, layout, pptrs, es)
+    batches = coll._prepare_all_gather(_G(W), _Counting(1 << 36), layout, pptrs, es, None, reg.ag_off)
     after = sum(len(b) for b in batches)
     before = sum(1 for r in range(W) for n in layout.shard_numels(r) if n)
     bound = W * (_runs(layout.padded_shard_numels) + 1)  # +1: the last rank's short rows

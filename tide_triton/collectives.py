@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from . import hier_collectives, multicast_exec
+from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name
 from .executor import Streams, Strided, Work, plan_copies, prepare_planned, wait_vacated, zero_padding
 from .group import Group, resolve
@@ -34,21 +35,24 @@ __all__ = ["reduce_scatter", "all_gather", "Work", "synchronize", "release_all_g
 
 _AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
-_BLOCK_RELEASED = "all-gather block released"
-"""Group state key (with the device type): ``{"offset", "nbytes"}`` of a released block."""
+
+
+def _check_region(g: Group, region: object, device: torch.device, name: str, use: str) -> None:
+    """``region`` is a mapped :class:`HeapRegion` of ``g`` in the heap of ``device``'s type."""
+    if not isinstance(region, HeapRegion):
+        raise TypeError(f"{name} must be None or a HeapRegion (Group.heap_region), got {type(region).__name__}")
+    if region.group is not g:
+        raise ValueError(f"{name} region {region.key!r} belongs to another tide_triton group")
+    if region.device.type != device.type:
+        raise ValueError(f"{name} region {region.key!r} is in the {region.device.type} heap, "
+                         f"the {use} are on {device.type}")
+    if getattr(region, "released", False):
+        raise ValueError(f"{name} region {region.key!r} is released (its memory is unmapped): "
+                         f"restore() it on every rank before {'staging in' if name == 'staging' else 'using'} it")
 
 
 def _check_staging(g: Group, staging: object, device: torch.device) -> None:
-    if not isinstance(staging, HeapRegion):
-        raise TypeError(f"staging must be None or a HeapRegion (Group.heap_region), got {type(staging).__name__}")
-    if staging.group is not g:
-        raise ValueError(f"staging region {staging.key!r} belongs to another tide_triton group")
-    if staging.device.type != device.type:
-        raise ValueError(f"staging region {staging.key!r} is in the {staging.device.type} heap, "
-                         f"the gradients are on {device.type}")
-    if getattr(staging, "released", False):
-        raise ValueError(f"staging region {staging.key!r} is released (its memory is unmapped): "
-                         "restore() it on every rank before staging in it")
+    _check_region(g, staging, device, "staging", "gradients")
 
 
 def _scale(op: object, world: int) -> float | None:
@@ -340,57 +344,79 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
             raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got} ({layout.shard_rule(i, rank)})")
 
 
-def _prepare_all_gather(g: Group, t, reg: Ring, layout: ShardLayout, pptrs: tuple[int, ...],
-                        es: int) -> list:
-    """The copy-engine descriptors of an all-gather into parameters at ``pptrs`` -- every
-    rank's real rows of every parameter, from that rank's heap block (``es``-byte elements)
-    -- planned (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters
-    allocated back to back is one strided copy per rank) and prepared for the transport in
-    batches of :data:`_AG_BATCH` descriptors."""
+def _prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...], es: int,
+                        source: tuple[int, tuple[int, ...]] | None, block_off: int) -> list:
+    """The copy-engine descriptors of an all-gather into parameters at ``pptrs``: every
+    rank's real rows of every parameter (``es``-byte elements) -- from that rank's heap
+    block at ``block_off``, or (``source = (region offset, byte offset of each parameter in
+    it)``, :func:`all_gather`'s ``params_region``) from the peers' copies of the region,
+    where each rank wrote its own rows in place -- planned
+    (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters allocated
+    back to back is one strided copy per rank) and prepared for the transport in batches of
+    :data:`_AG_BATCH` descriptors."""
     offs, S = layout.flat_offsets, layout.padded_shard_numels
     dsts, srcs, sizes = [], [], []
     for r in range(g.world_size):
-        block = t.address(r, reg.ag_off)
+        if source is not None and r == g.rank:
+            continue  # my rows are in place
+        base = t.address(r, block_off if source is None else source[0])
         for p, n in enumerate(layout.shard_numels(r)):
             if n:
                 dsts.append(pptrs[p] + r * S[p] * es)
-                srcs.append(block + offs[p] * es)
+                srcs.append(base + (offs[p] * es if source is None else source[1][p] + r * S[p] * es))
                 sizes.append(n * es)
     plan = plan_copies(dsts, srcs, sizes)
     return [prepare_planned(t, plan[i:i + _AG_BATCH]) for i in range(0, len(plan), _AG_BATCH)]
 
 
-def _prepare_stage(g: Group, t, reg: Ring, layout: ShardLayout, shards: list[torch.Tensor],
-                   sptrs: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device):
-    """How this rank's shards (as they are: padded or not) reach its heap block in the
+def _prepare_stage(g: Group, t, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
+                   dsts: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device,
+                   pad: bool):
+    """How this rank's shards (as they are: padded or not) reach ``dsts`` (one address per
+    parameter: its place in this rank's heap block, or its own rows in the parameter) in the
     parameters' dtype: ``(caster, copies, pad_copies, zeros)`` -- a bound cast kernel when
-    the dtypes differ (stand-in tensors, addresses known), else prepared copies; then the
-    zero-fill of the padding of unpadded shards, from ``zeros`` (kept alive here)."""
+    the dtypes differ (stand-in tensors, addresses known), else prepared copies; then, with
+    ``pad`` (the block), the zero-fill of the padding of unpadded shards, from ``zeros``
+    (kept alive here)."""
     es = pdt.itemsize
-    block = t.address(g.rank, reg.ag_off)
-    offs, S = layout.flat_offsets, layout.padded_shard_numels
+    S = layout.padded_shard_numels
     numels = [x.numel() for x in shards]
     caster = copies = None
     if pdt != sdt:
-        runs = tuple(Span(0, offs[p], p, 0, n) for p, n in enumerate(numels))
-        caster = Binding(_cast_program(runs, len(layout)), (torch.empty(0, dtype=pdt, device=device),),
+        runs = tuple(Span(p, 0, p, 0, n) for p, n in enumerate(numels))
+        caster = Binding(_cast_program(runs, len(layout)),
+                         (torch.empty(0, dtype=pdt, device=device),) * len(layout),
                          (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
-                         known_ptrs=((block,), sptrs))
+                         known_ptrs=(dsts, sptrs))
         caster.prepare()
     else:
-        copies = prepare_planned(t, plan_copies([block + o * es for o in offs], list(sptrs),
-                                                [n * es for n in numels]))
-    pads = [(p, n) for p, n in enumerate(numels) if n < S[p]]
+        copies = prepare_planned(t, plan_copies(list(dsts), list(sptrs), [n * es for n in numels]))
+    pads = [(p, n) for p, n in enumerate(numels) if n < S[p]] if pad else []
     zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
-    pad_copies = prepare_planned(t, plan_copies([block + (offs[p] + n) * es for p, n in pads],
+    pad_copies = prepare_planned(t, plan_copies([dsts[p] + n * es for p, n in pads],
                                                 [zeros.data_ptr()] * len(pads) if pads else [],
                                                 [(S[p] - n) * es for p, n in pads]))
     return caster, copies, pad_copies, zeros
 
 
 @lru_cache(maxsize=64)
-def _cast_program(runs: tuple[Span, ...], n_src: int) -> SegmentProgram:
-    return SegmentProgram(runs, n_dst=1, n_src=n_src)
+def _cast_program(runs: tuple[Span, ...], n: int) -> SegmentProgram:
+    return SegmentProgram(runs, n_dst=n, n_src=n)
+
+
+def _region_offsets(g: Group, region: HeapRegion, params: list[torch.Tensor]) -> tuple[int, ...]:
+    """Byte offset of every parameter in this rank's copy of ``region``; ValueError naming
+    the first parameter that does not lie inside it."""
+    base = g.transport(region.device).address(g.rank, region.offset)
+    offs = tuple(x.data_ptr() - base for x in params)
+    for i, (o, x) in enumerate(zip(offs, params)):
+        n = x.numel() * x.element_size()
+        if o < 0 or o + n > region.nbytes:
+            raise ValueError(
+                f"params[{i}] must lie inside params_region {region.key!r} (bytes [0, {region.nbytes}) of this "
+                f"rank's copy, e.g. region.tensor(dtype, numel, offset).view(shape)), got {n} bytes at byte "
+                f"offset {o} of it; pass params_region=None to all-gather into memory outside the heap")
+    return offs
 
 
 def all_gather(
@@ -400,6 +426,7 @@ def all_gather(
     group: object = None,
     stream: object = None,
     async_op: bool = False,
+    params_region: object = None,
 ) -> Work:
     """``params[i][r*c : r*c + rows_r] = shard of rank r`` for every rank ``r``.
 
@@ -407,17 +434,27 @@ def all_gather(
     ``params[i]``: the full parameter ``(d0, *rest)`` or padded ``(W*c, *rest)``; its dtype
     may differ from the shards' (each rank casts its own shard once, fp32 -> bf16 rounding to
     nearest even, and every rank pulls the cast bytes on copy engines).
+
+    ``params_region``: a :class:`~tide_triton.regions.HeapRegion` of this group (one node)
+    holding every ``params[i]``, at the same byte offsets on every rank (the FSDP2
+    drop-in's Slot-Reuse slots).  Each rank then writes its own rows in place and the peers
+    copy them straight from its copy of the region: no all-gather block in the heap and one
+    copy pass less.  Until every peer has read them, this rank's rows must stay as they are:
+    the next all-gather waits for that before it writes them, and the region's
+    :meth:`~tide_triton.regions.HeapRegion.vacate` (before peers stage a reduce-scatter in
+    it) waits for it too.
     """
     g = resolve(group)
     _refuse_capture("all_gather", stream)
     with g.call("all_gather"):
-        return _all_gather(g, shards, params, stream, async_op)
+        return _all_gather(g, shards, params, stream, async_op, params_region)
 
 
-def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
+def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
+    source = None
     try:
         params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, W)
         _check_gather_shards(shards_l, layout, me)
@@ -428,6 +465,14 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
         # hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not be mixed.
         sig = ("all_gather", ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
                ("shards dtype", dtype_name(sdt)), ("device", device.type))
+        if region is not None:
+            _check_region(g, region, device, "params_region", "params")
+            if g.nodes > 1:
+                raise ValueError(f"params_region needs a group of one node, this one spans {g.nodes} nodes: "
+                                 "across nodes the all-gather stages in its heap block (pass params_region=None)")
+            # the same offsets on every rank: a peer reads my rows where its own are
+            source = (region.offset, _region_offsets(g, region, params_l))
+            sig += (("params_region", (region.key, region.index, region.offset, source[1])),)
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
@@ -437,9 +482,10 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     # The block holds the parameters' dtype: a cast (fp32 shards -> bf16 parameters) happens
     # once, at the sender, on its own shard (1/W of the layer, on SMs), and every rank then
     # pulls the cast bytes on copy engines -- half the bytes of pulling fp32, no SMs at the
-    # receivers.
+    # receivers.  With a params region there is no block: the cast (or copy) writes my rows
+    # in place and the peers pull them from there.
     t = g.transport(device)
-    if g.options.multicast != "off" and multicast_exec.eligible_ag(pdt):  # docs/multicast.md
+    if source is None and g.options.multicast != "off" and multicast_exec.eligible_ag(pdt):  # docs/multicast.md
         if (mc := multicast_exec.path(g, device, t)) is not None:
             g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
             st = Streams(g, t, device, stream, async_op)
@@ -447,24 +493,33 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
                 multicast_exec.all_gather_node(mc, shards_l, params_l, layout, me)
             return st.finish()
     es = pdt.itemsize
-    _restore_all_gather_block(g, t, device)
     reg = g.ring_layout()
-    t.ensure_heap(ag_block_end(reg.ag_off, layout.flat_shard_numel * es))
+    if source is None:
+        restore_block(g, t, device)
+        t.ensure_heap(ag_block_end(reg.ag_off, layout.flat_shard_numel * es))
     st = Streams(g, t, device, stream, async_op)
     cs = st.compute
     # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by addresses, so repeats on the same storage prepare nothing.
     pptrs = tuple(x.data_ptr() for x in params_l)
-    key = ("ag", layout, pdt, device, pptrs, reg.ag_off)  # the block moves when regions are added
+    where = reg.ag_off if source is None else ("region", source[0])  # the block moves when regions are added
+    key = ("ag", layout, pdt, device, pptrs, where)
     pulls = g.cached(key)
     if pulls is None:
-        pulls = g.cache(key, _prepare_all_gather(g, t, reg, layout, pptrs, es))
+        pulls = g.cache(key, _prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
     sptrs = tuple(x.data_ptr() for x in shards_l)
-    skey = ("ag-stage", layout, sdt, pdt, device, sptrs, tuple(x.numel() for x in shards_l), reg.ag_off)
+    skey = ("ag-stage", layout, sdt, pdt, device, sptrs, tuple(x.numel() for x in shards_l), where,
+            pptrs if source is not None else None)
     stage = g.cached(skey)
     if stage is None:
+        if source is None:  # my place in my block
+            block = t.address(me, reg.ag_off)
+            dsts = tuple(block + o * es for o in layout.flat_offsets)
+        else:  # my rows of each parameter
+            dsts = tuple(pptrs[p] + me * n * es for p, n in enumerate(layout.padded_shard_numels))
         with st.kernels():
-            stage = g.cache(skey, _prepare_stage(g, t, reg, layout, shards_l, sptrs, sdt, pdt, device))
+            stage = g.cache(skey, _prepare_stage(g, t, layout, shards_l, sptrs, dsts, sdt, pdt, device,
+                                                 pad=source is None))
     caster, stage_copies, pad_copies, _zeros = stage
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
@@ -473,11 +528,12 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
     g.ag_epoch += 1
     e = g.ag_epoch
     ranks = list(range(W))
-    if e > 1:  # my block is free once every reader has finished the previous epoch
+    if e > 1:  # my block (my rows) may be written once every reader has finished the previous epoch
         t.wait_all([fm.ag_done(r) for r in ranks], [e - 1] * W, peers=ranks, timeout_s=timeout,
                    stream=cs if caster else None, what="rank {peer} to finish reading my all-gather block")
-    # Stage my shards into my block (padded positions of an unpadded shard become zero).
-    if caster is not None:  # cast into the block on SMs, then the copy queue goes on from there
+    # Stage my shards into my block or my rows (padded positions of an unpadded shard in the
+    # block become zero).
+    if caster is not None:  # cast on SMs, then the copy queue goes on from there
         with st.kernels():
             caster.launch(check_addresses=False)
         t.fence_from(cs)
@@ -499,56 +555,10 @@ def _all_gather(g: Group, shards, params, stream, async_op) -> Work:
         if st.cuda:
             pace.after(b, t.copy_stream)
     t.signal_all(ranks, [fm.ag_done(me)] * W, [e] * W)
+    if source is not None:
+        region._read(e)  # its vacate() waits for every peer's ag_done of epoch e
     t.fence_to(cs)  # the parameters are complete for later work on the stream
     return st.finish()
-
-
-def release_all_gather_block(group: Group, device: object) -> int:
-    """Collective over ``group``: give the physical memory of its all-gather block on
-    ``device`` back on every rank until the next all-gather, which maps new memory at the same
-    addresses first (collective as well: every rank all-gathers in the same order).  The block
-    holds each rank's staged shards only while an all-gather runs; between training steps it
-    is 1/W of the largest all-gathered layer held for nothing (the FSDP2 drop-in's Slot-Reuse
-    releases it after backward, with the slots).  Blocks the host until the GPU work that may
-    touch the heaps is done.
-
-    Returns the bytes released on this rank; 0, releasing nothing, when there is no block
-    (no all-gather yet), when it is released already, for a group over several nodes, or
-    when the block does not start on a heap segment boundary (without named regions it
-    shares the ring's segment)."""
-    if not isinstance(group, Group):
-        raise TypeError(f"group must be a tide_triton Group, got {type(group).__name__}")
-    dev = torch.device(device)
-    t = group.existing_transport(dev.type)
-    released = group.state((_BLOCK_RELEASED, dev.type), dict)
-    start = group.ring_layout().ag_off
-    end = t.heap_nbytes() if t is not None else 0
-    ok = (t is not None and group.nodes == 1 and not released and group.heap_regions_end > 0
-          and start == group.heap_regions_end and end > start)
-    # the same decision on every rank (same heap layout), checked: a rank that differs raises
-    group.agree(("release_all_gather_block", dev.type, ok, start if ok else 0, end if ok else 0), None)
-    if not ok:
-        return 0
-    group.heap_barrier()  # single process: every rank's last read of a peer's block is enqueued
-    t.release_range(start, end - start)
-    released.update(offset=start, nbytes=end - start)
-    return end - start
-
-
-def released_block_bytes(group: Group, device_type: str) -> int:
-    """Heap bytes of ``group``'s all-gather block on ``device_type`` released now
-    (:func:`release_all_gather_block`), mapped nowhere until the next all-gather."""
-    released = group.state((_BLOCK_RELEASED, device_type))
-    return released.get("nbytes", 0) if released else 0
-
-
-def _restore_all_gather_block(g: Group, t, device: torch.device) -> None:
-    """New memory behind a released all-gather block (collective: inside the all-gather)."""
-    released = g.state((_BLOCK_RELEASED, device.type))
-    if released:
-        t.restore_range(released["offset"], released["nbytes"])
-        g.heap_barrier()  # single process: nobody addresses a peer's block before it is mapped
-        released.clear()
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,

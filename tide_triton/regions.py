@@ -64,6 +64,9 @@ class HeapRegion:
         self.uses = 0
         """Reduce-scatters that staged in this region (every rank counts the same)."""
         self._consumed: list = []  # CUDA events: the last staging's reduction has read it
+        self._read_epoch = 0
+        """The last all-gather epoch whose peers read this rank's rows from its copy
+        (``all_gather(..., params_region=self)``); :meth:`vacate` waits for them."""
 
     def __repr__(self) -> str:
         return (f"HeapRegion({self.key!r}, index={self.index}, offset={self.offset}, "
@@ -133,11 +136,13 @@ class HeapRegion:
         """Hand this rank's copy over to the peers' writes: every later use by this rank is
         done (on a GPU: enqueued before this point on ``stream``, default the current
         stream).  Signals the ranks of this rank's node (across nodes only they write into
-        it).  Returns the epoch signalled.  Not collective."""
+        it).  If peers all-gathered from this copy (``all_gather(..., params_region=...)``),
+        the signal waits until each has finished reading it (the host transport: this call
+        waits, with the group's timeout, naming the peer; a GPU: ``stream`` waits).  Returns
+        the epoch signalled.  Not collective."""
         self._check_mapped("vacate")
         g = self.group
         t = g.transport(self.device)
-        self.vacated += 1
         # the ranks that write into this rank's copy: its node's (regions live in node heaps)
         first = g.rank - g.rank % g.local_size
         peers = [r for r in range(first, first + g.local_size) if r != g.rank]
@@ -146,8 +151,18 @@ class HeapRegion:
         if self.device.type == "cuda":
             kw["stream"] = stream if stream is not None else torch.cuda.current_stream(self.device)
         with t.session():
+            if self._read_epoch:  # nobody writes into my copy while a peer still reads my rows from it
+                t.wait_all([g.flags.ag_done(r) for r in peers], [self._read_epoch] * len(peers), peers=peers,
+                           timeout_s=g.options.timeout_s,
+                           what=f"rank {{peer}} to finish reading this rank's rows of heap region {self.key!r} "
+                           f"(all-gather epoch {self._read_epoch}) before it is vacated", **kw)
+            self.vacated += 1
             t.signal_all(peers, [slot] * len(peers), [self.vacated] * len(peers), **kw)
         return self.vacated
+
+    def _read(self, epoch: int) -> None:
+        """An all-gather (``epoch``) had the peers read this rank's rows from its copy."""
+        self._read_epoch = epoch
 
     # ---- used by reduce_scatter ---------------------------------------------------------
     def _begin_staging(self) -> int:

@@ -7,9 +7,12 @@ round-robin by the groups that reshard after forward, a private slot for the out
 forward.  FSDP2's ``free_storage`` / ``alloc_storage`` (``resize_``) pass through except for
 these views, where they do nothing (a free records a CUDA event: the next writer waits for it).
 
+On one node the all-gather reads the peers' rows straight from their slots
+(``all_gather(..., params_region=slot)``): no all-gather block is mapped for the slotted
+groups (one made by earlier all-gathers without Slot-Reuse is released with the slots).
+
 What the slots cost: their bytes are mapped while a step uses them.  With ``release`` (the
-default) every slot whose groups are all resharded -- and the all-gather block, each rank's
-staged shards -- is released once backward is over
+default) every slot whose groups are all resharded is released once backward is over
 (:func:`release_idle`, run by an autograd callback queued after FSDP2's final one: the step's
 reduce-scatters are done), so the optimizer step -- where stock FSDP2 holds no unsharded
 parameters either -- runs without them; the first all-gather into a released slot restores it
@@ -98,8 +101,9 @@ def release_idle() -> list[str]:
         done.append(slot.region.key)
         if (slot.region.group, slot.region.device) not in blocks:
             blocks.append((slot.region.group, slot.region.device))
-    # The all-gather block (each rank's staged shards, 1/W of the largest layer) is idle too
-    # until the next step's first all-gather, which maps it again.
+    # An all-gather block (each rank's staged shards, 1/W of the largest layer; one node:
+    # only from all-gathers made without a params region) is idle too until the next
+    # all-gather that stages in it, which maps it again.
     for group, device in blocks:
         if release_all_gather_block(group, device):
             done.append(f"all-gather block of {device.type}")

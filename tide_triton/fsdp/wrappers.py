@@ -87,7 +87,10 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
             outs.append(out.view(W * size[0], *rest))
             dtypes.append([dt])
             numels.append([n])
-        tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None)
+        # Slot-Reuse on one node: the peers read this rank's rows straight from its slot (no
+        # all-gather block; the slot's vacate before a staged reduce-scatter waits for them).
+        region = slot.region if slot is not None and st.group.nodes == 1 else None
+        tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None, params_region=region)
         st.all_gathers += 1
         event = ag_stream.record_event()
     if cuda and consumer != ag_stream and slot is None:  # Stream objects compare by the stream, not identity
