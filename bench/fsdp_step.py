@@ -26,7 +26,11 @@ Per rank, after ``--warmup`` steps:
   outside torch's allocator during it (``tide_triton.fsdp.heap_bytes``: ring, Slot-Reuse slots,
   flags; sampled at the phase's ends, the larger of the two -- Slot-Reuse maps its slots at the
   forward's all-gathers and gives them back at the end of backward).  ``total`` is the largest
-  phase sum; the torch and heap columns are their own maxima.  NCCL's own buffers are not counted;
+  phase sum; the torch and heap columns are their own maxima.  NCCL's own buffers are not counted
+  there; ``device used / rank`` counts everything: the GPU's used memory
+  (``torch.cuda.mem_get_info``: torch's reserved cache, the tide heap, NCCL's buffers, the CUDA
+  contexts) sampled at every phase end, its maximum divided by the ranks on that GPU (an
+  average per rank when ranks share it);
 * one more step under ``torch.profiler``: device time of FSDP2's layout copies (the ops
   ``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``, ``fsdp::chunk_cat`` and their
   aten forms), of NCCL kernels, of tide_triton's kernels, and of copy-engine memcpys.
@@ -171,6 +175,13 @@ def main(argv=None) -> int:
 
     cuda = device.type == "cuda"
     phases: list[dict] = []  # per measured step: {phase: (torch peak, heap mapped)}
+    used: list[int] = []  # the GPU's used bytes at every measured phase end (every process on it)
+
+    def device_used() -> int:
+        if not cuda:
+            return 0
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
 
     def heap_now() -> int:
         return tide_triton.fsdp.heap_bytes(model) if args.mode != "stock" else 0
@@ -191,6 +202,7 @@ def main(argv=None) -> int:
             if record:
                 h1 = heap_now()
                 marks[name] = (torch.cuda.max_memory_allocated() if cuda else 0, max(h0, h1))
+                used.append(device_used())
                 h0 = h1
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
@@ -215,7 +227,11 @@ def main(argv=None) -> int:
     heap = max(h for marks in phases for _, h in marks.values())
     phase_peak = {name: max(m[name][0] + m[name][1] for m in phases) for name in phases[0]}
     prof = _profile_step(step, device)
+    on_gpu = [None] * W
+    dist.all_gather_object(on_gpu, (os.uname().nodename, device.index))
+    sharing = on_gpu.count(on_gpu[rank])  # ranks whose memory mem_get_info also sees
     mine = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
+            "device_used_per_rank": max(used, default=0) // sharing, "ranks_on_gpu": sharing,
             "peak_allocated": peak, "peak_reserved": reserved, "tide_heap": heap,
             "peak_total": max(phase_peak.values()), "phase_peak_total": phase_peak,
             "phases": phases, "loss": float(loss.detach()), **prof}
@@ -231,13 +247,15 @@ def main(argv=None) -> int:
                "step_ms": max(r["step_ms"] for r in rows),
                "peak_total_bytes": max(r["peak_total"] for r in rows),
                "peak_phase": max(rows[0]["phase_peak_total"], key=rows[0]["phase_peak_total"].get),
-               "layout_copy_us": max(r["layout_copy_us"] for r in rows)}
+               "layout_copy_us": max(r["layout_copy_us"] for r in rows),
+               "device_used_per_rank_bytes": max(r["device_used_per_rank"] for r in rows)}
         mib = 1 << 20
         r0 = rows[0]
         wl = f"{W} ({W // args.local_size}x{args.local_size})" if row["local_size"] else f"{W}"
         print(f"| {args.mode} | {args.backend} | {wl} | {cfg.n_layers} | {row['step_ms']:.1f} | "
               f"{max(r['peak_allocated'] for r in rows) / mib:.0f} | {max(r['tide_heap'] for r in rows) / mib:.0f} | "
-              f"{row['peak_total_bytes'] / mib:.0f} | {row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
+              f"{row['peak_total_bytes'] / mib:.0f} | {row['device_used_per_rank_bytes'] / mib:.0f} | "
+              f"{row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
               f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)
         if args.json:
             with open(args.json, "a") as f:
@@ -250,8 +268,8 @@ def main(argv=None) -> int:
 
 
 HEADER = ("| mode | backend | W | layers | step (ms, rank max) | torch peak / rank (MiB) | tide heap / rank (MiB) | "
-          "total / rank (MiB) | layout copies / step (ms) | NCCL kernels (ms, rank 0) | tide kernels (ms, rank 0) | "
-          "memcpy (ms, rank 0) | loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "total / rank (MiB) | device used / rank (MiB) | layout copies / step (ms) | NCCL kernels (ms, rank 0) | "
+          "tide kernels (ms, rank 0) | memcpy (ms, rank 0) | loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
     from tide_triton.bench import script_main
