@@ -9,10 +9,13 @@ One process per rank, rank r on ``cuda:LOCAL_RANK % number of GPUs`` (the torchr
 ``--share-gpu`` puts every rank on cuda:0, as the recorded one-GPU runs did (several ranks per
 GPU: NCCL needs >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` for ``--backend nccl``, a newer
 NCCL given through ``LD_PRELOAD`` in the environment, never by replacing torch's files; gloo
-works anywhere but moves CUDA tensors through the host).  The model is ``examples/train_llama.py``'s Llama with Llama-3.1-70B
-decoder layers (dim 8192, 64 query / 8 key-value heads, SwiGLU 28672: 855,654,400 parameters a
-layer, the shapes of ``shared/workloads/models.json``) stacked ``--layers`` deep, with a small
-vocabulary so that the decoder layers dominate.  FSDP2 as torchtitan wraps it (every block, then
+works anywhere but moves CUDA tensors through the host).  The model (``--model``) is
+``examples/train_llama.py``'s Llama with Llama-3.1-70B decoder layers (dim 8192, 64 query / 8
+key-value heads, SwiGLU 28672: 855,654,400 parameters a layer, the shapes of
+``shared/workloads/models.json``), or ``examples/train_moe.py``'s Qwen3-style MoE blocks at
+Qwen3-30B-A3B's expert sizes (dim 2048, 32 query / 4 key-value heads, 128 SwiGLU experts of
+hidden 768, top 8: 397 parameters a block, the many-parameter case), stacked ``--layers``
+deep, with a small vocabulary so that the blocks dominate.  FSDP2 as torchtitan wraps it (every block, then
 the root), mixed precision bf16 parameters / fp32 reduce, AdamW.  Parameters are made on the
 meta device and initialised shard by shard, so no rank ever holds the whole model.
 
@@ -31,6 +34,10 @@ Per rank, after ``--warmup`` steps:
   (``torch.cuda.mem_get_info``: torch's reserved cache, the tide heap, NCCL's buffers, the CUDA
   contexts) sampled at every phase end, its maximum divided by the ranks on that GPU (an
   average per rank when ranks share it);
+* ``FSDP2 host / module``: host time of FSDP2's own hooks per FSDP unit and step, from the
+  profiled step (CPU time of the outermost ``FSDP::*`` ranges -- pre/post forward and backward,
+  prefetches, the reduce-scatter; inflated by the profiler alike for every mode), where
+  stock's and tide_triton's per-parameter work shows;
 * one more step under ``torch.profiler``: device time of FSDP2's layout copies (the ops
   ``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``, ``fsdp::chunk_cat`` and their
   aten forms), of NCCL kernels, of tide_triton's kernels, and of copy-engine memcpys.
@@ -66,7 +73,10 @@ def _profile_step(step, device: torch.device) -> dict:
     with profile(activities=acts) as prof:
         step()
     out = {"layout_copy_us": 0.0, "layout_copy_ops": {}, "nccl_us": 0.0, "tide_kernel_us": 0.0,
-           "memcpy_us": 0.0, "kernel_us": 0.0}
+           "memcpy_us": 0.0, "kernel_us": 0.0, "fsdp_host_us": 0.0}
+    for e in prof.events():  # FSDP2's host ranges, outermost only (they nest: pre_forward > all_gather)
+        if e.name.startswith("FSDP::") and not _inside_fsdp_range(e):
+            out["fsdp_host_us"] += e.cpu_time_total
     for e in prof.key_averages():
         if e.key in LAYOUT_OPS:
             us = e.device_time_total if device.type == "cuda" else e.cpu_time_total
@@ -92,12 +102,23 @@ def _profile_step(step, device: torch.device) -> dict:
     return out
 
 
+def _inside_fsdp_range(e) -> bool:
+    p = getattr(e, "cpu_parent", None)
+    while p is not None:
+        if p.name.startswith("FSDP::"):
+            return True
+        p = getattr(p, "cpu_parent", None)
+    return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["stock", "tide", "slot"], required=True)
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                     help="process group for CUDA tensors (nccl: stock FSDP2's collectives run on NCCL)")
+    ap.add_argument("--model", choices=["llama-3.1-70b", "qwen3-30b-a3b"], default="llama-3.1-70b",
+                    help="decoder layers of Llama-3.1-70B, or Qwen3-style MoE blocks (397 parameters each)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=2048)
@@ -126,6 +147,7 @@ def main(argv=None) -> int:
     import tide_triton
     from tide_triton.bench import env_info
     from train_llama import Llama, LlamaConfig, batch, loss_fn, shard
+    from train_moe import MoEConfig, MoEModel
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cpu") if args.dry_run else torch.device(
@@ -136,14 +158,19 @@ def main(argv=None) -> int:
     else:
         dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()
+    moe = args.model == "qwen3-30b-a3b"
     if args.dry_run:
-        cfg = LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=88, tied=False)
+        cfg = (MoEConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, experts=8, top_k=2, expert_hidden=24)
+               if moe else LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=88, tied=False))
         args.seq, args.steps, args.warmup = 16, 2, 1
+    elif moe:
+        cfg = MoEConfig(vocab=args.vocab, dim=2048, n_layers=args.layers, n_heads=32, n_kv_heads=4, experts=128,
+                        top_k=8, expert_hidden=768)
     else:
         cfg = LlamaConfig(vocab=args.vocab, dim=8192, n_layers=args.layers, n_heads=64, n_kv_heads=8,
                           hidden=28672, tied=False)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = MoEModel(cfg) if moe else Llama(cfg)
     mesh = init_device_mesh(device.type, (W,))
     shard(model, mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     model.to_empty(device=device)
@@ -156,6 +183,7 @@ def main(argv=None) -> int:
             else:
                 local.normal_(0.0, 0.02, generator=g)
     layer_numel = sum(p.numel() for p in model.layers[0].parameters())
+    units = 1 + len(model.layers)  # fully_shard units: every block and the root
     if args.mode != "stock":
         if args.local_size:
             os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)  # read when enable() makes the groups
@@ -239,7 +267,7 @@ def main(argv=None) -> int:
     dist.all_gather_object(rows, mine)
     if rank == 0:
         info = env_info(device)
-        row = {"script": "fsdp_step", "mode": args.mode, "backend": args.backend, "world_size": W,
+        row = {"script": "fsdp_step", "model": args.model, "mode": args.mode, "backend": args.backend, "world_size": W,
                "local_size": args.local_size if args.mode != "stock" else None, "chunk_mib": args.chunk_mib,
                "layers": cfg.n_layers, "layer_numel": layer_numel, "batch": args.batch, "seq": args.seq,
                "vocab": cfg.vocab, "ranks": rows, **info,
@@ -248,7 +276,8 @@ def main(argv=None) -> int:
                "peak_total_bytes": max(r["peak_total"] for r in rows),
                "peak_phase": max(rows[0]["phase_peak_total"], key=rows[0]["phase_peak_total"].get),
                "layout_copy_us": max(r["layout_copy_us"] for r in rows),
-               "device_used_per_rank_bytes": max(r["device_used_per_rank"] for r in rows)}
+               "device_used_per_rank_bytes": max(r["device_used_per_rank"] for r in rows),
+               "fsdp_host_us_per_module": max(r["fsdp_host_us"] for r in rows) / units}
         mib = 1 << 20
         r0 = rows[0]
         wl = f"{W} ({W // args.local_size}x{args.local_size})" if row["local_size"] else f"{W}"
@@ -256,7 +285,8 @@ def main(argv=None) -> int:
               f"{max(r['peak_allocated'] for r in rows) / mib:.0f} | {max(r['tide_heap'] for r in rows) / mib:.0f} | "
               f"{row['peak_total_bytes'] / mib:.0f} | {row['device_used_per_rank_bytes'] / mib:.0f} | "
               f"{row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
-              f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)
+              f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | "
+              f"{row['fsdp_host_us_per_module'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
@@ -269,7 +299,8 @@ def main(argv=None) -> int:
 
 HEADER = ("| mode | backend | W | layers | step (ms, rank max) | torch peak / rank (MiB) | tide heap / rank (MiB) | "
           "total / rank (MiB) | device used / rank (MiB) | layout copies / step (ms) | NCCL kernels (ms, rank 0) | "
-          "tide kernels (ms, rank 0) | memcpy (ms, rank 0) | loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "tide kernels (ms, rank 0) | memcpy (ms, rank 0) | FSDP2 host / module (ms, rank max) | loss |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
     from tide_triton.bench import script_main
