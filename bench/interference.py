@@ -2,8 +2,10 @@
 
     python bench/interference.py [--model llama-3.1-70b] [--world-size 2] [--gemm-iters 200] [--json out.jsonl]
     TRITON_INTERPRET=1 python bench/interference.py --dry-run     # CPU, tiny sizes, logic only
+    torchrun --nproc-per-node 2 bench/interference.py --backgrounds tide nccl [--share-gpu]
 
-One process, one GPU.  The victim is a single-wave GEMM, ``torch.mm`` of (M, K) x (K, N) bf16
+Under torchrun: one process per rank, tide_triton beside NCCL on FSDP2's path in the same run
+(``bench/interference_ranks.py`` says how).  Otherwise one process, one GPU.  The victim is a single-wave GEMM, ``torch.mm`` of (M, K) x (K, N) bf16
 with M x N x K = 1024 x 16896 x 8192 (about 0.35 ms on an H200), on its own stream.  Each GEMM
 is timed with its own pair of CUDA events; ``gemm-iters`` (>= 50) GEMMs are enqueued behind a
 gate (``cuStreamWaitValue32`` on a device word, opened by ``cuStreamWriteValue32`` from another
@@ -179,9 +181,12 @@ class Background:
     ranks at an iteration boundary (a threading.Barrier whose action reads the flag)."""
 
     def __init__(self, name: str, W: int, device: torch.device, clock: Clock,
-                 step: Callable[[int], None], done: Callable[[int], None], timeout_s: float) -> None:
+                 step: Callable[[int], None], done: Callable[[int], None], timeout_s: float,
+                 limit: int | None = None) -> None:
         self.name, self.W, self.device, self.clock = name, W, device, clock
         self.step, self.done, self.timeout_s = step, done, timeout_s
+        self.limit = limit
+        """Stop after this many iterations (one process per rank: every rank runs the same count)."""
         self.stop_flag = threading.Event()
         self._stop_now = False
         self.barrier = threading.Barrier(W, action=self._decide)
@@ -191,7 +196,8 @@ class Background:
         self.threads = [threading.Thread(target=self._main, args=(r,), daemon=True) for r in range(W)]
 
     def _decide(self) -> None:
-        self._stop_now = self.stop_flag.is_set() or bool(self.errors)
+        self._stop_now = (self.stop_flag.is_set() or bool(self.errors)
+                          or (self.limit is not None and min(self.completed) >= self.limit))
 
     def _main(self, r: int) -> None:
         try:
@@ -235,6 +241,10 @@ class Background:
 
     def stop(self) -> None:
         self.stop_flag.set()
+        self.join()
+
+    def join(self) -> None:
+        """Wait for the rank threads to end (``stop`` or the iteration ``limit``)."""
         for t in self.threads:
             t.join(self.timeout_s)
         alive = [i for i, t in enumerate(self.threads) if t.is_alive()]
@@ -244,15 +254,19 @@ class Background:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def stats(self, window: tuple[float, float] | None, before: int) -> dict:
-        """Per rank: iteration ms alone (iterations 1..before-1), coverage of the window, and
-        iterations' worth of work inside it."""
+    def stats(self, window: tuple[float, float] | None, before: int,
+              alone_ms: Sequence[float] | None = None) -> dict:
+        """Per rank: iteration ms alone (iterations 1..before-1, or ``alone_ms`` measured
+        apart), coverage of the window, and iterations' worth of work inside it."""
         out: dict = {"completed": list(self.completed)}
         alone, cover, inside = [], [], []
         for r in range(self.W):
             iv = [(self.clock.at(s), self.clock.at(e)) for s, e in self.intervals[r]]
             durs = [e - s for s, e in iv[1:before]] or [e - s for s, e in iv]
-            alone.append(statistics.median(durs) if durs else float("nan"))
+            if alone_ms is not None:
+                alone.append(alone_ms[r])
+            else:
+                alone.append(statistics.median(durs) if durs else float("nan"))
             if window is not None:
                 w0, w1 = window
                 ov = [max(0.0, min(e, w1) - max(s, w0)) for s, e in iv]
@@ -326,6 +340,30 @@ def make_sm(shapes: Sequence[tuple[int, ...]], W: int, device: torch.device,
     return step, done, f"{cc_name} bf16->fp32 (W, F) per rank + torch.sum over ranks + mul_(1/W)"
 
 
+def print_rows(rows: Sequence[dict]) -> None:
+    """The result table (markdown)."""
+    print()
+    print("| background | implementation | GEMM median (ms) | p90 (ms) | mean (ms) | slowdown (median) | "
+          "slowdown (mean) | bg coverage of window (min rank) | bg iters in window (per rank) | bg iters alone in that time | "
+          "bg progress vs alone | bg iter alone (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["background"] == "sm_time":
+            continue
+        if "error" in r:
+            print(f"| {r['background']} ({r.get('gemm_priority')} GEMM priority) | ERROR: {r['error']} | | | | | | | | | | |")
+            continue
+        if r["background"] == "none":
+            print(f"| none ({r['gemm_priority']} GEMM priority) | GEMM alone | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | {r['mean_ms']:.4f} | | | | | | | |")
+            continue
+        fmt = lambda xs, p=2: ", ".join(f"{x:.{p}f}" for x in xs)  # noqa: E731
+        print(f"| {r['background']} ({r['gemm_priority']} GEMM priority) | {r['background_impl']} | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | "
+              f"{r['mean_ms']:.4f} | {r['slowdown_pct']:+.1f}% | {r['slowdown_mean_pct']:+.1f}% | "
+              f"{100 * r['bg_coverage_min']:.0f}% | "
+              f"{fmt(r['bg_iters_in_window'])} | {fmt(r['bg_iters_alone_in_window'])} | "
+              f"{100 * r['bg_progress']:.0f}% | {fmt(r['bg_iter_alone_ms'], 3)} |")
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -334,7 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--gemm", nargs=3, type=int, default=[1024, 16896, 8192], metavar=("M", "N", "K"))
     ap.add_argument("--gemm-iters", type=int, default=200, help="GEMMs per timed window (>= 50)")
-    ap.add_argument("--backgrounds", nargs="+", default=["tide", "sm"], choices=["tide", "sm"])
+    ap.add_argument("--backgrounds", nargs="+", default=None, choices=["tide", "sm", "nccl"],
+                    help="default: tide sm (one process), tide nccl (torchrun); nccl needs torchrun, sm one process")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="torchrun: every rank on cuda:0 (default: rank on cuda:LOCAL_RANK %% GPUs)")
     ap.add_argument("--tide-max-ctas", nargs="+", type=int, default=[0],
                     help="accumulation grid bounds to sweep for the tide background (0: one CTA per tile)")
     ap.add_argument("--gemm-priority", nargs="+", default=["default", "high"], choices=["default", "high"],
@@ -348,6 +389,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="CPU, tiny sizes, Triton interpreter (sets TRITON_INTERPRET=1): checks the logic")
     ap.add_argument("--json", default=None, help="append result rows (with env info) to this JSON-lines file")
     args = ap.parse_args(argv)
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    if args.backgrounds is None:
+        args.backgrounds = ["tide", "nccl"] if torchrun else ["tide", "sm"]
+    if torchrun:
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        if "sm" in args.backgrounds:
+            ap.error("--backgrounds sm runs in one process only (under torchrun: tide, nccl)")
+    elif "nccl" in args.backgrounds:
+        ap.error("--backgrounds nccl needs one process per rank: run under torchrun")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before tide_triton imports triton
         args.model = "tiny" if args.model == "llama-3.1-70b" else args.model
@@ -358,6 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.gemm_iters < 50:
         ap.error("--gemm-iters must be >= 50")
     faulthandler.dump_traceback_later(float(os.environ.get("TIDE_HANG_DUMP_S", 900)), exit=True, file=sys.stderr)
+    if torchrun:
+        from interference_ranks import run_ranks
+
+        return run_ranks(args)
 
     import tide_triton as tt
     from tide_triton.bench import env_info
@@ -506,26 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ERROR SM time: {type(e).__name__}: {e}")
             traceback.print_exc()
 
-    print()
-    print("| background | implementation | GEMM median (ms) | p90 (ms) | mean (ms) | slowdown (median) | "
-          "slowdown (mean) | bg coverage of window (min rank) | bg iters in window (per rank) | bg iters alone in that time | "
-          "bg progress vs alone | bg iter alone (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["background"] == "sm_time":
-            continue
-        if "error" in r:
-            print(f"| {r['background']} ({r.get('gemm_priority')} GEMM priority) | ERROR: {r['error']} | | | | | | | | | | |")
-            continue
-        if r["background"] == "none":
-            print(f"| none ({r['gemm_priority']} GEMM priority) | GEMM alone | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | {r['mean_ms']:.4f} | | | | | | | |")
-            continue
-        fmt = lambda xs, p=2: ", ".join(f"{x:.{p}f}" for x in xs)  # noqa: E731
-        print(f"| {r['background']} ({r['gemm_priority']} GEMM priority) | {r['background_impl']} | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | "
-              f"{r['mean_ms']:.4f} | {r['slowdown_pct']:+.1f}% | {r['slowdown_mean_pct']:+.1f}% | "
-              f"{100 * r['bg_coverage_min']:.0f}% | "
-              f"{fmt(r['bg_iters_in_window'])} | {fmt(r['bg_iters_alone_in_window'])} | "
-              f"{100 * r['bg_progress']:.0f}% | {fmt(r['bg_iter_alone_ms'], 3)} |")
+    print_rows(rows)
     if sm_row is not None:
         sm = "n/a (CPU)" if sm_row["sm_us"] is None else f"{sm_row['sm_us']:.1f} µs ({sm_row['sm_us_per_rank']:.1f} per rank)"
         print(f"\nSM time of one tide_triton reduce_scatter ({args.model}, W={W}, all ranks): {sm} | "
