@@ -19,11 +19,17 @@ import pytest
 import torch
 
 try:
-    from _dist import run_multiprocess
+    from _dist import rank_device, run_multiprocess
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import rank_device, run_multiprocess
 
 pytestmark = pytest.mark.multiproc
+
+_KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # gpu: skipped without CUDA
+
+
+def _device(kind: str, rank: int) -> torch.device:
+    return rank_device(rank) if kind == "cuda" else torch.device("cpu")
 
 _SENTINEL = 0x5A
 
@@ -49,29 +55,33 @@ def _region_bytes(layout, gap: int) -> int:
     return (layout.world_size * sum(layout.padded_shard_numels) + gap * (len(layout) + 1)) * 4
 
 
-def _equal_to_block(rank: int, W: int) -> dict:
+def _equal_to_block(rank: int, W: int, kind: str) -> dict:
     import tide_triton as tt
     from tide_triton.layout import ShardLayout
 
+    dev = _device(kind, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     g = tt.init(timeout_s=60)
     out: dict = {}
     for si, shapes in enumerate(_shape_sets(W)):
         layout = ShardLayout(shapes, W)
         gap = 3 + si
-        regions = [g.heap_region(f"slot{si}.{k}", _region_bytes(layout, gap), "cpu") for k in range(2)]
+        regions = [g.heap_region(f"slot{si}.{k}", _region_bytes(layout, gap), dev) for k in range(2)]
         gen = torch.Generator().manual_seed(7 + si)
         combos = [(True, True, torch.bfloat16), (False, False, torch.bfloat16),
                   (True, False, torch.float32), (False, True, torch.float32)]
         for it, (padded_params, padded_shards, sdt) in enumerate(combos * 2):
             region = regions[it % 2]  # two slots, used in turn (FSDP2's pool)
-            full = [torch.randint(-64, 65, s, generator=gen).to(torch.bfloat16) for s in shapes]  # same on all ranks
+            # the same on every rank (one generator, seeded alike)
+            full = [torch.randint(-64, 65, s, generator=gen).to(torch.bfloat16).to(dev) for s in shapes]
             pshapes = layout.padded_shapes if padded_params else shapes
             region.tensor(torch.uint8).fill_(_SENTINEL)
             params = _views(region, pshapes, torch.bfloat16, gap)
-            ref = [torch.full(s, -1.0, dtype=torch.bfloat16) for s in pshapes]
+            ref = [torch.full(s, -1.0, dtype=torch.bfloat16, device=dev) for s in pshapes]
             shards = []
             for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(rank)):
-                x = torch.zeros((c if padded_shards else n, *f.shape[1:]), dtype=sdt)
+                x = torch.zeros((c if padded_shards else n, *f.shape[1:]), dtype=sdt, device=dev)
                 x[:n] = f[rank * c: rank * c + n].to(sdt)
                 shards.append(x)
             tt.all_gather(shards, ref)  # the block path
@@ -82,46 +92,53 @@ def _equal_to_block(rank: int, W: int) -> dict:
                 assert torch.equal(a[:d0], b[:d0]), (si, it, p)
             region.vacate()  # the peers have read my rows (or this waits for them)
         # the staged reduce-scatter after a vacate reads what the peers wrote, not my rows
-        grads = [torch.full(s, float(rank + 1), dtype=torch.bfloat16) for s in shapes]
-        red = [torch.empty(s) for s in layout.shard_shapes(rank)]
+        grads = [torch.full(s, float(rank + 1), dtype=torch.bfloat16, device=dev) for s in shapes]
+        red = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
         tt.reduce_scatter(grads, red, op="sum", staging=regions[0])
         assert all(bool((x == W * (W + 1) / 2).all()) for x in red), si
         out[si] = "ok"
-    t = g.transport(torch.device("cpu"))
-    out["heap_end"] = (t.heap_nbytes(), g.heap_regions_end)
+    if dev.type == "cuda":
+        tt.synchronize(g)
     g.close()
     return out
 
 
+@pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_gather_from_region_equals_block_path(world_size: int) -> None:
-    out = run_multiprocess(_equal_to_block, world_size, timeout=240)
+def test_all_gather_from_region_equals_block_path(world_size: int, kind: str) -> None:
+    out = run_multiprocess(_equal_to_block, world_size, kind, timeout=240)
     for r, res in enumerate(out):
         assert res[0] == "ok" and res[1] == "ok", (r, res)
 
 
-def _no_block(rank: int, W: int) -> dict:
+def _no_block(rank: int, W: int, kind: str) -> dict:
     import tide_triton as tt
     from tide_triton.layout import ShardLayout
 
+    dev = _device(kind, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     g = tt.init(timeout_s=60)
     shapes = [(6, 4), (5,)]
     layout = ShardLayout(shapes, W)
-    region = g.heap_region("slot", _region_bytes(layout, 0), "cpu")
+    region = g.heap_region("slot", _region_bytes(layout, 0), dev)
     params = _views(region, layout.padded_shapes, torch.float32, 0)
-    shards = [torch.full(s, float(rank)) for s in layout.shard_shapes(rank, padded=True)]
+    shards = [torch.full(s, float(rank), device=dev) for s in layout.shard_shapes(rank, padded=True)]
     for _ in range(3):
         tt.all_gather(shards, params, params_region=region)
         region.vacate()
-    t = g.transport(torch.device("cpu"))
+    t = g.transport(dev)
     out = {"heap": t.heap_nbytes(), "regions_end": g.heap_regions_end,
            "rows": [float(params[0][r * 3, 0].item()) for r in range(W)]}
+    if dev.type == "cuda":
+        tt.synchronize(g)
     g.close()
     return out
 
 
-def test_no_all_gather_block_is_mapped() -> None:
-    out = run_multiprocess(_no_block, 2, timeout=120)
+@pytest.mark.parametrize("kind", _KINDS)
+def test_no_all_gather_block_is_mapped(kind: str) -> None:
+    out = run_multiprocess(_no_block, 2, kind, timeout=120)
     for res in out:
         assert res["heap"] == res["regions_end"], res  # nothing mapped past the region
         assert res["rows"] == [0.0, 1.0], res
