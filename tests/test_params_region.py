@@ -244,6 +244,9 @@ def _bad_args(rank: int, W: int) -> dict:
         "foreign": lambda: tt.all_gather(shards, inside, params_region=foreign if rank == 1 else region),
         "offsets": lambda: tt.all_gather(shards, shifted if rank == 1 else inside, params_region=region),
         "missing": lambda: tt.all_gather(shards, inside, params_region=None if rank == 1 else region),
+        # rank 1's first shard is its own rows of params[0] (shifted by one element: overlapping)
+        "overlap": lambda: tt.all_gather([inside[0].view(-1)[8 * rank + 1: 8 * rank + 9].view(2, 4), shards[1]]
+                                         if rank == 1 else shards, inside, params_region=region),
         "ok": lambda: tt.all_gather(shards, inside, params_region=region),
     }
     out = {}
@@ -268,7 +271,8 @@ def test_bad_params_region_raises_on_every_rank() -> None:
     out = run_multiprocess(_bad_args, 3, timeout=120)
     for case, local in (("type", r"TypeError: params_region must be None or a HeapRegion"),
                         ("outside", r"ValueError: params\[0\] must lie inside params_region 'slot'"),
-                        ("foreign", r"ValueError: params_region region 'slot' belongs to another tide_triton group")):
+                        ("foreign", r"ValueError: params_region region 'slot' belongs to another tide_triton group"),
+                        ("overlap", r"ValueError: shards\[0\] overlaps this rank's rows of params\[0\]")):
         assert re.match(local, out[1][case]), (case, out[1][case])
         for r in (0, 2):
             assert re.match(r"PeerArgumentError: rank 1 rejected its arguments", out[r][case]), (r, case, out[r][case])
