@@ -579,7 +579,11 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             _check_tide_served(sl["slot"])
             for name, st in sl["slot"]["stats"].items():
                 assert st["staged_reduce_scatters"] == st["reduce_scatters"] > 0, (name, st)
-            assert all(st["staged_reduce_scatters"] == 0 for st in sl["tide"]["stats"].values())
+                # one node: every all-gather read the peers' slots; across nodes none did
+                assert st["slot_all_gathers"] == (st["all_gathers"] if st["nodes"] == 1 else 0), (name, st)
+                assert st["all_gathers"] > 0, (name, st)
+            assert all(st["staged_reduce_scatters"] == st["slot_all_gathers"] == 0
+                       for st in sl["tide"]["stats"].values())
             close(sl["slot"]["losses"], sl["stock"]["losses"], f"slot-reuse losses rank {rank}")
             close(sl["slot"]["losses"], sl["tide"]["losses"], f"slot-reuse vs tide losses rank {rank}")
             close(sl["slot"]["after_disable"], sl["stock"]["after_disable"], f"slot-reuse then disable, rank {rank}")

@@ -248,5 +248,6 @@ def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
             out[name if len(groups) == 1 else f"{name}[{i}]"] = None if st is None else {
                 "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
                 "direct_accumulations": st.direct_accumulations,
-                "staged_reduce_scatters": st.staged_reduce_scatters, "nodes": st.group.nodes}
+                "staged_reduce_scatters": st.staged_reduce_scatters, "slot_all_gathers": st.slot_all_gathers,
+                "nodes": st.group.nodes}
     return out

@@ -92,6 +92,7 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
         region = slot.region if slot is not None and st.group.nodes == 1 else None
         tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None, params_region=region)
         st.all_gathers += 1
+        st.slot_all_gathers += region is not None
         event = ag_stream.record_event()
     if cuda and consumer != ag_stream and slot is None:  # Stream objects compare by the stream, not identity
         for out in outs:  # freed on the consumer stream at reshard: not reusable before it is done
