@@ -259,3 +259,47 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkey
             assert torch.equal(got, want.to(torch.bfloat16))
     if W == 2:  # at W=3 the scaled experts' three matrices pad to two sizes: no equal runs to stride
         assert sum(a for a, _ in counts) > 2 * sum(b for _, b in counts), counts
+
+
+# ------------------------------------------------------------------------------ steady state
+@pytest.mark.multiproc
+def test_a_step_of_many_modules_prepares_nothing_the_second_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FSDP2 step all-gathers and reduce-scatters every module once (the drop-in keeps one
+    group for all of them): from the second step on, every call must find its preparation
+    cached.  With the cache kept too small (8 entries, before session 7) a step of more
+    than a few modules evicted each entry before its next use and re-prepared every call."""
+    import tide_triton as tt
+
+    W, modules = 2, 12  # 3 cache entries per module and step
+    shapes = [[(4 + m % 3, 3), (5,)] for m in range(modules)]
+    layouts = [ShardLayout(s, W) for s in shapes]
+    prepared = {"ag": 0, "rs": 0}
+    real_ag, real_rs = coll._prepare_all_gather, coll._prepare_reduce_scatter
+
+    def count(kind, fn):
+        def wrapped(*a, **k):
+            prepared[kind] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(coll, "_prepare_all_gather", count("ag", real_ag))
+    monkeypatch.setattr(coll, "_prepare_reduce_scatter", count("rs", real_rs))
+    groups = tt.local_groups(W, timeout_s=60, ring_bytes=4096 * W)
+    tensors = [[(_flat_views(lay.shard_shapes(r, padded=True), torch.bfloat16, fill=1.0),
+                 _flat_views(lay.padded_shapes, torch.bfloat16, fill=0.0),
+                 _flat_views(sh, torch.bfloat16, fill=float(r + 1)),
+                 _flat_views(lay.shard_shapes(r), torch.float32, fill=0.0))
+                for lay, sh in zip(layouts, shapes)] for r in range(W)]
+    counts = []
+    try:
+        for _ in range(2):
+            before = dict(prepared)
+            run_threads(lambda r: [(tt.all_gather(sh, p, group=groups[r]),
+                                       tt.reduce_scatter(gr, out, group=groups[r], op="sum"))
+                                      for sh, p, gr, out in tensors[r]], W)
+            counts.append({k: prepared[k] - before[k] for k in prepared})
+    finally:
+        for g in groups:
+            g.close()
+    assert counts[0] == {"ag": W * modules, "rs": W * modules}, counts
+    assert counts[1] == {"ag": 0, "rs": 0}, counts

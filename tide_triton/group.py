@@ -47,8 +47,13 @@ _AGREED_KEEP = 4096
 _BROKEN_DRAIN_S = 3.0
 """How long closing a broken group waits for its GPU work (which may never finish)."""
 
-_PREPARED_KEEP = 8
-"""Prepared collectives kept per group: a training step's few (tensors, op) combinations."""
+_PREPARED_KEEP = 1024
+"""Prepared collectives kept per group (least recently used first out).  A training step
+uses every one of its combinations once -- the FSDP2 drop-in's one group serves every
+module, about three entries per module and step (all-gather pulls, its staging, the
+reduce-scatter) -- so the cache must hold a whole step or each entry is evicted before its
+next use and every call prepares again (it did with 8, up to session 7).  An entry is small:
+copy plans and bindings whose pointer tables are a few KiB of device memory."""
 
 
 class Group(CallIdentity):

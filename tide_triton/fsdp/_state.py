@@ -47,6 +47,9 @@ class GroupState:
     module: not imported here) holding the unsharded parameters."""
     staged_reduce_scatters: int = 0
     """Reduce-scatters staged in the vacated slot (Slot-Reuse)."""
+    ag_views: Any = None
+    """``(key, (shards, outputs, dtypes, numels))``: the all-gather's per-parameter views,
+    kept while the group's tensors stay the same (:func:`~.wrappers._ag_views`)."""
     slot_all_gathers: int = 0
     """All-gathers whose peers read this rank's rows straight from its slot (Slot-Reuse on
     one node: no all-gather block)."""

@@ -72,21 +72,13 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
                 ag_stream.wait_event(ev)
             slot.freed.clear()
             slot.region.wait_consumed(ag_stream)
-    shards, outs, dtypes, numels = [], [], [], []
     with handle.stream(ag_stream):
-        for fp in fsdp_params:
-            src = fp._sharded_param_data  # padded shard, 1-D, the optimizer's dtype
-            dt = fp.param_dtype or fp.orig_dtype
-            n = src.numel()
-            fp.init_all_gather_outputs([n], [dt], W, device)
-            fp.alloc_all_gather_outputs()
-            out = fp.all_gather_outputs[0]
-            size = fp.padded_sharded_param_size
-            rest = tuple(size[1:])
-            shards.append(src.view(size[0], *rest))
-            outs.append(out.view(W * size[0], *rest))
-            dtypes.append([dt])
-            numels.append([n])
+        if slot is None or st.ag_views is None:  # heap slots stay allocated: nothing to do per step
+            for fp in fsdp_params:
+                fp.init_all_gather_outputs([fp._sharded_param_data.numel()], [fp.param_dtype or fp.orig_dtype],
+                                           W, device)
+                fp.alloc_all_gather_outputs()
+        shards, outs, dtypes, numels = _ag_views(st, fsdp_params, W)
         # Slot-Reuse on one node: the peers read this rank's rows straight from its slot (no
         # all-gather block; the slot's vacate before a staged reduce-scatter waits for them).
         region = slot.region if slot is not None and st.group.nodes == 1 else None
@@ -103,6 +95,28 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
         all_gather_input_split_sizes=[n[0] for n in numels])
 
 
+def _ag_views(st: GroupState, fsdp_params: list, W: int) -> tuple[list, list, list, list]:
+    """The group's shards (padded, ``(c, *rest)``) and outputs (``(W * c, *rest)``) as views,
+    their dtypes and numels: made once per set of tensors (a step's all-gathers repeat them;
+    views follow their storage through FSDP2's free/alloc ``resize_``), so a many-parameter
+    group pays no per-parameter view-making per step."""
+    srcs = [fp._sharded_param_data for fp in fsdp_params]  # padded shards, 1-D, the optimizer's dtype
+    outs0 = [fp.all_gather_outputs[0] for fp in fsdp_params]
+    key = (tuple(map(id, srcs)), tuple(map(id, outs0)), W)
+    if st.ag_views is not None and st.ag_views[0] == key:  # the cached views keep these tensors alive
+        return st.ag_views[1]
+    shards, outs, dtypes, numels = [], [], [], []
+    for fp, src, out in zip(fsdp_params, srcs, outs0):
+        size = fp.padded_sharded_param_size
+        rest = tuple(size[1:])
+        shards.append(src.view(size[0], *rest))
+        outs.append(out.view(W * size[0], *rest))
+        dtypes.append([out.dtype])
+        numels.append([src.numel()])
+    st.ag_views = (key, (shards, outs, dtypes, numels))
+    return shards, outs, dtypes, numels
+
+
 def copy_out(*args: Any, **kwargs: Any):
     """Stands in for FSDP2's ``foreach_all_gather_copy_out``: for tide_triton's results the
     data is in the parameters already -- wait for it, nothing to copy."""
@@ -115,12 +129,7 @@ def copy_out(*args: Any, **kwargs: Any):
     device = res.all_gather_output.device
     if res.all_gather_event is not None:
         device_handle(device).current_stream().wait_event(res.all_gather_event)
-    W = a["group"].size()
-    for numels, dtypes, fp in zip(res.param_all_gather_input_numels, res.param_all_gather_input_dtypes,
-                                  a["fsdp_params"]):
-        fp.init_all_gather_outputs(numels, dtypes, W, device)  # no-ops: done by the all-gather
-        fp.alloc_all_gather_outputs()
-    return None
+    return None  # FSDP2's copy-out would also init and alloc the outputs: the all-gather did
 
 
 copy_out._tide_wrapper = True  # type: ignore[attr-defined]
