@@ -47,13 +47,15 @@ _AGREED_KEEP = 4096
 _BROKEN_DRAIN_S = 3.0
 """How long closing a broken group waits for its GPU work (which may never finish)."""
 
-_PREPARED_KEEP = 1024
+_PREPARED_KEEP = 512
 """Prepared collectives kept per group (least recently used first out).  A training step
 uses every one of its combinations once -- the FSDP2 drop-in's one group serves every
 module, about three entries per module and step (all-gather pulls, its staging, the
-reduce-scatter) -- so the cache must hold a whole step or each entry is evicted before its
-next use and every call prepares again (it did with 8, up to session 7).  An entry is small:
-copy plans and bindings whose pointer tables are a few KiB of device memory."""
+reduce-scatter) -- so the cache must hold a whole step (512: ~170 modules) or each entry is
+evicted before its next use and every call prepares again (it did with 8, up to session 7).
+An entry is copy plans on the host and kernel bindings whose pointer tables are device memory:
+~50 KiB for a Qwen3-30B-A3B layer's reduce-scatter at W=8 (8 chunks x (393 + 8 x ~50)
+addresses), so at most ~25 MiB if every entry were one of those."""
 
 
 class Group(CallIdentity):
