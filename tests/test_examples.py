@@ -91,3 +91,32 @@ def test_examples_refuse_cuda_without_gpu() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--device cuda: no CUDA device is visible" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ---- the benchmarks' CPU dry runs (logic only: the numbers mean nothing on a CPU) ----------
+BENCH = ROOT / "bench"
+
+
+def test_bench_interference_one_process_per_rank_dry_run() -> None:
+    """bench/interference.py under torchrun: tide_triton's reduce-scatter and FSDP2's path
+    (gloo standing in for NCCL) each in the background of the timed GEMMs, every rank
+    running the same calibrated number of iterations."""
+    out = _run([str(BENCH / "interference.py"), "--dry-run", "--gemm-priority", "default"], torchrun=2)
+    assert re.search(r"^\| tide \(default GEMM priority\) \| tide_triton\.reduce_scatter", out, re.M), out[-3000:]
+    assert re.search(r"^\| nccl \(default GEMM priority\) \| FSDP2's path", out, re.M), out[-3000:]
+    assert "ERROR" not in out, out[-3000:]
+
+
+def test_bench_fsdp_step_moe_dry_run() -> None:
+    """bench/fsdp_step.py with the Qwen3-style MoE blocks: stock FSDP2 and tide_triton with
+    Slot-Reuse train to the same loss; the row carries the new columns."""
+    loss = {}
+    for mode in ("stock", "slot"):
+        out = _run([str(BENCH / "fsdp_step.py"), "--dry-run", "--mode", mode, "--model", "qwen3-30b-a3b"],
+                   torchrun=2)
+        rows = [line for line in out.splitlines() if line.startswith(f"| {mode} | gloo | 2 | 2 |")]
+        assert len(rows) == 1, out[-3000:]
+        cells = [c.strip() for c in rows[0].strip(" |").split("|")]
+        assert len(cells) == 15, cells  # mode .. device used .. FSDP2 host / module, loss
+        loss[mode] = cells[-1]
+    assert loss["stock"] == loss["slot"], loss
