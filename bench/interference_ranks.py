@@ -24,10 +24,10 @@ run in lockstep through the collective.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
-import time
 import traceback
 from typing import Any, Callable
 
@@ -172,7 +172,7 @@ def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devic
     if any(errs):
         close()
         return {"background": kind, "error": "; ".join(x for x in errs if x)}
-    ctx = torch.cuda.stream(bg_stream) if gpu else _Null()
+    ctx = torch.cuda.stream(bg_stream) if gpu else contextlib.nullcontext()
     try:
         with ctx:  # calibration: every rank, each iteration waited for
             durs = []
@@ -218,12 +218,3 @@ def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devic
         close()
         if gpu:
             torch.cuda.empty_cache()
-        time.sleep(0)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
