@@ -238,9 +238,20 @@ def main(argv=None) -> int:
             phases.append(marks)
         return loss
 
+    def preparations() -> int:  # tide_triton collectives prepared so far (cache fills), all groups
+        if args.mode == "stock":
+            return 0
+        from tide_triton.fsdp._torch_adapter import fsdp_modules, param_groups
+        from tide_triton.fsdp.install import group_state
+
+        groups = {id(st.group): st.group for _, m in fsdp_modules(model) for pg in param_groups(m)
+                  if (st := group_state(pg)) is not None}
+        return sum(g.preparations for g in groups.values())
+
     for _ in range(args.warmup):
         step()
     sync()
+    prep0 = preparations()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -250,6 +261,7 @@ def main(argv=None) -> int:
         loss = step(record=True)
         sync()
         times.append(time.perf_counter() - t0)
+    prepared_per_step = (preparations() - prep0) / args.steps  # 0 in the steady state
     peak = max(a for marks in phases for a, _ in marks.values())
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
     heap = max(h for marks in phases for _, h in marks.values())
@@ -260,6 +272,7 @@ def main(argv=None) -> int:
     sharing = on_gpu.count(on_gpu[rank])  # ranks whose memory mem_get_info also sees
     mine = {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
             "device_used_per_rank": max(used, default=0) // sharing, "ranks_on_gpu": sharing,
+            "prepared_per_step": prepared_per_step,
             "peak_allocated": peak, "peak_reserved": reserved, "tide_heap": heap,
             "peak_total": max(phase_peak.values()), "phase_peak_total": phase_peak,
             "phases": phases, "loss": float(loss.detach()), **prof}
@@ -277,7 +290,8 @@ def main(argv=None) -> int:
                "peak_phase": max(rows[0]["phase_peak_total"], key=rows[0]["phase_peak_total"].get),
                "layout_copy_us": max(r["layout_copy_us"] for r in rows),
                "device_used_per_rank_bytes": max(r["device_used_per_rank"] for r in rows),
-               "fsdp_host_us_per_module": max(r["fsdp_host_us"] for r in rows) / units}
+               "fsdp_host_us_per_module": max(r["fsdp_host_us"] for r in rows) / units,
+               "prepared_per_step": max(r["prepared_per_step"] for r in rows)}
         mib = 1 << 20
         r0 = rows[0]
         wl = f"{W} ({W // args.local_size}x{args.local_size})" if row["local_size"] else f"{W}"
@@ -287,6 +301,9 @@ def main(argv=None) -> int:
               f"{row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
               f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | "
               f"{row['fsdp_host_us_per_module'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)
+        if args.mode != "stock":
+            print(f"tide_triton collectives prepared per measured step (rank max; 0 in the steady state): "
+                  f"{row['prepared_per_step']:g}", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")

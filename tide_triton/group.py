@@ -105,6 +105,8 @@ class Group(CallIdentity):
         self._transports: dict[str, Any] = {}
         self._extras: dict[tuple, Any] = {}
         self._prepared: OrderedDict[tuple, Any] = OrderedDict()
+        self.preparations = 0
+        """Collectives prepared so far (cache fills): flat in a training loop's steady state."""
         self._agreed: set = set()
         self._lock = threading.Lock()
         self.ag_epoch = 0
@@ -338,6 +340,7 @@ class Group(CallIdentity):
     def cache(self, key: tuple, value: Any) -> Any:
         """Keep ``value`` for ``key`` (the few most recent keys are kept); returns it."""
         with self._lock:
+            self.preparations += 1
             self._prepared[key] = value
             while len(self._prepared) > _PREPARED_KEEP:
                 self._prepared.popitem(last=False)
