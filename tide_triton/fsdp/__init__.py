@@ -66,7 +66,10 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     and between steps (not inside forward/backward).
 
     ``group``: the tide_triton group (or the process group to build it on) for the
-    collectives; default: one per FSDP2 shard process group.  It must span the same ranks.
+    collectives; default: the open group of each FSDP2 shard process group, else a new one
+    with ``agree="first"`` (FSDP2 repeats the same calls every step: only a signature's first
+    call exchanges it; every call still carries its identity to the peers).  It must span the
+    same ranks.
     ``slot_reuse``: Slot-Reuse -- every group's unsharded parameters live in a heap slot
     (:data:`SLOT_POOL` slots shared by the groups that reshard after forward, a private one for
     each group that does not, e.g. the root), and its reduce-scatter stages the peers'

@@ -85,9 +85,13 @@ def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) 
     from ..group import Group, init
 
     if group is None:
-        if slot_reuse and _existing_group(pg) is None:  # staging lives in the slots: a small ring
-            return init(pg, ring_bytes=slots.SLOT_REUSE_RING)
-        return init(pg)
+        have = _existing_group(pg)
+        if have is not None:
+            return have
+        # FSDP2 makes the same calls in the same order on every rank, step after step: only a
+        # signature's first call exchanges it (the call identity still travels with every
+        # call's data).  Slot-Reuse stages in the slots: a small ring.
+        return init(pg, agree="first", **({"ring_bytes": slots.SLOT_REUSE_RING} if slot_reuse else {}))
     if isinstance(group, dist.ProcessGroup):
         g = init(group)
     elif isinstance(group, Group):
