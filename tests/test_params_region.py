@@ -303,3 +303,51 @@ def _across_nodes(rank: int, W: int) -> dict:
 def test_params_region_needs_one_node() -> None:
     for res in run_multiprocess(_across_nodes, 2, timeout=120):
         assert res["msg"].startswith("ValueError: params_region needs a group of one node"), res
+
+
+def _slow_reader_on_gpu(rank: int, W: int) -> dict:
+    """Three ranks on the GPU: rank 1's pulls of the peers' rows are held back on its copy
+    stream (``torch.cuda._sleep`` before each pull batch), while rank 2 stages a
+    reduce-scatter into rank 0's region right after rank 0 vacated it.  Rank 0's vacate must
+    wait (on its stream) for rank 1's reads, or rank 1 reads rank 2's gradients as rank 0's
+    parameters."""
+    import tide_triton as tt
+    from tide_triton.layout import ShardLayout
+
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    g = tt.init(timeout_s=60)
+    shapes = [(W * 512, 256)]
+    layout = ShardLayout(shapes, W)
+    region = g.heap_region("slot", _region_bytes(layout, 0), dev)
+    params = _views(region, layout.padded_shapes, torch.bfloat16, 0)
+    shards = [torch.full(s, float(rank + 1), dtype=torch.bfloat16, device=dev)
+              for s in layout.shard_shapes(rank, padded=True)]
+    grads = [torch.full(s, 100.0, dtype=torch.bfloat16, device=dev) for s in shapes]
+    red = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank)]
+    pacer = g.pacer(dev)
+    real = pacer.before
+    if rank == 1:
+        def slow(j, t, timeout_s):
+            with torch.cuda.stream(t.copy_stream):
+                torch.cuda._sleep(400_000_000)  # a few hundred ms of the copy queue
+            return real(j, t, timeout_s)
+        pacer.before = slow
+    tt.all_gather(shards, params, params_region=region)
+    pacer.before = real
+    seen = params[0].clone()  # stream-ordered after the pulls
+    region.vacate()
+    tt.reduce_scatter(grads, red, op="sum", staging=region)
+    tt.synchronize(g)
+    want = torch.arange(1, W + 1, device=dev).repeat_interleave(512).view(-1, 1).expand(-1, 256)
+    out = {"rows_ok": bool(torch.equal(seen.float(), want.float())),
+           "rows_seen": sorted({float(v) for v in seen[:, 0].tolist()}),
+           "sums_ok": bool((red[0] == 100.0 * W).all())}
+    g.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_vacate_waits_for_a_slow_reader_on_the_gpu() -> None:
+    for r, res in enumerate(run_multiprocess(_slow_reader_on_gpu, 3, timeout=240)):
+        assert res["rows_ok"] and res["sums_ok"], (r, res)
