@@ -186,8 +186,9 @@ def main() -> None:
     ap.add_argument("--share-gpu", action="store_true",
                     help="with --device cuda: every rank on cuda:0 (default: rank on cuda:LOCAL_RANK)")
     ap.add_argument("--no-tide", action="store_true", help="stock FSDP2 collectives")
-    ap.add_argument("--agree-first", action="store_true",
-                    help="agree each collective's arguments once, not on every call (init(agree='first'))")
+    ap.add_argument("--agree-always", action="store_true",
+                    help="agree every collective's arguments on every call (init(agree='always')); the drop-in's "
+                         "own groups agree each signature once")
     ap.add_argument("--dim", type=int, default=32, help="model width (n_heads = 4)")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -229,7 +230,7 @@ def main() -> None:
                                                                         reduce_dtype=torch.float32)
     shard(model, mesh, mp)
     if not args.no_tide:
-        group = tide_triton.init(agree="first") if args.agree_first else None
+        group = tide_triton.init(agree="always") if args.agree_always else None
         report = tide_triton.fsdp.enable(model, group=group)
         stock = {k: v for k, v in report.items() if v is not None}
         if rank == 0:
