@@ -406,34 +406,6 @@ def _cast_program(runs: tuple[Span, ...], n: int) -> SegmentProgram:
     return SegmentProgram(runs, n_dst=n, n_src=n)
 
 
-def _region_source(g: Group, region: HeapRegion, layout: ShardLayout, pdt: torch.dtype, sdt: torch.dtype,
-                   pptrs: tuple[int, ...], sptrs: tuple[int, ...], snumels: tuple[int, ...]) -> tuple[int, ...]:
-    """Byte offset of every parameter in this rank's copy of ``region`` (checked once per set
-    of addresses): ValueError naming the first parameter that does not lie inside it, or the
-    first shard that overlaps the parameter's rows it is copied to (its own rows: a copy onto
-    itself, shifted, would be undefined)."""
-    key = ("ag-region", region.offset, region.nbytes, layout, pdt, sdt, pptrs, sptrs, snumels)
-    offs = g.cached(key)
-    if offs is not None:
-        return offs
-    base = g.transport(region.device).address(g.rank, region.offset)
-    es, S = pdt.itemsize, layout.padded_shard_numels
-    offs = tuple(p - base for p in pptrs)
-    for i, (o, shape) in enumerate(zip(offs, layout.shapes)):
-        n = math.prod(shape) * es
-        if o < 0 or o + n > region.nbytes:
-            raise ValueError(
-                f"params[{i}] must lie inside params_region {region.key!r} (bytes [0, {region.nbytes}) of this "
-                f"rank's copy, e.g. region.tensor(dtype, numel, offset).view(shape)), got {n} bytes at byte "
-                f"offset {o} of it; pass params_region=None to all-gather into memory outside the heap")
-    for i, (sp, k) in enumerate(zip(sptrs, snumels)):
-        rows = pptrs[i] + g.rank * S[i] * es
-        if k and sp < rows + k * es and rows < sp + k * sdt.itemsize:
-            raise ValueError(f"shards[{i}] overlaps this rank's rows of params[{i}] (bytes {sp - base}.. and "
-                             f"{rows - base}.. of params_region {region.key!r}): pass a shard stored apart")
-    return g.cache(key, offs)
-
-
 def all_gather(
     shards: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -486,8 +458,8 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
                 raise ValueError(f"params_region needs a group of one node, this one spans {g.nodes} nodes: "
                                  "across nodes the all-gather stages in its heap block (pass params_region=None)")
             # the same offsets on every rank: a peer reads my rows where its own are
-            source = (region.offset, _region_source(g, region, layout, pdt, sdt, tuple(map(_PTR, params_l)),
-                                                    tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))))
+            source = (region.offset, region.param_offsets(layout, pdt, sdt, tuple(map(_PTR, params_l)),
+                                                          tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))))
             sig += (("params_region", (region.key, region.index, region.offset, source[1])),)
     except (TypeError, ValueError) as e:
         err = e

@@ -32,6 +32,7 @@ Create regions before the first all-gather (a block that moved leaves its old by
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -163,6 +164,36 @@ class HeapRegion:
     def _read(self, epoch: int) -> None:
         """An all-gather (``epoch``) had the peers read this rank's rows from its copy."""
         self._read_epoch = epoch
+
+    def param_offsets(self, layout: Any, pdt: torch.dtype, sdt: torch.dtype, pptrs: tuple[int, ...],
+                      sptrs: tuple[int, ...], snumels: tuple[int, ...]) -> tuple[int, ...]:
+        """For ``all_gather(..., params_region=self)``: byte offset of every parameter (at
+        ``pptrs``, shapes ``layout.shapes``, dtype ``pdt``) in this rank's copy, checked once
+        per set of addresses (the group's cache).  ValueError naming the first parameter that
+        does not lie inside the region, or the first shard (at ``sptrs``, ``snumels`` elements of
+        ``sdt``) that overlaps the rows of its parameter it is copied to (its own rows: a copy
+        onto itself, shifted, would be undefined)."""
+        g = self.group
+        key = ("ag-region", self.offset, self.nbytes, layout, pdt, sdt, pptrs, sptrs, snumels)
+        offs = g.cached(key)
+        if offs is not None:
+            return offs
+        base = g.transport(self.device).address(g.rank, self.offset)
+        es, S = pdt.itemsize, layout.padded_shard_numels
+        offs = tuple(p - base for p in pptrs)
+        for i, (o, shape) in enumerate(zip(offs, layout.shapes)):
+            n = math.prod(shape) * es
+            if o < 0 or o + n > self.nbytes:
+                raise ValueError(
+                    f"params[{i}] must lie inside params_region {self.key!r} (bytes [0, {self.nbytes}) of this "
+                    f"rank's copy, e.g. region.tensor(dtype, numel, offset).view(shape)), got {n} bytes at byte "
+                    f"offset {o} of it; pass params_region=None to all-gather into memory outside the heap")
+        for i, (sp, k) in enumerate(zip(sptrs, snumels)):
+            rows = pptrs[i] + g.rank * S[i] * es
+            if k and sp < rows + k * es and rows < sp + k * sdt.itemsize:
+                raise ValueError(f"shards[{i}] overlaps this rank's rows of params[{i}] (bytes {sp - base}.. and "
+                                 f"{rows - base}.. of params_region {self.key!r}): pass a shard stored apart")
+        return g.cache(key, offs)
 
     # ---- used by reduce_scatter ---------------------------------------------------------
     def _begin_staging(self) -> int:
