@@ -95,6 +95,18 @@ def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
     return out
 
 
+def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
+    """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``):
+    (start time, host ms per call -- the enqueue, pacing waits included -- and this thread's
+    CPU ms per call)."""
+    with _host_profile(profile_path, title):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for _ in range(iters):
+            fn()
+        t1, c1 = time.perf_counter(), time.thread_time()
+    return t0, (t1 - t0) / iters * 1e3, (c1 - c0) / iters * 1e3
+
+
 def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None,
         share_gpu: bool = False, host_profile: str | None = None) -> dict:
     devs = rank_devices(W, share_gpu)
@@ -126,17 +138,13 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
             fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
-            with _host_profile(host_profile if r == 0 else None, f"{model} W={W} {name} (rank 0's thread)"):
-                t0, c0 = time.perf_counter(), time.thread_time()
-                for _ in range(iters):
-                    fn()
-                t1, c1 = time.perf_counter(), time.thread_time()  # host time to enqueue (pacing included)
+            t0, host, cpu = timed_calls(fn, iters, host_profile if r == 0 else None,
+                                        f"{model} W={W} {name} (rank 0's thread)")
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
             if r == 0:
                 times[name] = (time.perf_counter() - t0) / iters * 1e3
-                times[name + "_host"] = (t1 - t0) / iters * 1e3
-                times[name + "_cpu"] = (c1 - c0) / iters * 1e3
+                times[name + "_host"], times[name + "_cpu"] = host, cpu
             calls = driver_calls(g, fn)  # every rank makes the call; rank 0's count is kept
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
@@ -198,16 +206,11 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
         fn()
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
-        with _host_profile(host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)"):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            for _ in range(iters):
-                fn()
-            t1, c1 = time.perf_counter(), time.thread_time()
+        t0, host, cpu = timed_calls(fn, iters, host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)")
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
         row[name + "_ms"] = (time.perf_counter() - t0) / iters * 1e3
-        row[name + "_host_ms"] = (t1 - t0) / iters * 1e3  # this rank's; the slowest is reported
-        row[name + "_host_cpu_ms"] = (c1 - c0) / iters * 1e3
+        row[name + "_host_ms"], row[name + "_host_cpu_ms"] = host, cpu  # this rank's; the slowest is reported
         row[name + "_driver_calls"] = driver_calls(g, fn)
         tt.synchronize(g, timeout_s=120)
         dist.barrier()

@@ -283,6 +283,50 @@ class Background:
         return out
 
 
+def gemm_stream(device: torch.device, priority: str) -> tuple[Any, int]:
+    """The GEMM's stream at ``priority`` ("default": 0, the lowest, as the collectives'
+    streams; "high": the highest CUDA offers, so the collectives' kernels yield to it)."""
+    if device.type != "cuda":
+        return None, 0
+    prio = torch.cuda.Stream.priority_range()[1] if priority == "high" else 0
+    return torch.cuda.Stream(device, priority=prio), prio
+
+
+def gemm_alone(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, n: int, clock: Clock, gate: Gate,
+               stream: Any) -> dict:
+    """The GEMM timed alone, after a warm-up.  The first GEMMs run ungated: with lazy module
+    loading (CUDA's default) loading cuBLAS's kernel can need a context synchronisation, which
+    would wait forever on a stream held by the gate that only opens after the enqueue."""
+    if clock.gpu:
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                torch.mm(a, b, out=c)
+        torch.cuda.synchronize(clock.device)
+    time_gemms(a, b, c, 10, clock, gate, stream)
+    return time_gemms(a, b, c, n, clock, gate, stream)
+
+
+def window_row(res: dict, alone: dict, st: dict) -> dict:
+    """The GEMM window's columns with a background: times, slowdowns against ``alone``, and
+    the background's ``Background.stats``."""
+    return {**{k: v for k, v in res.items() if k != "window"},
+            "slowdown_pct": 100.0 * (res["median_ms"] / alone["median_ms"] - 1.0),
+            "slowdown_mean_pct": 100.0 * (res["mean_ms"] / alone["mean_ms"] - 1.0),
+            "bg_iter_alone_ms": st["iter_alone_ms"], "bg_coverage_min": st["coverage_min"],
+            "bg_iters_in_window": st["iters_in_window"], "bg_iters_alone_in_window": st["iters_alone_in_window"],
+            "bg_progress": st["progress"]}
+
+
+def append_rows(path: str | None, rows: Sequence[dict]) -> None:
+    """Append ``rows`` as JSON lines to ``path`` (nothing without one)."""
+    if not path:
+        return
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=str) + "\n")
+    print(f"rows appended to {path}")
+
+
 def make_tide(tt: Any, shapes: Sequence[tuple[int, ...]], W: int, device: torch.device, ring_bytes: int,
               timeout_s: float, max_ctas: int | None = None,
               ) -> tuple[list, Callable[[int], None], Callable[[int], None], Callable[[], None]]:
@@ -443,23 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for gemm_priority in args.gemm_priority:
         # CUDA's stream priorities: 0 (default) is the lowest; the collectives' kernels run on
         # default-priority streams, so a GEMM stream of higher priority puts them below it.
-        prio = 0
-        if gemm_priority == "high" and device.type == "cuda":
-            prio = torch.cuda.Stream.priority_range()[1]
-        gstream = torch.cuda.Stream(device, priority=prio) if device.type == "cuda" else None
+        gstream, prio = gemm_stream(device, gemm_priority)
         base["gemm_priority"] = gemm_priority
         base["gemm_stream_priority"] = prio
-        # GEMM alone (a warm-up window first).  The first GEMMs run ungated: with lazy module loading
-        # (CUDA's default) loading cuBLAS's kernel can need a context synchronisation, which would
-        # wait forever on a stream held by the gate that only opens after the enqueue.
         try:
-            if device.type == "cuda":
-                with torch.cuda.stream(gstream):
-                    for _ in range(3):
-                        torch.mm(a, b, out=c)
-                torch.cuda.synchronize(device)
-            time_gemms(a, b, c, 10, clock, gate, gstream)
-            alone = time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream)
+            alone = gemm_alone(a, b, c, args.gemm_iters, clock, gate, gstream)
             rows.append({**base, "background": "none", **{k: v for k, v in alone.items() if k != "window"}})
         except Exception as e:  # noqa: BLE001
             print(f"ERROR timing the GEMM alone: {type(e).__name__}: {e}")
@@ -493,12 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise RuntimeError("; ".join(bg.errors))
                 st = bg.stats(res["window"], before)
                 row = {**base, "background": kind, "background_impl": impl, "max_ctas": max_ctas or None,
-                       **{k: v for k, v in res.items() if k != "window"},
-                       "slowdown_pct": 100.0 * (res["median_ms"] / alone["median_ms"] - 1.0),
-                       "slowdown_mean_pct": 100.0 * (res["mean_ms"] / alone["mean_ms"] - 1.0),
-                       "bg_iter_alone_ms": st["iter_alone_ms"], "bg_coverage_min": st["coverage_min"],
-                       "bg_iters_in_window": st["iters_in_window"], "bg_iters_alone_in_window": st["iters_alone_in_window"],
-                       "bg_progress": st["progress"], "bg_completed_host": [y - x for x, y in zip(marks["c0"], marks["c1"])]}
+                       **window_row(res, alone, st),
+                       "bg_completed_host": [y - x for x, y in zip(marks["c0"], marks["c1"])]}
                 rows.append(row)
             except Exception as e:  # noqa: BLE001
                 print(f"ERROR background {kind}: {type(e).__name__}: {e}")
@@ -568,11 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{sm_row['n_memcpy']} copies, {sm_row['memcpy_us']:.1f} µs | {short_kernel_names(sm_row)}")
     if args.dry_run:
         print("(dry run: CPU, tiny sizes, Triton interpreter -- the numbers say nothing about GPUs)")
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r, default=str) + "\n")
-        print(f"rows appended to {args.json}")
+    append_rows(args.json, rows)
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -117,18 +117,11 @@ def run_ranks(args: Any) -> int:
     bg_stream = torch.cuda.Stream(device) if gpu else None
     ok = True
     for gemm_priority in args.gemm_priority:
-        prio = torch.cuda.Stream.priority_range()[1] if gemm_priority == "high" and gpu else 0
-        gstream = torch.cuda.Stream(device, priority=prio) if gpu else None
+        gstream, prio = base.gemm_stream(device, gemm_priority)
         row0.update(gemm_priority=gemm_priority, gemm_stream_priority=prio)
         alone = None
         if rank == 0:
-            if gpu:
-                with torch.cuda.stream(gstream):
-                    for _ in range(3):
-                        torch.mm(a, b, out=c)
-                torch.cuda.synchronize(device)
-            base.time_gemms(a, b, c, 10, clock, gate, gstream)
-            alone = base.time_gemms(a, b, c, args.gemm_iters, clock, gate, gstream)
+            alone = base.gemm_alone(a, b, c, args.gemm_iters, clock, gate, gstream)
             rows.append({**row0, "background": "none", **{k: v for k, v in alone.items() if k != "window"}})
         for kind in args.backgrounds:
             row = _one(kind, tt, shapes, rank, W, device, args, clock, gate, gstream, bg_stream, a, b, c,
@@ -140,13 +133,7 @@ def run_ranks(args: Any) -> int:
         base.print_rows(rows)
         if args.dry_run:
             print("(dry run: CPU, tiny sizes, Triton interpreter, gloo for NCCL -- the numbers say nothing about GPUs)")
-        if args.json:
-            import json
-
-            with open(args.json, "a") as f:
-                for r in rows:
-                    f.write(json.dumps(r, default=str) + "\n")
-            print(f"rows appended to {args.json}")
+        base.append_rows(args.json, rows)
     flags = [None] * W
     dist.all_gather_object(flags, ok, group=ctl)
     dist.destroy_process_group()
@@ -203,12 +190,7 @@ def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devic
         if bg.errors:
             raise RuntimeError("; ".join(bg.errors))
         st = bg.stats(res["window"], 1, alone_ms=[iter_ms])
-        return {"background": kind, "background_impl": impl, **{k: v for k, v in res.items() if k != "window"},
-                "slowdown_pct": 100.0 * (res["median_ms"] / alone["median_ms"] - 1.0),
-                "slowdown_mean_pct": 100.0 * (res["mean_ms"] / alone["mean_ms"] - 1.0),
-                "bg_iters": n[0], "bg_iter_alone_ms": st["iter_alone_ms"], "bg_coverage_min": st["coverage_min"],
-                "bg_iters_in_window": st["iters_in_window"], "bg_iters_alone_in_window": st["iters_alone_in_window"],
-                "bg_progress": st["progress"]}
+        return {"background": kind, "background_impl": impl, "bg_iters": n[0], **base.window_row(res, alone, st)}
     except Exception as e:  # noqa: BLE001 - a rank stuck in a collective is the hang guard's
         traceback.print_exc()
         return {"background": kind, "error": f"rank {rank}: {type(e).__name__}: {e}"}

@@ -447,6 +447,8 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
         _check_gather_shards(shards_l, layout, me)
         sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
         _check_stream(stream)
+        # the call's addresses, read once (cache keys, the region's offsets)
+        pptrs, sptrs, snumels = tuple(map(_PTR, params_l)), tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))
         # The params' shapes (their dim 0 too) are agreed: a rank whose parameter has another
         # dim 0 would place the others' rows by another layout (and pull rows they do not
         # hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not be mixed.
@@ -458,8 +460,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
                 raise ValueError(f"params_region needs a group of one node, this one spans {g.nodes} nodes: "
                                  "across nodes the all-gather stages in its heap block (pass params_region=None)")
             # the same offsets on every rank: a peer reads my rows where its own are
-            source = (region.offset, region.param_offsets(layout, pdt, sdt, tuple(map(_PTR, params_l)),
-                                                          tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))))
+            source = (region.offset, region.param_offsets(layout, pdt, sdt, pptrs, sptrs, snumels))
             sig += (("params_region", (region.key, region.index, region.offset, source[1])),)
     except (TypeError, ValueError) as e:
         err = e
@@ -489,15 +490,12 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     cs = st.compute
     # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by addresses, so repeats on the same storage prepare nothing.
-    pptrs = tuple(x.data_ptr() for x in params_l)
     where = reg.ag_off if source is None else ("region", source[0])  # the block moves when regions are added
     key = ("ag", layout, pdt, device, pptrs, where)
     pulls = g.cached(key)
     if pulls is None:
         pulls = g.cache(key, _prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
-    sptrs = tuple(x.data_ptr() for x in shards_l)
-    skey = ("ag-stage", layout, sdt, pdt, device, sptrs, tuple(x.numel() for x in shards_l), where,
-            pptrs if source is not None else None)
+    skey = ("ag-stage", layout, sdt, pdt, device, sptrs, snumels, where, pptrs if source is not None else None)
     stage = g.cached(skey)
     if stage is None:
         if source is None:  # my place in my block

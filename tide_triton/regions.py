@@ -32,7 +32,6 @@ Create regions before the first all-gather (a block that moved leaves its old by
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -181,8 +180,8 @@ class HeapRegion:
         base = g.transport(self.device).address(g.rank, self.offset)
         es, S = pdt.itemsize, layout.padded_shard_numels
         offs = tuple(p - base for p in pptrs)
-        for i, (o, shape) in enumerate(zip(offs, layout.shapes)):
-            n = math.prod(shape) * es
+        for i, (o, numel) in enumerate(zip(offs, layout.numels)):
+            n = numel * es
             if o < 0 or o + n > self.nbytes:
                 raise ValueError(
                     f"params[{i}] must lie inside params_region {self.key!r} (bytes [0, {self.nbytes}) of this "
