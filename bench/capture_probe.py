@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from tide_triton.measure import env_info
 from tide_triton.transport.driver import check, cu
 
 
@@ -293,8 +294,8 @@ def main() -> None:
               f"{r['device_ms']:.3f} | {r['device_ms_mean']:.3f} |")
     if a.json:
         with open(a.json, "a") as f:
-            f.write(json.dumps(dict(answers=answers, rows=rows, torch=torch.__version__,
-                                    gpu=torch.cuda.get_device_name())) + "\n")
+            f.write(json.dumps(dict(answers=answers, rows=rows,
+                                    **env_info(torch.device("cuda")))) + "\n")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_interp)
 
 
+# ---------------------------------------------------------------------------------------
+# Reports for bounded runs (bench/gpu_tests.sh): a run stopped at its time limit never
+# reaches pytest's summary, so failures are written as they happen, and a test still running
+# after N seconds leaves the stacks of all its threads.
+#   TIDE_TRITON_TEST_FAILURES=FILE        every failed phase: node id, phase, duration, report
+#   TIDE_TRITON_TEST_STACKS=PREFIX:SECONDS  PREFIX.<xdist worker>: the threads' stacks of a test
+#                                         still running after SECONDS (faulthandler)
+# ---------------------------------------------------------------------------------------
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get("TIDE_TRITON_TEST_FAILURES")
+    if path and report.failed:  # on the xdist controller too: workers forward their reports
+        with open(path, "a") as f:
+            f.write(f"==== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
+                    f"{report.longreprtext}\n\n")
+
+
+@pytest.fixture(autouse=True)
+def _stacks_of_a_stuck_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    spec = os.environ.get("TIDE_TRITON_TEST_STACKS")
+    if not spec:
+        yield
+        return
+    import faulthandler
+    import time
+
+    prefix, _, seconds = spec.rpartition(":")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(f"{prefix}.{worker}", "a") as f:
+        f.write(f"==== {time.strftime('%H:%M:%S')} {request.node.nodeid}\n")
+        f.flush()
+        faulthandler.dump_traceback_later(float(seconds), file=f)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.fixture(autouse=True)
 def _children_interpret(request: pytest.FixtureRequest) -> Iterator[None]:
     """A CPU test's spawned ranks run the kernels through the interpreter, also where this

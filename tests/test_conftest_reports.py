@@ -1,0 +1,42 @@
+"""The reports for bounded test runs (bench/gpu_tests.sh, tests/conftest.py): a failure is
+written the moment it happens, and a test still running after the given seconds leaves its
+threads' stacks -- so a run stopped at its time limit still says what failed and where a stuck
+test waits.  Runs pytest on two small tests with this conftest, in a child process."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+_DEMO = '''
+import time
+
+def test_that_fails():
+    assert 6 * 7 == 43, "the answer"
+
+def test_that_is_stuck():
+    time.sleep(3)
+'''
+
+
+def test_failures_and_stuck_stacks_are_written_as_they_happen(tmp_path: Path) -> None:
+    here = Path(__file__).parent
+    shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(here / "_dist.py", tmp_path / "_dist.py")
+    (tmp_path / "test_demo.py").write_text(_DEMO)
+    env = dict(os.environ, TIDE_TRITON_TEST_FAILURES=str(tmp_path / "failures.txt"),
+               TIDE_TRITON_TEST_STACKS=f"{tmp_path / 'stacks'}:1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_demo.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    failures = (tmp_path / "failures.txt").read_text()
+    assert "==== FAILED test_demo.py::test_that_fails (call," in failures
+    assert "AssertionError: the answer" in failures
+    assert "test_that_is_stuck" not in failures
+    stacks = (tmp_path / "stacks.main").read_text()
+    assert "test_demo.py::test_that_is_stuck" in stacks
+    assert "most recent call first" in stacks and 'test_demo.py", line 8 in test_that_is_stuck' in stacks
+    assert stacks.count("most recent call first") == 1  # the quick tests armed and disarmed it
