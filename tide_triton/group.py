@@ -34,6 +34,7 @@ from .calls import Call, CallIdentity, check_same, describe, sig32
 from .errors import ArgumentMismatchError, PeerArgumentError
 from .options import GroupOptions
 from .regions import heap_region
+from .transport.driver import wait_with_deadline
 from .schedule import FlagMap
 from .topology import Topology
 
@@ -368,8 +369,18 @@ class Group(CallIdentity):
             if z is None or z.numel() < nbytes:
                 z = self._extras[key] = torch.zeros(max(nbytes, 4096), dtype=torch.uint8, device=device)
                 if device.type == "cuda":  # rare (growth only): other streams read it next
-                    torch.cuda.current_stream(device).synchronize()
+                    # with a deadline: the stream may hold waits on a peer that died
+                    wait_with_deadline(torch.cuda.current_stream(device).synchronize, self.options.timeout_s,
+                                       lambda: self._busy_error(device, "growing the zero buffer"))
         return z
+
+    def _busy_error(self, device: torch.device, what: str) -> BaseException:
+        """The error for a wait on ``device`` past the group's deadline: the transport's (which
+        names a peer its pending stream waits wait for), else a ``TimeoutError``."""
+        inner = getattr(self._transports.get(device.type), "inner", self._transports.get(device.type))
+        if hasattr(inner, "busy_error"):
+            return inner.busy_error(what)
+        return TimeoutError(f"rank {self.rank}: {what}: {device} still busy after {self.options.timeout_s:.1f} s")
 
     def heap_nbytes(self, device: torch.device | str) -> int:
         """Bytes of this rank's heap for ``device``'s kind (cpu / cuda) -- flags, receive ring,

@@ -43,6 +43,7 @@ import torch
 
 from .. import envs
 from .._checks import is_int
+from ..errors import PeerTimeoutError
 from . import driver
 from ._once import describe, log_once, raise_if_failed, round_up
 from .driver import CtxGuard, Transaction, check
@@ -545,6 +546,15 @@ class CudaTransport:
     # ------------------------------------------------------------------------------------
     # release / restore of whole segments (collective; Slot-Reuse between steps)
     # ------------------------------------------------------------------------------------
+    def busy_error(self, what: str) -> BaseException:
+        """The error for a device wait past its deadline: ``PeerTimeoutError`` naming a peer
+        that this rank's pending stream waits wait for, else ``TimeoutError``."""
+        peers = self._sig.stuck_peers()
+        if peers:
+            return PeerTimeoutError(min(peers), f"{what}: this rank's streams wait for ranks {sorted(peers)}",
+                                    self.options.timeout_s)
+        return TimeoutError(f"rank {self.rank}: {what} after {self.options.timeout_s:.1f} s")
+
     def _user_range(self, offset: int, nbytes: int) -> tuple[int, int]:
         for name, v, low in (("offset", offset, 0), ("nbytes", nbytes, 1)):
             _check_int(name, v, low)
@@ -567,11 +577,11 @@ class CudaTransport:
             devs = {self.device}
             if self._peers is not None:
                 devs |= {t.device for t in (ref() for ref in self._peers) if t is not None and not t._closed}
-            for d in devs:
-                torch.cuda.synchronize(d)
+            for d in devs:  # with a deadline: a stream stuck on a dead peer's flag never ends
+                driver.wait_with_deadline(lambda d=d: torch.cuda.synchronize(d), self.options.timeout_s,
+                                          lambda d=d: self.busy_error(f"release_range: {d} still busy"))
             if not self._drain(self.options.timeout_s):
-                raise TimeoutError(f"rank {self.rank}: streams still busy after {self.options.timeout_s} s "
-                                   "before release_range")
+                raise self.busy_error("release_range: streams still busy")
         except Exception as exc:  # noqa: BLE001 - shared with the peers
             if self._local:
                 raise

@@ -34,6 +34,7 @@ __all__ = [
     "driver_version",
     "device_context",
     "CtxGuard",
+    "wait_with_deadline",
 ]
 
 log = logging.getLogger("tide_triton")
@@ -167,6 +168,31 @@ def init() -> Any:
 def driver_version() -> int:
     """``cuDriverGetVersion``, e.g. 13000 for CUDA 13.0."""
     return int(check(init().cuDriverGetVersion(), "cuDriverGetVersion"))
+
+
+def wait_with_deadline(wait: Callable[[], None], timeout_s: float,
+                       on_timeout: Callable[[], BaseException]) -> None:
+    """Run a blocking device wait (``torch.cuda.synchronize``, a stream's synchronize) with a
+    deadline: in a daemon thread joined for ``timeout_s``; past it, raise ``on_timeout()``.
+    A stream stuck on a peer's flag (a peer that died with our waits queued) never ends by
+    itself, and a plain synchronize would hold the process forever; here the waiting thread
+    stays blocked in the driver and the caller gets an error naming what it waited for.
+    An exception of ``wait`` is re-raised in the caller."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            failed.append(exc)
+
+    waiter = threading.Thread(target=run, name="tide_triton device wait", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if waiter.is_alive():
+        raise on_timeout()
+    if failed:
+        raise failed[0]
 
 
 def device_context(device: torch.device) -> tuple[Any, Any]:
