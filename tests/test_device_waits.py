@@ -82,3 +82,47 @@ def test_release_range_without_known_peers_says_the_device_is_busy(monkeypatch: 
             _stand_in_transport(set()).release_range(0, 2 << 20)
     finally:
         release.set()
+
+
+class _Stream:
+    def __init__(self, busy_for_s: float) -> None:
+        self.until = time.monotonic() + busy_for_s
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def synchronize(self) -> None:  # what close() used to call: it waits as long as the stream
+        time.sleep(max(0.0, self.until - time.monotonic()))
+
+
+class _Comm:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+def test_inter_node_close_aborts_a_communicator_whose_stream_stays_stuck(caplog: pytest.LogCaptureFixture) -> None:
+    """NCCL's stream-side waits have no timeout: a hop whose peer died leaves its stream busy.
+    Before: close() synchronized the stream (forever).  Now: after its drain time it aborts
+    the communicator, logging the peers of the oldest operation still waiting."""
+    from tide_triton.transport.internode import NcclInterNode
+
+    comm = _Comm()
+    hop = NcclInterNode(0, (0, 2), comm, _Stream(busy_for_s=60), chunk_bytes=1 << 20)
+    hop.stuck = lambda: ((2,), "ncclSend/ncclRecv of the reduce-scatter")  # what its events would say
+    t0 = time.monotonic()
+    with caplog.at_level("ERROR", logger="tide_triton"):
+        hop.close(drain_timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+    assert comm.calls == ["abort"]
+    assert ("still busy after 0.3 s at close (ncclSend/ncclRecv of the reduce-scatter, waiting for ranks [2]); "
+            "aborting the NCCL communicator") in caplog.text
+
+    done = _Comm()  # a stream that drains in time: the communicator is destroyed normally
+    NcclInterNode(0, (0, 2), done, _Stream(busy_for_s=0.05), chunk_bytes=1 << 20).close(drain_timeout_s=5)
+    assert done.calls == ["close"]

@@ -44,6 +44,9 @@ __all__ = ["Iov", "Message", "InterNodeTransport", "HostInterNode", "NcclInterNo
 
 log = logging.getLogger("tide_triton")
 
+_CLOSE_DRAIN_S = 30.0
+"""How long a closing inter-node hop waits for its stream before it aborts the communicator."""
+
 
 
 
@@ -281,8 +284,21 @@ class NcclInterNode:
         self.bytes_received += r_bytes
         self.chunks_sent += len(s_ops)
 
-    def close(self) -> None:
-        self.stream.synchronize()  # nothing of ours is left queued on the communicator
+    def close(self, drain_timeout_s: float = _CLOSE_DRAIN_S) -> None:
+        """Destroy the communicator once nothing of ours is left queued on it.  NCCL's
+        stream-side waits have no timeout: if the stream is still busy after
+        ``drain_timeout_s`` (a peer that died mid-hop), the communicator is aborted --
+        which ends its stuck kernels -- instead of the process blocking in a synchronize."""
+        deadline = time.monotonic() + drain_timeout_s
+        while not self.stream.query():
+            if time.monotonic() >= deadline:
+                stuck = self.stuck()
+                log.error("rank %d: the inter-node stream is still busy after %.1f s at close%s; "
+                          "aborting the NCCL communicator", self.rank, drain_timeout_s,
+                          f" ({stuck[1]}, waiting for ranks {list(stuck[0])})" if stuck else "")
+                self.comm.abort()
+                return
+            time.sleep(1e-3)
         self.comm.close()
 
 

@@ -395,6 +395,17 @@ class NcclComm:
             log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
             self.lib.fn("ncclCommAbort")(self._comm)
 
+    def abort(self) -> None:
+        """``ncclCommAbort`` (local; idempotent): ends the communicator's stuck operations.
+        Its windows and memory are left to process exit (deregistering them would wait on
+        the aborted communicator)."""
+        if self._closed:
+            return
+        self._closed = True
+        code = self.lib.fn("ncclCommAbort")(self._comm)
+        if code:
+            log.warning("ncclCommAbort failed (ncclResult %d)", code)
+
     def __enter__(self) -> "NcclComm":
         return self
 
