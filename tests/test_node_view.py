@@ -53,11 +53,14 @@ class _RecordingComm:
 
 
 class _Stream:
-    cuda_stream = 1234
-    synced = False
+    """Busy for its first two queries (work still queued), idle after."""
 
-    def synchronize(self) -> None:
-        self.synced = True
+    cuda_stream = 1234
+    queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > 2
 
 
 def _net(rank: int, rail: tuple[int, ...], chunk: int):
@@ -90,7 +93,7 @@ def test_nccl_internode_splits_pieces_in_order_and_counts() -> None:
     with pytest.raises(ValueError, match="recvs: rank 5 is not a rail peer of rank 5"):
         net.sendrecv([], [(5, [(0, 4)])], timeout_s=1.0)
     net.close()
-    assert net.stream.synced and net.comm.calls[-1] == "closed", "close waits for the stream, then destroys"
+    assert net.stream.queries == 3 and net.comm.calls[-1] == "closed", "close waits for the stream, then destroys"
 
 
 class _RmaComm:
