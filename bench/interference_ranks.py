@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-import interference as base
+import interference_parts as base
 
 
 def _device(args: Any) -> torch.device:
