@@ -120,3 +120,11 @@ def test_bench_fsdp_step_moe_dry_run() -> None:
         assert len(cells) == 15, cells  # mode .. device used .. FSDP2 host / module, loss
         loss[mode] = cells[-1]
     assert loss["stock"] == loss["slot"], loss
+
+
+def test_bench_host_path_runs_both_collectives() -> None:
+    """bench/host_path.py: a row per (layer, collective) with a time per rank."""
+    out = _run([str(BENCH / "host_path.py"), "--models", "llama-3.1-70b", "--ops", "all_gather", "reduce_scatter",
+                "--calls", "3", "--warmup", "1", "--scale", "1024"])
+    for op in ("all_gather", "reduce_scatter"):
+        assert re.search(rf"^\| llama-3\.1-70b \| {op} \| 9 \| \d+ / \d+ \|$", out, re.M), out[-3000:]
