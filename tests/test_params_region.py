@@ -144,6 +144,58 @@ def test_no_all_gather_block_is_mapped(kind: str) -> None:
         assert res["rows"] == [0.0, 1.0], res
 
 
+def _padding_stays_in_the_shard(rank: int, W: int, kind: str) -> dict:
+    """Parameters passed unpadded, back to back in the region with data of the caller right
+    after the last one; shards padded (FSDP2's layout), copied and cast.  The last ranks'
+    shard padding lies past the end of an unpadded parameter: it must not be written there."""
+    import tide_triton as tt
+    from tide_triton.layout import ShardLayout
+
+    dev = _device(kind, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    g = tt.init(timeout_s=60)
+    shapes = [(2 * W + 1, 3), (3 * W - 1,), (W - 1, 2), (W + 1, 1)]  # the last rank: fewer rows, or none
+    layout = ShardLayout(shapes, W)
+    numel = sum(layout.numels)
+    region = g.heap_region("slot", (numel + 64) * 2, dev)
+    params = _views(region, shapes, torch.bfloat16, 0)  # gap 0 after the first: back to back
+    theirs = region.tensor(torch.bfloat16, 32, numel * 2)  # the caller's data right after the last parameter
+    full = [(torch.arange(int(torch.Size(s).numel())) % 61 - 30).to(torch.bfloat16).view(s).to(dev) for s in shapes]
+    out: dict = {"ok": []}
+    for sdt in (torch.bfloat16, torch.float32):  # a copy, then the cast kernel
+        for p in params:
+            p.fill_(-99)
+        theirs.fill_(7)
+        shards = []
+        for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(rank)):
+            x = torch.full((c, *f.shape[1:]), 55.0, dtype=sdt, device=dev)  # padding rows: 55
+            x[:n] = f[rank * c: rank * c + n].to(sdt)
+            shards.append(x)
+        tt.all_gather(shards, params, params_region=region)
+        if dev.type == "cuda":
+            tt.synchronize(g)
+        out["ok"].append(all(torch.equal(p, f) for p, f in zip(params, full)))
+        out.setdefault("theirs", []).append(sorted(set(theirs.float().tolist())))
+        region.vacate()
+    if dev.type == "cuda":
+        tt.synchronize(g)
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shard_padding_is_never_written_past_an_unpadded_parameter(world_size: int, kind: str) -> None:
+    """Before the fix the last rank's padding rows (55) landed on the next parameter's first
+    rows in its own copy and on the caller's data after the last one (silently: every check
+    passed and the gathered parameters were right, the bytes after them were not)."""
+    out = run_multiprocess(_padding_stays_in_the_shard, world_size, kind, timeout=240)
+    for r, res in enumerate(out):
+        assert res["ok"] == [True, True], (r, res)
+        assert res["theirs"] == [[7.0], [7.0]], (r, res)
+
+
 def _vacate_waits(rank: int, W: int, how: str) -> dict:
     """Rank 1 is slow to read rank 0's rows (its pulls from rank 0's heap sleep first); rank
     0's all-gather returns at once, then it vacates its copy."""

@@ -379,10 +379,14 @@ def _prepare_stage(g: Group, t, layout: ShardLayout, shards: list[torch.Tensor],
     parameters' dtype: ``(caster, copies, pad_copies, zeros)`` -- a bound cast kernel when
     the dtypes differ (stand-in tensors, addresses known), else prepared copies; then, with
     ``pad`` (the block), the zero-fill of the padding of unpadded shards, from ``zeros``
-    (kept alive here)."""
+    (kept alive here).  Into the block a padded shard goes whole (its slot is padded); into
+    the parameter itself (``pad`` False) only this rank's real rows: the last ranks' padding
+    rows lie past the end of a parameter passed unpadded, where other data may live."""
     es = pdt.itemsize
     S = layout.padded_shard_numels
     numels = [x.numel() for x in shards]
+    if not pad:  # the parameter's own rows: never past its real rows
+        numels = [min(n, real) for n, real in zip(numels, layout.shard_numels(g.rank))]
     caster = copies = None
     if pdt != sdt:
         runs = tuple(Span(p, 0, p, 0, n) for p, n in enumerate(numels))
