@@ -113,19 +113,23 @@ def _guarded(rank: int, W: int, local_size: int | None = None) -> dict:
                 grads = [gc.take(s) for s in shapes]
                 for x, f in zip(grads, full):
                     x.copy_((f * (rank + 1)).to(torch.bfloat16))
-                oc = _Carver(torch.empty(room, dtype=sdt))
-                outs = [oc.take(s) for s in (layout.shard_shapes(rank, padded=True) if padded_shards
-                                              else layout.shard_shapes(rank))]
-                tt.reduce_scatter(grads, outs, op="sum")
-                total = W * (W + 1) // 2
-                for p, (o, f, c, n) in enumerate(zip(outs, full, layout.rows_per_rank, layout.shard_rows(rank))):
-                    want = (f[rank * c: rank * c + n] * total).to(sdt)
-                    if not torch.equal(o[:n], want) or (o.shape[0] > n and bool((o[n:] != 0).any())):
-                        problems.append(f"reduce_scatter ({what}): shards[{p}] wrong")
-                for name, carver in (("gradients", gc), ("shards", oc)):
-                    if carver.broken_guards():
-                        problems.append(f"reduce_scatter ({what}): wrote outside the {name} at guard elements "
-                                        f"{carver.broken_guards()}")
+                for staging in (None, region) if nodes == 1 else (None,):  # the ring, or the vacated region
+                    how = "ring" if staging is None else "region"
+                    oc = _Carver(torch.empty(room, dtype=sdt))
+                    outs = [oc.take(s) for s in (layout.shard_shapes(rank, padded=True) if padded_shards
+                                                  else layout.shard_shapes(rank))]
+                    tt.reduce_scatter(grads, outs, op="sum", staging=staging)
+                    total = W * (W + 1) // 2
+                    for p, (o, f, c, n) in enumerate(zip(outs, full, layout.rows_per_rank, layout.shard_rows(rank))):
+                        want = (f[rank * c: rank * c + n] * total).to(sdt)
+                        if not torch.equal(o[:n], want) or (o.shape[0] > n and bool((o[n:] != 0).any())):
+                            problems.append(f"reduce_scatter ({how}; {what}): shards[{p}] wrong")
+                    for name, carver in (("gradients", gc), ("shards", oc)):
+                        if carver.broken_guards():
+                            problems.append(f"reduce_scatter ({how}; {what}): wrote outside the {name} at guard "
+                                            f"elements {carver.broken_guards()}")
+                    if staging is not None:
+                        staging.vacate()  # used again next round: the peers have read what they staged
     g.close()
     return {"problems": problems}
 
