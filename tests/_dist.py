@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_multiprocess", "rank_device", "CHILD_ENV", "SHARE_GPU"]
+__all__ = ["free_port", "run_multiprocess", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU"]
 
 CHILD_ENV: dict[str, str] = {}
 """Set in every child's environment under the test's own ``env`` (conftest puts
@@ -39,6 +39,24 @@ interpreter also on a GPU machine, where the parent runs compiled Triton)."""
 SHARE_GPU = "TIDE_TESTS_SHARE_GPU"
 """Environment variable of the test suite (set by ``pytest --share-gpu``, inherited by the
 children): ``1`` makes :func:`rank_device` put every rank on ``cuda:0``."""
+
+
+def nccl_problem(world_size: int) -> str | None:
+    """Why the GPU tests of declared nodes cannot run ``world_size`` ranks here (their hop
+    is NCCL; several ranks on one GPU need NCCL >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1``),
+    or None."""
+    from tide_triton.transport import nccl
+
+    try:
+        lib = nccl.load()
+    except OSError as e:
+        return f"no NCCL: {e}"
+    if torch.cuda.device_count() < world_size:
+        if not lib.features.multi_rank_per_gpu:
+            return f"NCCL {'.'.join(map(str, lib.version))} cannot run several ranks on one GPU (needs >= 2.30)"
+        if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+            return "several ranks per GPU need NCCL_MULTI_RANK_GPU_ENABLE=1"
+    return None
 
 
 def rank_device(rank: int, *, share: bool | None = None) -> "torch.device":

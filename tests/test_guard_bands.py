@@ -5,10 +5,10 @@ buffer with guard bands of a sentinel before and after it (in a heap region for 
 all-gather's ``params_region`` path); after each collective every byte outside the tensors
 must still hold the sentinel, and the results must be the contract's.  Over padded and
 unpadded shards and parameters, a copy and a cast, W = 2 and 3, the block path and the
-region path of the all-gather and a ring-staged reduce-scatter.  Host transport, processes
-(the GPU's unordered copies make such an overwrite land anywhere; on the CPU the guard
-bands see it).  Found by review: ``params_region`` wrote a padded shard's padding past the
-end of an unpadded parameter (session 8).
+region path of the all-gather, ring- and region-staged reduce-scatters, one node and
+declared nodes; processes, on the CPU and (where present) the GPU.  Found by review:
+``params_region`` wrote a padded shard's padding past the end of an unpadded parameter
+(session 8).
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import pytest
 import torch
 
 try:
-    from _dist import run_multiprocess
+    from _dist import nccl_problem, rank_device, run_multiprocess
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import nccl_problem, rank_device, run_multiprocess
+
+_KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # gpu: skipped without CUDA
 
 pytestmark = pytest.mark.multiproc
 
@@ -51,7 +53,7 @@ class _Carver:
         return self.flat[start:start + n].view(shape)
 
     def broken_guards(self) -> list[int]:
-        mask = torch.ones(self.flat.numel(), dtype=torch.bool)
+        mask = torch.ones(self.flat.numel(), dtype=torch.bool, device=self.flat.device)
         for a, b in self.spans:
             mask[a:b] = False
         outside = self.flat[mask]
@@ -65,17 +67,25 @@ def _room(shapes: list[tuple[int, ...]], W: int) -> int:
     return W * sum(layout.padded_shard_numels) + 2 * _GUARD * (len(shapes) + 2)
 
 
-def _guarded(rank: int, W: int, local_size: int | None = None) -> dict:
+def _guarded(rank: int, W: int, kind: str = "cpu", local_size: int | None = None) -> dict:
     import tide_triton as tt
     from tide_triton.layout import ShardLayout
+
+    dev = rank_device(rank) if kind == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+    def done() -> None:  # the call's GPU work is finished before the host looks
+        if dev.type == "cuda":
+            tt.synchronize(g)
 
     g = tt.init(timeout_s=60) if local_size is None else tt.init(local_size=local_size, timeout_s=60)
     nodes = 1 if local_size is None else W // local_size
     shapes = _shapes(W)
     layout = ShardLayout(shapes, W)
     room = _room(shapes, W)
-    full = [(torch.arange(int(torch.Size(s).numel())) % 29 - 14).float().view(s) for s in shapes]
-    region = g.heap_region("params", room * 4, "cpu")
+    full = [(torch.arange(int(torch.Size(s).numel()), device=dev) % 29 - 14).float().view(s) for s in shapes]
+    region = g.heap_region("params", room * 4, dev)
     problems: list[str] = []
     for padded_params in (False, True):
         pshapes = layout.padded_shapes if padded_params else shapes
@@ -84,7 +94,7 @@ def _guarded(rank: int, W: int, local_size: int | None = None) -> dict:
                 what = f"params {'padded' if padded_params else 'full'}, shards " \
                        f"{'padded' if padded_shards else 'real rows'}, {str(sdt)[6:]}"
                 for where in ("block", "region") if nodes == 1 else ("block",):  # region: one node
-                    sh = _Carver(torch.empty(room, dtype=sdt))
+                    sh = _Carver(torch.empty(room, dtype=sdt, device=dev))
                     shards = []
                     for f, c, n in zip(full, layout.rows_per_rank, layout.shard_rows(rank)):
                         x = sh.take((c if padded_shards else n, *f.shape[1:]))
@@ -94,9 +104,10 @@ def _guarded(rank: int, W: int, local_size: int | None = None) -> dict:
                     if where == "region":
                         pc = _Carver(region.tensor(torch.bfloat16, room))
                     else:
-                        pc = _Carver(torch.empty(room, dtype=torch.bfloat16))
+                        pc = _Carver(torch.empty(room, dtype=torch.bfloat16, device=dev))
                     params = [pc.take(s) for s in pshapes]
                     tt.all_gather(shards, params, params_region=region if where == "region" else None)
+                    done()
                     for p, (a, f) in enumerate(zip(params, full)):
                         if not torch.equal(a[: f.shape[0]].float(), f):
                             problems.append(f"all_gather ({where}; {what}): params[{p}] wrong")
@@ -109,16 +120,17 @@ def _guarded(rank: int, W: int, local_size: int | None = None) -> dict:
                 if padded_params:
                     continue  # the reduce-scatter's gradients are full: its layout comes from them
                 # the reduce-scatter: bf16 gradients in, fp32 or bf16 shards (padded or not) out
-                gc = _Carver(torch.empty(room, dtype=torch.bfloat16))
+                gc = _Carver(torch.empty(room, dtype=torch.bfloat16, device=dev))
                 grads = [gc.take(s) for s in shapes]
                 for x, f in zip(grads, full):
                     x.copy_((f * (rank + 1)).to(torch.bfloat16))
                 for staging in (None, region) if nodes == 1 else (None,):  # the ring, or the vacated region
                     how = "ring" if staging is None else "region"
-                    oc = _Carver(torch.empty(room, dtype=sdt))
+                    oc = _Carver(torch.empty(room, dtype=sdt, device=dev))
                     outs = [oc.take(s) for s in (layout.shard_shapes(rank, padded=True) if padded_shards
                                                   else layout.shard_shapes(rank))]
                     tt.reduce_scatter(grads, outs, op="sum", staging=staging)
+                    done()
                     total = W * (W + 1) // 2
                     for p, (o, f, c, n) in enumerate(zip(outs, full, layout.rows_per_rank, layout.shard_rows(rank))):
                         want = (f[rank * c: rank * c + n] * total).to(sdt)
@@ -130,21 +142,28 @@ def _guarded(rank: int, W: int, local_size: int | None = None) -> dict:
                                             f"elements {carver.broken_guards()}")
                     if staging is not None:
                         staging.vacate()  # used again next round: the peers have read what they staged
+    done()
     g.close()
     return {"problems": problems}
 
 
+@pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_collectives_write_only_inside_the_callers_tensors(world_size: int) -> None:
-    out = run_multiprocess(_guarded, world_size, timeout=300)
+def test_collectives_write_only_inside_the_callers_tensors(world_size: int, kind: str) -> None:
+    out = run_multiprocess(_guarded, world_size, kind, timeout=300)
     for r, res in enumerate(out):
         assert not res["problems"], (r, res["problems"][:6])
 
 
+@pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("world_size,local_size", [(2, 1), (4, 2)])
-def test_cross_node_collectives_write_only_inside_the_callers_tensors(world_size: int, local_size: int) -> None:
+def test_cross_node_collectives_write_only_inside_the_callers_tensors(world_size: int, local_size: int,
+                                                                       kind: str) -> None:
     """The same over declared nodes (the cross-node executor: its own staging, its own own-row
-    copies and zero-fill of missing rows)."""
-    out = run_multiprocess(_guarded, world_size, local_size, timeout=300)
+    copies and zero-fill of missing rows; on the GPU its hop needs NCCL, >= 2.30 for several
+    ranks on one GPU)."""
+    if kind == "cuda" and (why := nccl_problem(world_size)):
+        pytest.skip(why)
+    out = run_multiprocess(_guarded, world_size, kind, local_size, timeout=300)
     for r, res in enumerate(out):
         assert not res["problems"], (r, res["problems"][:6])

@@ -11,37 +11,21 @@ NCCL picks its intra-node paths) and ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, 
 the inter-node hop through NCCL's socket network transport."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 try:
-    from _dist import run_multiprocess
+    from _dist import nccl_problem, run_multiprocess
     from test_hier_host import _hier
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import nccl_problem, run_multiprocess
     from tests.test_hier_host import _hier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def _nccl_problem(world_size: int) -> str | None:
-    from tide_triton.transport import nccl
-
-    try:
-        lib = nccl.load()
-    except OSError as e:
-        return f"no NCCL: {e}"
-    if torch.cuda.device_count() < world_size:
-        if not lib.features.multi_rank_per_gpu:
-            return f"NCCL {'.'.join(map(str, lib.version))} cannot run several ranks on one GPU (needs >= 2.30)"
-        if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-            return "several ranks per GPU need NCCL_MULTI_RANK_GPU_ENABLE=1"
-    return None
 
 
 def _child(rank: int, W: int, local: int, inter_node: str) -> dict:
@@ -61,7 +45,7 @@ CASES = [(2, 2, "default", "put_signal"), (3, 2, "default", "put_signal"), (4, 2
 @pytest.mark.parametrize("nodes, local, net, inter_node", CASES, ids=[f"{n}x{l}-{t}-{p}" for n, l, t, p in CASES])
 def test_declared_topology_exact_on_gpu(nodes: int, local: int, net: str, inter_node: str) -> None:
     W = nodes * local
-    why = _nccl_problem(W)
+    why = nccl_problem(W)
     if why:
         pytest.skip(why)
     from tide_triton.transport import nccl
@@ -122,7 +106,7 @@ def _late_rank(rank: int, W: int, local: int) -> dict:
 
 def test_a_late_rank_is_named_by_synchronize_across_nodes() -> None:
     W, local = 4, 2
-    why = _nccl_problem(W)
+    why = nccl_problem(W)
     if why:
         pytest.skip(why)
     env = {**MULTICAST_OFF, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
