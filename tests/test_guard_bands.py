@@ -167,3 +167,47 @@ def test_cross_node_collectives_write_only_inside_the_callers_tensors(world_size
     out = run_multiprocess(_guarded, world_size, kind, local_size, timeout=300)
     for r, res in enumerate(out):
         assert not res["problems"], (r, res["problems"][:6])
+
+
+# ---- the public kernels, in this process (interpreter on the CPU, compiled on a GPU) ------
+@pytest.mark.parametrize("padded", [False, True], ids=["real-rows", "padded"])
+def test_kernels_write_only_inside_their_outputs(device: torch.device, padded: bool) -> None:
+    """``place_shards`` into parameters, ``accumulate_shards`` into shards and ``pack_shards``
+    into a flat buffer, each output carved between guard bands: the bands stay intact and the
+    outputs equal the plain-torch references."""
+    import tide_triton as tt
+    from tide_triton.layout import ShardLayout
+
+    W, rank = 3, 2  # the last rank: fewer real rows, or none
+    shapes = _shapes(W)
+    layout = ShardLayout(shapes, W)
+    room = _room(shapes, W)
+    gen = torch.Generator().manual_seed(3)
+    blocks = [torch.randint(-9, 10, (layout.flat_shard_numel,), generator=gen).float().to(device) for _ in range(W)]
+    pc = _Carver(torch.empty(room, dtype=torch.bfloat16, device=device))
+    params = [pc.take(s) for s in (layout.padded_shapes if padded else shapes)]
+    tt.place_shards(blocks, params, layout)
+    ref = [torch.empty_like(p) for p in params]
+    tt.place_shards_ref(blocks, ref, layout)
+    assert all(torch.equal(a[: s[0]], b[: s[0]]) for a, b, s in zip(params, ref, shapes))
+    assert not pc.broken_guards(), ("place_shards", pc.broken_guards())
+
+    grads = [[torch.randint(-9, 10, s, generator=gen).to(torch.bfloat16).to(device) for s in shapes]
+             for _ in range(W)]
+    sc = _Carver(torch.empty(room, dtype=torch.float32, device=device))
+    shards = [sc.take(s) for s in layout.shard_shapes(rank, padded=padded)]
+    tt.accumulate_shards(grads, shards, layout, rank)
+    want = [torch.zeros(s, device=device) for s in layout.shard_shapes(rank, padded=padded)]
+    tt.accumulate_shards_ref(grads, want, layout, rank)
+    n_real = layout.shard_rows(rank)
+    assert all(torch.equal(a[:n], b[:n]) for a, b, n in zip(shards, want, n_real))
+    assert not sc.broken_guards(), ("accumulate_shards", sc.broken_guards())
+
+    fc = _Carver(torch.empty(room, dtype=torch.float32, device=device))
+    flat = fc.take((layout.flat_shard_numel,))
+    tt.pack_shards(grads[0], flat, layout, rank)
+    want_flat = torch.full_like(flat, _SENTINEL)
+    tt.pack_shards_ref(grads[0], want_flat, layout, rank)
+    written = want_flat != _SENTINEL
+    assert torch.equal(flat[written], want_flat[written])
+    assert not fc.broken_guards(), ("pack_shards", fc.broken_guards())
