@@ -111,6 +111,9 @@ def _guarded(rank: int, W: int, kind: str = "cpu", local_size: int | None = None
                     for p, (a, f) in enumerate(zip(params, full)):
                         if not torch.equal(a[: f.shape[0]].float(), f):
                             problems.append(f"all_gather ({where}; {what}): params[{p}] wrong")
+                        # a padded parameter's rows that real-row shards lack arrive as zeros
+                        if padded_params and not padded_shards and bool((a[f.shape[0]:] != 0).any()):
+                            problems.append(f"all_gather ({where}; {what}): params[{p}]'s padding rows not zero")
                     for name, carver in (("params", pc), ("shards", sh)):
                         if carver.broken_guards():
                             problems.append(f"all_gather ({where}; {what}): wrote outside the {name} at guard "

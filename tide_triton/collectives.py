@@ -373,20 +373,21 @@ def _prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...]
 
 def _prepare_stage(g: Group, t, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
                    dsts: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device,
-                   pad: bool):
+                   into_block: bool):
     """How this rank's shards (as they are: padded or not) reach ``dsts`` (one address per
-    parameter: its place in this rank's heap block, or its own rows in the parameter) in the
-    parameters' dtype: ``(caster, copies, pad_copies, zeros)`` -- a bound cast kernel when
-    the dtypes differ (stand-in tensors, addresses known), else prepared copies; then, with
-    ``pad`` (the block), the zero-fill of the padding of unpadded shards, from ``zeros``
-    (kept alive here).  Into the block a padded shard goes whole (its slot is padded); into
-    the parameter itself (``pad`` False) only this rank's real rows: the last ranks' padding
-    rows lie past the end of a parameter passed unpadded, where other data may live."""
+    parameter: its place in this rank's heap block, or -- ``into_block`` False, ``params_region`` --
+    its own rows in the parameter) in the parameters' dtype: ``(caster, copies, pad_copies,
+    zeros)`` -- a bound cast kernel when the dtypes differ (stand-in tensors, addresses known),
+    else prepared copies; then the zero-fill, from ``zeros`` (kept alive here), of what a
+    shard lacks of this rank's part: its block slot (padded), or its rows of the parameter as
+    the layout knows them (a padded parameter: the padded rows; the zeros the block path
+    delivers too).  Into the block a padded shard goes whole; into the parameter only up to
+    those rows: the last ranks' padding rows lie past the end of a parameter passed unpadded,
+    where other data may live."""
     es = pdt.itemsize
-    S = layout.padded_shard_numels
-    numels = [x.numel() for x in shards]
-    if not pad:  # the parameter's own rows: never past its real rows
-        numels = [min(n, real) for n, real in zip(numels, layout.shard_numels(g.rank))]
+    # how far this rank's part reaches: its block slot, or its rows of the parameter
+    part = layout.padded_shard_numels if into_block else layout.shard_numels(g.rank)
+    numels = [min(x.numel(), n) for x, n in zip(shards, part)]
     caster = copies = None
     if pdt != sdt:
         runs = tuple(Span(p, 0, p, 0, n) for p, n in enumerate(numels))
@@ -397,11 +398,11 @@ def _prepare_stage(g: Group, t, layout: ShardLayout, shards: list[torch.Tensor],
         caster.prepare()
     else:
         copies = prepare_planned(t, plan_copies(list(dsts), list(sptrs), [n * es for n in numels]))
-    pads = [(p, n) for p, n in enumerate(numels) if n < S[p]] if pad else []
-    zeros = g.zeros(device, max(S[p] - n for p, n in pads) * es) if pads else None
+    pads = [(p, n) for p, n in enumerate(numels) if n < part[p]]
+    zeros = g.zeros(device, max(part[p] - n for p, n in pads) * es) if pads else None
     pad_copies = prepare_planned(t, plan_copies([dsts[p] + n * es for p, n in pads],
                                                 [zeros.data_ptr()] * len(pads) if pads else [],
-                                                [(S[p] - n) * es for p, n in pads]))
+                                                [(part[p] - n) * es for p, n in pads]))
     return caster, copies, pad_copies, zeros
 
 
@@ -509,7 +510,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
             dsts = tuple(pptrs[p] + me * n * es for p, n in enumerate(layout.padded_shard_numels))
         with st.kernels():
             stage = g.cache(skey, _prepare_stage(g, t, layout, shards_l, sptrs, dsts, sdt, pdt, device,
-                                                 pad=source is None))
+                                                 into_block=source is None))
     caster, stage_copies, pad_copies, _zeros = stage
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
