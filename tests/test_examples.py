@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,24 @@ def _run(args: list[str], *, torchrun: int | None = None, timeout: float = 180) 
     text = out.stdout + out.stderr
     assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}:\n{text[-4000:]}"
     return text
+
+
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _run_retrying_teardown_abort(args: list[str], **kw) -> str:
+    """:func:`_run`, once more if a rank aborted with ``std::terminate`` of a still-joinable
+    thread after the run printed its rows: seen once in 8 CI runs of the stock-FSDP2 dry run
+    (torch 2.13's CPU profiler stopping, then the abort at exit, no tide_triton code active).
+    A second abort, or any other failure, fails the test."""
+    try:
+        return _run(args, **kw)
+    except AssertionError as e:
+        if _TEARDOWN_ABORT not in str(e):
+            raise
+        warnings.warn(f"{' '.join(args)}: a rank aborted at teardown ({_TEARDOWN_ABORT}); run once more",
+                      stacklevel=2)
+        return _run(args, **kw)
 
 
 def _device_args() -> list[str]:
@@ -112,8 +131,8 @@ def test_bench_fsdp_step_moe_dry_run() -> None:
     Slot-Reuse train to the same loss; the row carries the new columns."""
     loss = {}
     for mode in ("stock", "slot"):
-        out = _run([str(BENCH / "fsdp_step.py"), "--dry-run", "--mode", mode, "--model", "qwen3-30b-a3b"],
-                   torchrun=2)
+        out = _run_retrying_teardown_abort([str(BENCH / "fsdp_step.py"), "--dry-run", "--mode", mode, "--model",
+                                            "qwen3-30b-a3b"], torchrun=2)
         rows = [line for line in out.splitlines() if line.startswith(f"| {mode} | gloo | 2 | 2 |")]
         assert len(rows) == 1, out[-3000:]
         cells = [c.strip() for c in rows[0].strip(" |").split("|")]
