@@ -105,16 +105,20 @@ def time_gemms(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, n: int, clock:
                stream: Any, on_open: Callable[[], None] | None = None) -> dict:
     """n back-to-back GEMMs: per-GEMM ms and the window (ms since the clock's reference)."""
     marks = []
+
+    def gemms() -> tuple[Any, Any]:  # the window's start and end marks
+        w0 = clock.mark()
+        for _ in range(n):
+            s = clock.mark()
+            torch.mm(a, b, out=c)
+            marks.append((s, clock.mark()))
+        return w0, clock.mark()
+
     if clock.gpu:
         try:
             with torch.cuda.stream(stream):
                 gate.close(stream)
-                w0 = clock.mark()
-                for _ in range(n):
-                    s = clock.mark()
-                    torch.mm(a, b, out=c)
-                    marks.append((s, clock.mark()))
-                w1 = clock.mark()
+                w0, w1 = gemms()
             if on_open:
                 on_open()
         finally:
@@ -123,12 +127,7 @@ def time_gemms(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, n: int, clock:
     else:
         if on_open:
             on_open()
-        w0 = clock.mark()
-        for _ in range(n):
-            s = clock.mark()
-            torch.mm(a, b, out=c)
-            marks.append((s, clock.mark()))
-        w1 = clock.mark()
+        w0, w1 = gemms()
     times = sorted(clock.at(e) - clock.at(s) for s, e in marks)
     return {"median_ms": statistics.median(times), "p90_ms": times[min(len(times) - 1, int(0.9 * len(times)))],
             "mean_ms": statistics.fmean(times), "min_ms": times[0], "n": n,

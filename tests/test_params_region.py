@@ -34,6 +34,15 @@ def _device(kind: str, rank: int) -> torch.device:
 _SENTINEL = 0x5A
 
 
+def _finish(g, dev: torch.device) -> None:
+    """The rank's queued GPU work is done (a stuck peer raises, naming it), then the group closes."""
+    if dev.type == "cuda":
+        import tide_triton as tt
+
+        tt.synchronize(g)
+    g.close()
+
+
 def _shape_sets(W: int):
     return [
         [(7, 5), (3,), (1, 4, 3), (13, 2), (2 * W + 1, 3), (max(1, W - 1), 2), (97,)],
@@ -97,9 +106,7 @@ def _equal_to_block(rank: int, W: int, kind: str) -> dict:
         tt.reduce_scatter(grads, red, op="sum", staging=regions[0])
         assert all(bool((x == W * (W + 1) / 2).all()) for x in red), si
         out[si] = "ok"
-    if dev.type == "cuda":
-        tt.synchronize(g)
-    g.close()
+    _finish(g, dev)
     return out
 
 
@@ -130,9 +137,7 @@ def _no_block(rank: int, W: int, kind: str) -> dict:
     t = g.transport(dev)
     out = {"heap": t.heap_nbytes(), "regions_end": g.heap_regions_end,
            "rows": [float(params[0][r * 3, 0].item()) for r in range(W)]}
-    if dev.type == "cuda":
-        tt.synchronize(g)
-    g.close()
+    _finish(g, dev)
     return out
 
 
@@ -178,9 +183,7 @@ def _padding_stays_in_the_shard(rank: int, W: int, kind: str) -> dict:
         out["ok"].append(all(torch.equal(p, f) for p, f in zip(params, full)))
         out.setdefault("theirs", []).append(sorted(set(theirs.float().tolist())))
         region.vacate()
-    if dev.type == "cuda":
-        tt.synchronize(g)
-    g.close()
+    _finish(g, dev)
     return out
 
 

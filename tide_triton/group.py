@@ -377,7 +377,8 @@ class Group(CallIdentity):
     def _busy_error(self, device: torch.device, what: str) -> BaseException:
         """The error for a wait on ``device`` past the group's deadline: the transport's (which
         names a peer its pending stream waits wait for), else a ``TimeoutError``."""
-        inner = getattr(self._transports.get(device.type), "inner", self._transports.get(device.type))
+        t = self._transports.get(device.type)
+        inner = getattr(t, "inner", t)  # a node's view wraps its transport
         if hasattr(inner, "busy_error"):
             return inner.busy_error(what)
         return TimeoutError(f"rank {self.rank}: {what}: {device} still busy after {self.options.timeout_s:.1f} s")
