@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from tide_triton.measure import env_info
+from tide_triton.measure import copy_ceiling, env_info
 from tide_triton.transport.driver import check, cu
 
 
@@ -287,14 +287,20 @@ def main() -> None:
     rows: list[dict] = []
     with torch.cuda.stream(torch.cuda.Stream()):  # cuMemcpyBatchAsync refuses the legacy stream
         q5_cost(rows, a.reps)
-    print("| layer | copies | MiB | mode | host enqueue (ms, median) | device (ms, median) | device (ms, mean) |")
-    print("|---|---|---|---|---|---|---|")
+    # the device-copy ceiling of this run: bytes read + written by one large copy, per second
+    ceiling_gbps = copy_ceiling(torch.device("cuda"), 4 << 30).gbps()
+    for r in rows:
+        r["of_ceiling"] = 2 * r["bytes"] / (r["device_ms"] * 1e6) / ceiling_gbps
+    print(f"device-copy ceiling in this run: {ceiling_gbps:.0f} GB/s (read + write)")
+    print("| layer | copies | MiB | mode | host enqueue (ms, median) | device (ms, median) | device (ms, mean) | "
+          "of ceiling |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layer']} | {r['copies']} | {r['bytes'] / 2**20:.0f} | {r['mode']} | {r['host_ms']:.3f} | "
-              f"{r['device_ms']:.3f} | {r['device_ms_mean']:.3f} |")
+              f"{r['device_ms']:.3f} | {r['device_ms_mean']:.3f} | {r['of_ceiling']:.0%} |")
     if a.json:
         with open(a.json, "a") as f:
-            f.write(json.dumps(dict(answers=answers, rows=rows,
+            f.write(json.dumps(dict(answers=answers, rows=rows, ceiling_gbps=ceiling_gbps,
                                     **env_info(torch.device("cuda")))) + "\n")
 
 
