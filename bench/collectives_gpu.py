@@ -112,7 +112,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes)
+    groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes, devices=devs)
     grads = [back_to_back(shapes, torch.bfloat16, devs[r]) for r in range(W)]
     shards = [back_to_back(layout.shard_shapes(r, padded=True), torch.float32, devs[r], 0.0) for r in range(W)]
     bshards = [back_to_back(layout.shard_shapes(r, padded=True), torch.bfloat16, devs[r], 0.0) for r in range(W)]

@@ -21,9 +21,9 @@ import tide_triton as tt  # noqa: E402
 
 
 def _one_cycle(W: int, shapes: list[tuple[int, ...]], ops: str = "both") -> None:
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", 0)
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=60, ring_bytes=1 << 20)
+    groups = tt.local_groups(W, timeout_s=60, ring_bytes=1 << 20, devices=[dev] * W)
     grads = [[torch.ones(s, device=dev, dtype=torch.bfloat16) for s in shapes] for _ in range(W)]
     shards = [[torch.empty(s, device=dev) for s in layout.shard_shapes(r)] for r in range(W)]
     params = [[torch.empty(s, device=dev) for s in shapes] for _ in range(W)]

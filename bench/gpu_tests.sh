@@ -16,6 +16,10 @@ export TIDE_TRITON_TEST_FAILURES=$OUT/failures.txt TIDE_TRITON_TEST_STACKS=$OUT/
 args=(-v -p no:cacheprovider --durations=20)
 python3 -c "import xdist" 2>/dev/null && args+=(-n "${WORKERS:-4}")
 python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout "${TEST_TIMEOUT:-200}")
+# The GPUs' used memory every 2 s (a test that cannot create a context says who held it)
+nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader -l 2 > "$OUT/gpu_memory.csv" 2>&1 &
+mem_logger=$!
+trap 'kill $mem_logger 2>/dev/null' EXIT
 for part in ${1:-1 2}; do
   if [ "$part" = 1 ]; then files=$(grep -l "$marked" tests/test_*.py); else files=$(grep -L "$marked" tests/test_*.py); fi
   echo "=== part $part: $(echo $files | wc -w) files, ${args[*]}"

@@ -78,7 +78,8 @@ def measure(model: str, W: int, device: torch.device, ring_bytes: int, stages: i
     shapes = _shapes(model)
     layout = tt.ShardLayout(shapes, W)
     gpu = device.type == "cuda"
-    groups = tt.local_groups(W, timeout_s=timeout_s, ring_bytes=ring_bytes, stages=stages)
+    groups = tt.local_groups(W, timeout_s=timeout_s, ring_bytes=ring_bytes, stages=stages,
+                             devices=[device] * W if gpu else None)  # every rank's heap on one GPU
     out: dict = {}
     try:
         grads = [[torch.randn(s, device=device).to(torch.bfloat16) for s in shapes] for _ in range(W)]

@@ -113,15 +113,19 @@ def main() -> int:
         world = args.world_size
         if world < 1:
             ap.error(f"--world-size must be >= 1, got {world}")
-        device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
-        groups = tt.local_groups(world)
+        if kind == "cpu":
+            devices = [torch.device("cpu")] * world
+        else:  # rank r on cuda:(r % n), or all on cuda:0 with --share-gpu
+            n = 1 if args.share_gpu else torch.cuda.device_count()
+            devices = [torch.device("cuda", r % n) for r in range(world)]
+        groups = tt.local_groups(world, devices=devices if kind == "cuda" else None)
         results: list[list[str]] = [[f"rank {r}: did not finish"] for r in range(world)]
 
         def thread(r: int) -> None:
             try:
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)
-                results[r] = run_rank(groups[r], r, world, device)
+                if devices[r].type == "cuda":
+                    torch.cuda.set_device(devices[r])
+                results[r] = run_rank(groups[r], r, world, devices[r])
             except Exception as e:  # noqa: BLE001 - reported below with the rank
                 results[r] = [f"rank {r}: {type(e).__name__}: {e}"]
 

@@ -121,10 +121,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ---------------------------------------------------------------------------------------
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get("TIDE_TRITON_TEST_FAILURES")
-    if path and report.failed:  # on the xdist controller too: workers forward their reports
+    # Written once, where the test ran: under xdist the controller's copy is forwarded
+    # (it carries ``node``) and skipped.
+    if path and report.failed and getattr(report, "node", None) is None:
+        text = report.longreprtext
         with open(path, "a") as f:
-            f.write(f"==== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
-                    f"{report.longreprtext}\n\n")
+            f.write(f"==== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{text}\n\n")
+            if "out of memory" in text:
+                f.write(_gpu_memory_owners() + "\n\n")
+
+
+def _gpu_memory_owners() -> str:
+    """Who held the GPUs' memory when a test ran out of it: every compute process (as
+    nvidia-smi lists them) with its memory and the test that started it (its inherited
+    ``PYTEST_CURRENT_TEST``), where this process can read that."""
+    import subprocess
+
+    lines = ["---- GPU memory at the failure"]
+    try:
+        lines.append(subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                                     "--format=csv,noheader"], capture_output=True, text=True,
+                                    timeout=30).stdout.strip())
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"---- GPU memory at the failure: nvidia-smi failed ({e})"
+    for row in apps.strip().splitlines():
+        pid = row.split(",")[0].strip()
+        owner = "?"
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as env:
+                for kv in env.read().split(b"\0"):
+                    if kv.startswith(b"PYTEST_CURRENT_TEST="):
+                        owner = kv.split(b"=", 1)[1].decode(errors="replace")
+        except OSError:
+            pass
+        lines.append(f"{row} | {owner}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(autouse=True)
+def _return_cached_gpu_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A GPU test's tensors go back to the device when it ends: torch's caching allocator
+    would otherwise keep them reserved for the rest of the (xdist worker) process, and the
+    GPU's other tests' processes could not create a context (seen on two H200s: a worker
+    keeping a real Llama layer's round trip, ~12 GB, while 8-process tests started)."""
+    yield
+    if "gpu" in request.node.keywords and HAS_CUDA and torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True)

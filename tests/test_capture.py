@@ -95,7 +95,7 @@ def test_capturing_is_false_without_cuda() -> None:
 def test_capture_on_gpu_raises_without_hang() -> None:
     dev = torch.device("cuda", 0)
     grads, layout = _data(dev)
-    groups = tt.local_groups(W, timeout_s=60, ring_bytes=512 * W)
+    groups = tt.local_groups(W, timeout_s=60, ring_bytes=512 * W, devices=[dev] * W)
     try:
         _check(_eager(groups, grads, layout, dev), grads, layout)
         shards = [torch.empty(s, device=dev) for s in layout.shard_shapes(0, padded=True)]

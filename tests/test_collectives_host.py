@@ -246,7 +246,8 @@ def run_single_process_mode(device: str = "cpu") -> None:
 
     W = 4
     dev = torch.device(device)
-    groups = tt.local_groups(W, timeout_s=30, ring_bytes=512 * W)
+    groups = tt.local_groups(W, timeout_s=30, ring_bytes=512 * W,
+                             devices=[dev] * W if dev.type == "cuda" else None)  # all on one GPU
     shapes = [(7, 5), (3,), (1, 4, 3), (13, 2), (97,)]
     layout = ShardLayout(shapes, W)
     gen = torch.Generator().manual_seed(3)

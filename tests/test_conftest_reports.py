@@ -18,6 +18,9 @@ def test_that_fails():
 
 def test_that_is_stuck():
     time.sleep(3)
+
+def test_out_of_memory():
+    raise RuntimeError("CUDA error: out of memory")
 '''
 
 
@@ -31,12 +34,32 @@ def test_failures_and_stuck_stacks_are_written_as_they_happen(tmp_path: Path) ->
     env.pop("PYTEST_XDIST_WORKER", None)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_demo.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    assert "2 failed, 1 passed" in run.stdout, run.stdout + run.stderr
     failures = (tmp_path / "failures.txt").read_text()
-    assert "==== FAILED test_demo.py::test_that_fails (call," in failures
+    assert failures.count("==== FAILED test_demo.py::test_that_fails (call,") == 1
     assert "AssertionError: the answer" in failures
     assert "test_that_is_stuck" not in failures
+    # running out of GPU memory also says who held it (or why that could not be read)
+    oom = failures.split("==== FAILED test_demo.py::test_out_of_memory", 1)[1]
+    assert "---- GPU memory at the failure" in oom
     stacks = (tmp_path / "stacks.main").read_text()
     assert "test_demo.py::test_that_is_stuck" in stacks
     assert "most recent call first" in stacks and 'test_demo.py", line 8 in test_that_is_stuck' in stacks
     assert stacks.count("most recent call first") == 1  # the quick tests armed and disarmed it
+
+
+def test_failures_are_written_once_under_xdist(tmp_path: Path) -> None:
+    """xdist forwards a worker's reports to its controller: the report is written once."""
+    import pytest
+
+    pytest.importorskip("xdist")
+    here = Path(__file__).parent
+    shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(here / "_dist.py", tmp_path / "_dist.py")
+    (tmp_path / "test_demo.py").write_text(_DEMO.replace("time.sleep(3)", "pass"))
+    env = dict(os.environ, TIDE_TRITON_TEST_FAILURES=str(tmp_path / "failures.txt"))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "test_demo.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "2 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    assert (tmp_path / "failures.txt").read_text().count("==== FAILED test_demo.py::test_that_fails (call,") == 1

@@ -660,10 +660,10 @@ def test_fsdp_across_declared_nodes_on_one_gpu() -> None:
     """As test_fsdp_across_declared_nodes, 4 processes on the GPU: the rails go through NCCL
     (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else skipped), put/signal where it works."""
     try:
-        from test_hier_cuda import _nccl_problem
+        from _dist import nccl_problem
     except ImportError:  # pragma: no cover
-        from tests.test_hier_cuda import _nccl_problem
-    why = _nccl_problem(4)
+        from tests._dist import nccl_problem
+    why = nccl_problem(4)
     if why:
         pytest.skip(why)
     env = {**MULTICAST_OFF, "LOCAL_WORLD_SIZE": "2", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}

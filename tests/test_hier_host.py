@@ -289,6 +289,29 @@ def test_options_and_local_groups_validation() -> None:
         g.close()
 
 
+def test_local_groups_devices_are_checked() -> None:
+    """``local_groups(devices=...)`` places rank r on devices[r] (e.g. every rank on one GPU
+    of several); a list of the wrong length or a non-CUDA entry is refused before any
+    thread starts, naming the entry."""
+    import tide_triton as tt
+
+    with pytest.raises(ValueError, match="devices must name one CUDA device per rank: 3 entries, got 2"):
+        tt.local_groups(3, devices=["cuda:0", "cuda:1"])
+    with pytest.raises(ValueError, match=r"devices\[1\] must be a CUDA device such as 'cuda:0', got cpu"):
+        tt.local_groups(2, devices=["cuda:0", "cpu"])
+    with pytest.raises(ValueError, match="devices must be a sequence of 2 CUDA devices"):
+        tt.local_groups(2, devices="cuda:0")
+    with pytest.raises(ValueError, match=r"devices\[0\] must be a CUDA device such as 'cuda:0', got 'gpu7'"):
+        tt.local_groups(2, devices=["gpu7", "cuda:0"])
+    groups = tt.local_groups(2, devices=["cuda:1", torch.device("cuda", 0)])
+    try:
+        assert groups[0]._local.devices() == [torch.device("cuda", 1), torch.device("cuda", 0)]
+        assert "the devices given to local_groups" in groups[0]._local.placement()
+    finally:
+        for g in groups:
+            g.close()
+
+
 def test_single_process_mode_with_declared_nodes() -> None:
     # local_groups(local_size=...): the same cross-node executor, ranks as threads.
     import tide_triton as tt

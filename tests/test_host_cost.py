@@ -222,7 +222,8 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkey
         monkeypatch.setattr(coll, "plan_copies", plan_fn)
         # On the GPU a stuck wait must end in an error naming the rank well inside the test
         # timeout of bench/gpu_tests.sh (session 8: this variant never finished there).
-        groups = tt.local_groups(W, timeout_s=20 if dev.type == "cuda" else 60, ring_bytes=4096 * W)
+        groups = tt.local_groups(W, timeout_s=20 if dev.type == "cuda" else 60, ring_bytes=4096 * W,
+                                 devices=[dev] * W if dev.type == "cuda" else None)
 
         def body(r: int):
             if dev.type == "cuda":  # every rank its own compute stream, as on its own GPU

@@ -312,7 +312,8 @@ def test_no_multicast_call_reaches_the_driver(mode, env, monkeypatch, caplog):
         monkeypatch.setenv(k, v)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     W = 2
-    groups = tt.local_groups(W, timeout_s=30, multicast=mode)
+    groups = tt.local_groups(W, timeout_s=30, multicast=mode,
+                             devices=[device] * W if device.type == "cuda" else None)
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(9)
     grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16).to(device) for s in SHAPES]

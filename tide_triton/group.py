@@ -22,6 +22,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -243,15 +244,15 @@ class Group(CallIdentity):
                     if self.nodes > 1:
                         t = self._node_transport(device)
                     elif self._local is not None:  # one process: the ranks' transports are made together
-                        from .transport.cuda import local_devices
-
-                        want = local_devices(self.world_size)[self.rank]
+                        devices = self._local.devices()
+                        want = devices[self.rank]
                         if device.index is not None and device != want:
                             raise ValueError(
-                                f"single-process mode: rank {self.rank}'s tensors must be on {want} (rank r on "
-                                f"cuda:(r % {torch.cuda.device_count()}) over the visible GPUs), got {device}")
+                                f"single-process mode: rank {self.rank}'s tensors must be on {want} "
+                                f"({self._local.placement()}), got {device}; pass local_groups(..., "
+                                f"devices=[...]) to place the ranks otherwise")
                         t = self._local.shared("cuda", lambda: CudaTransport.create_local_group(
-                            self.world_size, devices=local_devices(self.world_size), n_flags=self.n_flags))[self.rank]
+                            self.world_size, devices=devices, n_flags=self.n_flags))[self.rank]
                     else:
                         t = CudaTransport(self.rank, self.world_size, self.exchange, device=device,
                                           n_flags=self.n_flags, timeout_s=self.options.timeout_s)
@@ -467,11 +468,26 @@ class _LocalExchange:
     """What the ranks of one process share: the key-value store of their exchanges and
     objects made once for all of them (e.g. the CUDA transports)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, devices: Sequence[Any] | None = None) -> None:
         self.world_size = world_size
         self.kv = LocalKeyValue()
         self._lock = threading.Lock()
         self._shared: dict = {}
+        self._devices = None if devices is None else _local_rank_devices(world_size, devices)
+
+    def devices(self) -> list[torch.device]:
+        """Rank r's CUDA device: as given to :func:`local_groups`, else ``cuda:(r % n)`` over
+        the ``n`` visible GPUs (the torchrun convention)."""
+        if self._devices is not None:
+            return self._devices
+        from .transport.cuda import local_devices
+
+        return local_devices(self.world_size)
+
+    def placement(self) -> str:
+        if self._devices is not None:
+            return "the devices given to local_groups"
+        return f"rank r on cuda:(r % {torch.cuda.device_count()}) over the visible GPUs"
 
     def shared(self, key: object, make: Any) -> Any:
         """One object per key for all local ranks, made by the first rank that asks."""
@@ -479,6 +495,29 @@ class _LocalExchange:
             if key not in self._shared:
                 self._shared[key] = make()
             return self._shared[key]
+
+
+def _local_rank_devices(world_size: int, devices: Sequence[Any]) -> list[torch.device]:
+    """``local_groups``' ``devices`` checked: one CUDA device with an index per rank."""
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+        raise ValueError(f"devices must be a sequence of {world_size} CUDA devices (rank r's device at "
+                         f"index r), got {devices!r}")
+    if len(devices) != world_size:
+        raise ValueError(f"devices must name one CUDA device per rank: {world_size} entries, "
+                         f"got {len(devices)}")
+    out = []
+    for r, d in enumerate(devices):
+        try:
+            dev = torch.device(d)
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"devices[{r}] must be a CUDA device such as 'cuda:0', got {d!r} ({e})") from None
+        if dev.type != "cuda":
+            raise ValueError(f"devices[{r}] must be a CUDA device such as 'cuda:0', got {dev} "
+                             "(the CPU ranks of local_groups need no device list)")
+        if dev.index is None:  # "cuda": the current device, as torch reads it
+            dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        out.append(dev)
+    return out
 
 
 _MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -505,18 +544,21 @@ def _enough_hardware_queues(streams: int) -> None:
                 "is initialised", streams, _MAX_CONNECTIONS, have or "unset", _MAX_CONNECTIONS)
 
 
-def local_groups(world_size: int, *, local_size: int | None = None, **options: Any) -> list[Group]:
+def local_groups(world_size: int, *, local_size: int | None = None,
+                 devices: Sequence[Any] | None = None, **options: Any) -> list[Group]:
     """Single-process multi-rank mode: ``world_size`` groups whose ranks are driven by
     threads of this process (one thread per rank calls the collectives with its group).
     Each rank has its own heap and streams, so on one GPU their work overlaps the way it
     does on a real node (processes sharing a GPU time-slice instead).  ``local_size``
-    declares nodes (default: one node; ``LOCAL_WORLD_SIZE`` is not read here)."""
+    declares nodes (default: one node; ``LOCAL_WORLD_SIZE`` is not read here).
+    ``devices``: rank r's CUDA device (``world_size`` entries; e.g. ``["cuda:0"] * W`` to
+    share one GPU); default ``cuda:(r % n)`` over the ``n`` visible GPUs."""
     if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     opts = GroupOptions(**options)
     Topology(world_size, world_size if local_size is None else local_size)  # errors before threads
+    ex = _LocalExchange(world_size, devices)
     _enough_hardware_queues(2 * world_size + 2)
-    ex = _LocalExchange(world_size)
     groups: list[Group | None] = [None] * world_size
 
     def make(r: int) -> None:  # Group() agrees on the topology: every rank at once
