@@ -36,8 +36,11 @@ import os
 import threading
 import time
 
-# Ranks' streams must not share hardware queues (see tide_triton.group._enough_hardware_queues).
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# The threads mode's ranks' streams must not share hardware queues (see
+# tide_triton.group._enough_hardware_queues); a process per rank (torchrun) keeps the default:
+# more queues cost the GPU's capacity for contexts (bench/context_limit.py).
+if "RANK" not in os.environ:
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import torch  # noqa: E402
 

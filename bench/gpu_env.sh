@@ -3,11 +3,12 @@
 # to $OUT (default /tmp/out).  docs/benchmarks.md says which table each script produces.
 #
 # Multicast stays off (NCCL, torch symmetric memory, NVSHMEM): it can take a shared host's
-# GPUs out of service.  The single-process mode needs its ranks' streams on separate
-# hardware queues.  Several ranks may share one GPU (NCCL >= 2.30 with the variable below).
+# GPUs out of service.  Several ranks may share one GPU (NCCL >= 2.30 with the variable below).
+# CUDA_DEVICE_MAX_CONNECTIONS is not exported: the single-process mode raises it in its own
+# process (tide_triton.local_groups, the benches' threads mode), and a process per rank keeps
+# the default 8 -- at 32 only 9 processes hold a context on an H200 (bench/context_limit.py).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -184,7 +184,9 @@ def run_multiprocess(
     procs = []
     ok = False
     deadline = time.monotonic() + timeout
-    env = {**CHILD_ENV, **(env or {})}
+    # One rank per child: the driver's default 8 hardware queues suffice, and a context with
+    # more costs the GPU's capacity for contexts (8 processes of a test beside others').
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8", **CHILD_ENV, **(env or {})}
     try:
         with _patched_environ(env):
             for rank in range(world_size):

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 # The single-process multi-rank tests drive several ranks' streams from one process: they
-# must not share hardware queues (tide_triton.group._enough_hardware_queues).  Read when
-# CUDA initialises, so set before torch is imported.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# must not share hardware queues (tide_triton.group._enough_hardware_queues; 2W+2 for W <= 7).
+# Read when CUDA initialises, so set before torch is imported.  Not 32: each queue costs the
+# GPU's context capacity (bench/context_limit.py, H200: 62 contexts at 8, 9 at 32), and the
+# tests' spawned ranks (one each, _dist.run_multiprocess: 8) share the GPU with the workers.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -528,20 +528,23 @@ def _enough_hardware_queues(streams: int) -> None:
     multiplexes streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (default 8);
     two streams on one queue run in order, so a flag wait on one blocks the other -- and
     when the other is the peer that would release it, the ranks deadlock.  Raise the
-    limit (read when the CUDA context is created) to its maximum, 32, if still possible."""
+    limit (read when the CUDA context is created) to what the ranks need (at most 32), if
+    still possible -- not beyond: queues cost the GPU's capacity for contexts of all
+    processes (H200: 62 contexts at 8 queues each, 9 at 32; bench/context_limit.py)."""
+    want = min(max(streams, 8), 32)
     have = os.environ.get(_MAX_CONNECTIONS)
-    if have is not None and have.isdigit() and int(have) >= min(streams, 32):
+    if have is not None and have.isdigit() and int(have) >= want:
         return
     if not torch.cuda.is_available():
         return
     if not torch.cuda.is_initialized() and have is None:
-        os.environ[_MAX_CONNECTIONS] = "32"
-        log.info("single-process mode: %s=32 (streams of different ranks must not share "
-                 "hardware queues)", _MAX_CONNECTIONS)
+        os.environ[_MAX_CONNECTIONS] = str(want)
+        log.info("single-process mode: %s=%d (streams of different ranks must not share "
+                 "hardware queues)", _MAX_CONNECTIONS, want)
         return
     log.warning("single-process mode with %d streams but %s=%s (default 8): streams sharing a "
-                "hardware queue can deadlock on each other's flag waits; set %s=32 before CUDA "
-                "is initialised", streams, _MAX_CONNECTIONS, have or "unset", _MAX_CONNECTIONS)
+                "hardware queue can deadlock on each other's flag waits; set %s=%d before CUDA "
+                "is initialised", streams, _MAX_CONNECTIONS, have or "unset", _MAX_CONNECTIONS, want)
 
 
 def local_groups(world_size: int, *, local_size: int | None = None,
