@@ -54,6 +54,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
+# One process drives every rank (local_groups): their streams must not share hardware queues
+# (tide_triton.group._enough_hardware_queues); read when CUDA initialises, before any GEMM.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 import torch  # noqa: E402
 
 from interference_parts import (TINY_SHAPES, Background, Clock, Gate, append_rows, gemm_alone,  # noqa: E402

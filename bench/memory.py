@@ -41,6 +41,10 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+# One process drives every rank (local_groups): their streams must not share hardware queues
+# (tide_triton.group._enough_hardware_queues); read when CUDA initialises, before any GEMM.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 import torch  # noqa: E402
 
 MiB = float(1 << 20)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 try:
-    from _dist import run_threads
+    from _dist import run_multiprocess, run_threads
 except ImportError:  # pragma: no cover
-    from tests._dist import run_threads
+    from tests._dist import run_multiprocess, run_threads
 
 import tide_triton.collectives as coll
 from tide_triton.executor import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies
@@ -190,15 +190,9 @@ def _flat_views(shapes, dtype, fill=None, gen=None, device="cpu"):
     return out
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("W", [2, 3])
-def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Single-process mode (host transport; on a GPU the CUDA transport's strided copies):
-    a slice of the 256-expert layer (scaled for the interpreter: 1 router + 16 experts x 3 +
-    norms) reduce-scattered and all-gathered with plans and without (every copy its own
-    descriptor); results equal bit for bit and equal to the contract; the planned calls hand
-    the transport fewer descriptors."""
+def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> dict:
+    """Both runs of test_planned_collectives_exact_and_bit_identical in this process (a
+    spawned child on the GPU): the W ranks are threads of it (single-process mode)."""
     import tide_triton as tt
 
     full = scaled_shapes("synthetic-moe-256e", 32)
@@ -219,7 +213,7 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkey
         return [Strided(d, x, n) for d, x, n in zip(dsts, srcs, sizes) if n]
 
     def run(plan_fn):
-        monkeypatch.setattr(coll, "plan_copies", plan_fn)
+        coll.plan_copies = plan_fn
         # On the GPU a stuck wait must end in an error naming the rank well inside the test
         # timeout of bench/gpu_tests.sh (session 8: this variant never finished there).
         groups = tt.local_groups(W, timeout_s=20 if dev.type == "cuda" else 60, ring_bytes=4096 * W,
@@ -248,9 +242,38 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str, monkey
         finally:
             for g in groups:
                 g.close()
+            coll.plan_copies = real_plan
 
     planned = run(counting)
     plain = run(unplanned)
+    return {"planned": planned, "plain": plain, "counts": counts, "shapes": shapes,
+            "grads": [[x.cpu() for x in gr] for gr in grads]}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("W", [2, 3])
+def test_planned_collectives_exact_and_bit_identical(W: int, device: str) -> None:
+    """Single-process mode (host transport; on a GPU the CUDA transport's strided copies):
+    a slice of the 256-expert layer (scaled for the interpreter: 1 router + 16 experts x 3 +
+    norms) reduce-scattered and all-gathered with plans and without (every copy its own
+    descriptor); results equal bit for bit and equal to the contract; the planned calls hand
+    the transport fewer descriptors.
+
+    On the GPU the W rank threads run in a fresh spawned process.  In a long-lived xdist
+    worker (sessions 8 and 9, one H200) both rank threads stopped inside torch allocations
+    (``torch.full``, ``Tensor.to``) after both reduce-scatters had returned, while the same
+    test passed in a fresh process (lazy and eager module loading alike) -- consistent with
+    a device memory allocation's implicit synchronization waiting on a flag wait that cannot
+    finish because two ranks' streams share a hardware queue (the process's stream count
+    decides which streams share one); not established."""
+    if device == "cuda":
+        out = run_multiprocess(_planned_and_unplanned, 1, W, device, timeout=240,
+                               env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})[0]
+    else:
+        out = _planned_and_unplanned(0, 1, W, device)
+    planned, plain, counts, shapes, grads = (out[k] for k in ("planned", "plain", "counts", "shapes", "grads"))
+    layout = ShardLayout(shapes, W)
     for r in range(W):
         for a, b in zip(planned[r][0] + planned[r][1], plain[r][0] + plain[r][1]):
             assert torch.equal(a, b)
