@@ -148,3 +148,12 @@ def test_bench_host_path_runs_both_collectives() -> None:
                 "--calls", "3", "--warmup", "1", "--scale", "1024"])
     for op in ("all_gather", "reduce_scatter"):
         assert re.search(rf"^\| llama-3\.1-70b \| {op} \| 9 \| \d+ / \d+ \|$", out, re.M), out[-3000:]
+
+
+def test_bench_host_checks_times_every_step() -> None:
+    """bench/host_checks.py: a row per argument-check step, medians and means for both
+    collectives with the garbage collector on and off."""
+    out = _run([str(BENCH / "host_checks.py"), "--model", "qwen3-30b-a3b", "--calls", "3"])
+    cells = r"(( [\d.]+ / [\d.]+ \|){4})"
+    rows = re.findall(r"^\| (_full_and_shards \(whole\)|check_uniform\(full\)) \|" + cells + "$", out, re.M)
+    assert len(rows) == 2, out[-3000:]
