@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The test suite on a GPU machine in two parts that each end inside one device call (<= 10 min),
-# with every failure's report written as it happens ($OUT/failures.txt) and the threads' stacks of
-# any test still running after STACKS_AFTER seconds ($OUT/stacks.<worker>): a part stopped at its
-# limit still says what failed, why, and where a stuck test waits (tests/conftest.py).
-#   bash bench/gpu_tests.sh [1|2]   1: the files with CUDA tests (marked gpu / multi_gpu),
-#                                   2: the others; default: 1 then 2
+# The test suite on a GPU machine in parts that each end inside one device call (<= 10 min),
+# with every failure's report written as it happens ($OUT/failures.txt), the threads' stacks of
+# any test still running after STACKS_AFTER seconds ($OUT/stacks.<worker>) and the GPUs' used
+# memory every 2 s ($OUT/gpu_memory.csv): a part stopped at its limit still says what failed,
+# why, and where a stuck test waits (tests/conftest.py).
+#   bash bench/gpu_tests.sh [1|1a|1b|2]   1: the files with CUDA tests (marked gpu / multi_gpu),
+#                                         1a / 1b: every other one of them (on one H200 with 16
+#                                         cores part 1 needs ~600 s: past one call), 2: the others;
+#                                         default: 1a 1b 2
 #   WORKERS=4 (pytest-xdist, where installed), TEST_TIMEOUT=200 (pytest-timeout, where
 #   installed), PART_LIMIT=540 s, STACKS_AFTER=120 s.  Logs: $OUT/pytest.part<N>.log.
 # The README's command (`python -m pytest -q`) runs the same tests in one go.
@@ -20,8 +23,14 @@ python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout "${TEST_TIMEO
 nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader -l 2 > "$OUT/gpu_memory.csv" 2>&1 &
 mem_logger=$!
 trap 'kill $mem_logger 2>/dev/null' EXIT
-for part in ${1:-1 2}; do
-  if [ "$part" = 1 ]; then files=$(grep -l "$marked" tests/test_*.py); else files=$(grep -L "$marked" tests/test_*.py); fi
+for part in ${1:-1a 1b 2}; do
+  case "$part" in
+    1) files=$(grep -l "$marked" tests/test_*.py) ;;
+    1a) files=$(grep -l "$marked" tests/test_*.py | awk 'NR % 2 == 1') ;;
+    1b) files=$(grep -l "$marked" tests/test_*.py | awk 'NR % 2 == 0') ;;
+    2) files=$(grep -L "$marked" tests/test_*.py) ;;
+    *) echo "unknown part $part (1, 1a, 1b or 2)" >&2; exit 2 ;;
+  esac
   echo "=== part $part: $(echo $files | wc -w) files, ${args[*]}"
   with_nccl timeout -k 10 "${PART_LIMIT:-540}" python3 -m pytest "${args[@]}" $files > "$OUT/pytest.part$part.log" 2>&1
   echo "=== part $part rc=$? (124: stopped at PART_LIMIT)"
