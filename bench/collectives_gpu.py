@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
+import statistics
 import threading
 import time
 
@@ -98,16 +100,46 @@ def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
     return out
 
 
+class GcClock:
+    """The garbage collector's passes (process-wide: every thread's) and their time while
+    active -- a full (generation 2) pass over a process holding torch, Triton and the prepared
+    collectives costs milliseconds, and lands in whichever call triggers it."""
+
+    def __init__(self) -> None:
+        self.count, self.full, self.seconds, self._t0 = 0, 0, 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
     """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``):
     (start time, host ms per call -- the enqueue, pacing waits included -- and this thread's
-    CPU ms per call)."""
-    with _host_profile(profile_path, title):
-        t0, c0 = time.perf_counter(), time.thread_time()
+    CPU ms per call), both means; the medians and the garbage collector's share are printed."""
+    host, cpu = [], []
+    with _host_profile(profile_path, title), GcClock() as clock:
+        t0 = time.perf_counter()
         for _ in range(iters):
+            a, c = time.perf_counter(), time.thread_time()
             fn()
-        t1, c1 = time.perf_counter(), time.thread_time()
-    return t0, (t1 - t0) / iters * 1e3, (c1 - c0) / iters * 1e3
+            host.append((time.perf_counter() - a) * 1e3)
+            cpu.append((time.thread_time() - c) * 1e3)
+    print(f"[host] {title}: enqueue median {statistics.median(host):.2f} / mean {statistics.mean(host):.2f} ms, "
+          f"CPU median {statistics.median(cpu):.2f} / mean {statistics.mean(cpu):.2f} ms per call; "
+          f"GC passes {clock.count} (full: {clock.full}), {clock.seconds * 1e3:.2f} ms in all", flush=True)
+    return t0, statistics.mean(host), statistics.mean(cpu)
 
 
 def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = None,

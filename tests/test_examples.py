@@ -157,3 +157,19 @@ def test_bench_host_checks_times_every_step() -> None:
     cells = r"(( [\d.]+ / [\d.]+ \|){4})"
     rows = re.findall(r"^\| (_full_and_shards \(whole\)|check_uniform\(full\)) \|" + cells + "$", out, re.M)
     assert len(rows) == 2, out[-3000:]
+
+
+def test_collectives_bench_times_each_call_and_counts_gc_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/collectives_gpu.py's host timing: per-call medians and means, and the garbage
+    collector's passes inside the timed calls (a full pass lands in whichever call triggers it)."""
+    import gc
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("collectives_gpu_bench", BENCH / "collectives_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, host, cpu = mod.timed_calls(lambda: gc.collect(), 3, None, "forced")
+    out = capsys.readouterr().out
+    assert re.search(r"\[host\] forced: enqueue median [\d.]+ / mean [\d.]+ ms, CPU median [\d.]+ / mean [\d.]+ ms "
+                     r"per call; GC passes 3 \(full: 3\), [\d.]+ ms in all", out), out
+    assert host > 0 and cpu >= 0
