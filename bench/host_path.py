@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import threading
@@ -35,6 +36,8 @@ def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int
     groups = tt.local_groups(world, timeout_s=120, agree="first")
     per_rank: dict[int, float] = {}
     prof: dict[str, cProfile.Profile] = {}
+    clock = GcPasses()
+    ready = threading.Barrier(world)
 
     def body(r: int) -> None:
         g = groups[r]
@@ -52,6 +55,8 @@ def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int
                 tt.reduce_scatter(grads, out, group=g, op="sum")
         for _ in range(warmup):
             call()
+        if ready.wait() == 0:  # one rank starts counting the process's collector passes
+            clock.start()
         pr = cProfile.Profile() if profile and r == 0 else None
         t0 = time.thread_time()
         if pr:
@@ -68,11 +73,42 @@ def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int
         t.start()
     for t in threads:
         t.join()
+    clock.stop()
     for g in groups:
         g.close()
     if profile and "rank0" in prof:
         pstats.Stats(prof["rank0"]).sort_stats("tottime").print_stats(15)
-    return {"model": model, "op": op, "params": len(shapes), "us_per_call": [round(per_rank[r]) for r in range(world)]}
+    return {"model": model, "op": op, "params": len(shapes), "us_per_call": [round(per_rank[r]) for r in range(world)],
+            "gc_passes_per_call": clock.count / calls, "gc_full_passes": clock.full, "gc_ms": clock.seconds * 1e3}
+
+
+class GcPasses:
+    """The garbage collector's passes while counting (process-wide) and their time.  Every
+    ~700 container objects alive at once start a pass; a call that holds one per parameter
+    (a shape, a tuple) starts passes in proportion to the parameter count, and now and then a
+    full pass over every object of the process lands in one call (session 9: ~75 ms)."""
+
+    def __init__(self) -> None:
+        self.count = self.full = 0
+        self.seconds = self._t0 = 0.0
+        self._on = False
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self.seconds += time.perf_counter() - self._t0
+
+    def start(self) -> None:
+        gc.callbacks.append(self._callback)
+        self._on = True
+
+    def stop(self) -> None:
+        if self._on:
+            gc.callbacks.remove(self._callback)
+            self._on = False
 
 
 def main() -> None:
@@ -85,14 +121,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed calls")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="launch no reduction/cast kernel either (their Python on the CPU is Triton's interpreter)")
     a = ap.parse_args()
     host.HostTransport.copy = lambda self, *args, **kw: None  # the transport's data movement out
-    print("| layer | op | parameters | Python per call, per rank (us) |")
-    print("|---|---|---|---|")
+    if a.no_kernels:
+        from tide_triton.kernels import Binding
+
+        Binding.launch = lambda self, **kw: None
+    print("| layer | op | parameters | Python per call, per rank (us) | GC passes per call | full GC passes (ms) |")
+    print("|---|---|---|---|---|---|")
     for model in a.models:
         for op in a.ops:
             row = measure(model, op, a.world_size, a.scale, a.warmup, a.calls, a.profile)
-            print(f"| {row['model']} | {row['op']} | {row['params']} | {' / '.join(map(str, row['us_per_call']))} |",
+            print(f"| {row['model']} | {row['op']} | {row['params']} | {' / '.join(map(str, row['us_per_call']))} "
+                  f"| {row['gc_passes_per_call']:.2f} | {row['gc_full_passes']} ({row['gc_ms']:.1f} ms in all passes) |",
                   flush=True)
 
 

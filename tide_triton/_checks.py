@@ -16,6 +16,7 @@ __all__ = [
     "check_tensor_list",
     "check_uniform",
     "check_shapes",
+    "same_shapes",
     "check_flat",
     "dtype_name",
     "is_int",
@@ -91,6 +92,14 @@ def check_uniform(
     return dtype, dev
 
 
+def same_shapes(tensors: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether ``tensors[i]`` has shape ``shapes[i]`` for every i (and the counts match).
+    Streams the comparison: each tensor's shape object dies before the next is made, where a
+    list of them (one per parameter, alive at once) would start garbage-collector passes in
+    proportion to the parameter count."""
+    return len(tensors) == len(shapes) and all(map(operator.eq, map(torch.Tensor.size, tensors), shapes))
+
+
 def check_shapes(
     name: str,
     tensors: Sequence[torch.Tensor],
@@ -103,11 +112,10 @@ def check_shapes(
 ) -> list[bool]:
     """Each tensor has ``expected[i]`` or ``alternative[i]``; returns per tensor whether it
     matched the alternative."""
-    sizes = list(map(torch.Tensor.size, tensors))
-    if sizes == list(expected):  # fast paths: torch.Size compares equal to tuples
-        return [False] * len(sizes)
-    if alternative is not None and sizes == list(alternative):
-        return [True] * len(sizes)
+    if same_shapes(tensors, expected):  # fast paths
+        return [False] * len(tensors)
+    if alternative is not None and same_shapes(tensors, alternative):
+        return [True] * len(tensors)
     out = []
     for i, (t, e) in enumerate(zip(tensors, expected)):
         shape = tuple(t.shape)
