@@ -2,8 +2,9 @@
 
 Session 9's profile of the 256-expert all-gather (one process per rank on the H200) put
 ~14 ms per call inside ``collectives._full_and_shards`` -- 0.24 ms on the CPU for the same
-771 tensors.  This times each step of that function on the device's own tensors, with the
-garbage collector on and off, so the one that costs shows by name:
+771 tensors; on the CPU a shape object per parameter held at once turned out to start
+garbage-collector passes (fixed since).  This times each step of that function on the
+device's own tensors, with the collector on and off, so a step that costs shows by name:
     python bench/host_checks.py [--device cuda] [--model synthetic-moe-256e] [--world-size 2]
 Prints a table of medians and means (microseconds per call) over ``--calls`` calls.
 """
@@ -15,7 +16,7 @@ import os
 import statistics
 import sys
 import time
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,14 +43,15 @@ def back_to_back(shapes, dtype, device) -> list[torch.Tensor]:
 
 
 def steps(full: list[torch.Tensor], shards: list[torch.Tensor], world: int) -> dict[str, Callable[[], object]]:
-    sizes = tuple(map(torch.Tensor.size, full))
+    flat = tuple(chain.from_iterable(map(torch.Tensor.size, full)))
     return {
         "check_tensor_list(full)": lambda: check_tensor_list("params", full),
         "check_tensor_list(shards)": lambda: check_tensor_list("shards", shards, len(full)),
         "check_uniform(full)": lambda: check_uniform("params", full, dtypes=FLOAT_DTYPES),
-        "tuple(map(Tensor.size))": lambda: tuple(map(torch.Tensor.size, full)),
-        "hash(sizes)": lambda: hash(sizes),
-        "_layout(sizes) (cached)": lambda: coll._layout(sizes, world),
+        "tuple(map(Tensor.size)) (before session 9)": lambda: tuple(map(torch.Tensor.size, full)),
+        "sizes flattened (the layout key)": lambda: tuple(chain.from_iterable(map(torch.Tensor.size, full))),
+        "hash(sizes flattened)": lambda: hash(flat),
+        "_layout_of (cached)": lambda: coll._layout_of(full, world),
         "all(isinstance)": lambda: all(map(isinstance, full, repeat(torch.Tensor))),
         "_full_and_shards (whole)": lambda: coll._full_and_shards("params", full, shards, world),
     }
