@@ -1,7 +1,8 @@
 """Python per call of a prepared collective, without the transport's work (CPU).
 
 Two ranks as threads of one process on the host transport, whose copies are replaced by
-no-ops, ``agree="first"``; the layer's shapes with every dimension divided by ``--scale``
+no-ops, ``agree="first"`` (``--agree always``: tt.init's default, one exchange per call);
+the layer's shapes with every dimension divided by ``--scale``
 (the parameter count is what matters).  After ``--warmup`` calls (the first prepares), the
 calling thread's CPU time (``time.thread_time``) per call over ``--calls`` calls, per rank.
 What remains is the per-call Python of the API: argument checks, addresses, cache keys,
@@ -9,7 +10,7 @@ flags -- the floor an eager call cannot go below (docs/benchmarks.md, "Python pe
 prepared").
 
     TRITON_INTERPRET=1 python bench/host_path.py [--models llama-3.1-70b qwen3-30b-a3b synthetic-moe-256e]
-        [--ops all_gather reduce_scatter] [--profile]
+        [--ops all_gather reduce_scatter] [--agree first|always] [--no-kernels] [--profile]
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from tide_triton.transport import host  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
 
 
-def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int, profile: bool) -> dict:
+def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int, profile: bool,
+            agree: str = "first") -> dict:
     shapes = [tuple(max(1, d // scale) for d in s) for s in layer_shapes(model)]
     layout = tt.ShardLayout(shapes, world)
-    groups = tt.local_groups(world, timeout_s=120, agree="first")
+    groups = tt.local_groups(world, timeout_s=120, agree=agree)
     per_rank: dict[int, float] = {}
     prof: dict[str, cProfile.Profile] = {}
     clock = GcPasses()
@@ -121,6 +123,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed calls")
+    ap.add_argument("--agree", choices=["first", "always"], default="first",
+                    help="the groups' agree option (always: one bootstrap exchange per call, the default of tt.init)")
     ap.add_argument("--no-kernels", action="store_true",
                     help="launch no reduction/cast kernel either (their Python on the CPU is Triton's interpreter)")
     a = ap.parse_args()
@@ -133,10 +137,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for model in a.models:
         for op in a.ops:
-            row = measure(model, op, a.world_size, a.scale, a.warmup, a.calls, a.profile)
+            row = measure(model, op, a.world_size, a.scale, a.warmup, a.calls, a.profile, a.agree)
+            gc_cells = (f"{row['gc_passes_per_call']:.2f} | {row['gc_full_passes']} "
+                        f"({row['gc_ms']:.1f} ms in all passes)")
             print(f"| {row['model']} | {row['op']} | {row['params']} | {' / '.join(map(str, row['us_per_call']))} "
-                  f"| {row['gc_passes_per_call']:.2f} | {row['gc_full_passes']} ({row['gc_ms']:.1f} ms in all passes) |",
-                  flush=True)
+                  f"| {gc_cells} |", flush=True)
 
 
 if __name__ == "__main__":

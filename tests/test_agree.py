@@ -78,3 +78,45 @@ def test_agree_option_is_validated() -> None:
 
     with pytest.raises(ValueError, match='agree must be "always" or "first"'):
         tt.GroupOptions(agree="sometimes")
+
+
+def test_agreement_exchanges_a_fingerprint_not_the_signature() -> None:
+    """``agree="always"`` (the default) exchanges each call's signature fingerprint: no
+    bootstrap message grows with the parameter count (pickling, unpickling and comparing W
+    signatures of 771 shapes cost ~1 ms per call).  Different calls still fail with the
+    field named (a second exchange brings the signatures, tests/test_faults.py)."""
+    import pickle
+
+    import tide_triton as tt
+
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+
+    W, shapes = 2, [(4, 2)] * 3000
+    layout = ShardLayout(shapes, W)
+    groups = tt.local_groups(W, timeout_s=60)
+    sizes: list[int] = []
+    def recording(real):
+        def exchange(obj):
+            sizes.append(len(pickle.dumps(obj)))
+            return real(obj)
+        return exchange
+
+    for g in groups:
+        g.exchange = recording(g.exchange)
+
+    def body(r: int) -> None:
+        shards = [torch.full(s, float(r + 1), dtype=torch.bfloat16) for s in layout.shard_shapes(r)]
+        params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        for _ in range(2):
+            tt.all_gather(shards, params, group=groups[r])
+        assert all(bool((p[:2] == 1).all() and (p[2:] == 2).all()) for p in params)
+
+    try:
+        run_threads(body, W, timeout=300)
+    finally:
+        for g in groups:
+            g.close()
+    assert sizes and max(sizes) < 1024, sorted(sizes)[-5:]

@@ -12,15 +12,15 @@ different calls (see docs/errors.md).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
-import zlib
 from functools import lru_cache
 from typing import Any, Sequence
 
 from .bootstrap import Abort
 from .errors import ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError
 
-__all__ = ["Call", "CallIdentity", "describe", "sig32", "check_same"]
+__all__ = ["Call", "CallIdentity", "describe", "fingerprint", "sig32", "check_same"]
 
 log = logging.getLogger("tide_triton")
 
@@ -264,9 +264,18 @@ class Call:
 
 
 @lru_cache(maxsize=1024)
+@lru_cache(maxsize=1024)
+def fingerprint(signature: object) -> bytes:
+    """A 128-bit fingerprint of a signature, the same in every process (blake2b of its
+    ``repr``).  Cached: a call's signature holds its layout's shapes (the same tuple object
+    every call), so a repeated call costs a hash of the signature, not its ``repr`` (~0.2 ms
+    for the 771 parameters of the 256-expert layer)."""
+    return hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
+
+
 def sig32(signature: object) -> int:
     """A 32-bit fingerprint of a signature (never 0), the same in every process."""
-    return (zlib.crc32(repr(signature).encode()) & 0xFFFFFFFF) or 1
+    return int.from_bytes(fingerprint(signature)[:4], "little") or 1
 
 
 @lru_cache(maxsize=1024)
