@@ -286,10 +286,10 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     st = Streams(g, t, device, stream, async_op)
     cs = st.compute
     fm, timeout = g.flags, g.options.timeout_s
-    gptrs = tuple(x.data_ptr() for x in grads_l)
+    gptrs = tuple(map(_PTR, grads_l))
     peers = [c for c in range(W) if c != me]
     acc = bool(accumulate)
-    shard_ptrs = tuple(x.data_ptr() for x in shards_l)
+    shard_ptrs = tuple(map(_PTR, shards_l))
     # Prepare (tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by address, so a call on the same tensors prepares nothing.
     key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, S, ring_bytes, reg.ring_off, scale, acc)

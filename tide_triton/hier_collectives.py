@@ -296,8 +296,8 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     if staging is not None:
         reg = dataclasses.replace(reg, rs_off=staging.offset)
     st = _state(g, t)
-    gptrs = tuple(x.data_ptr() for x in grads_l)
-    shard_ptrs = tuple(x.data_ptr() for x in shards_l)
+    gptrs = tuple(map(torch.Tensor.data_ptr, grads_l))
+    shard_ptrs = tuple(map(torch.Tensor.data_ptr, shards_l))
     key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, reg.rs_off, ring_bytes, g.options.stages)
     prep = g.cached(key)
     if prep is None:
@@ -423,8 +423,8 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     st = _state(g, t)
     net = st.net
     fm, timeout = g.flags, g.options.timeout_s
-    pptrs = tuple(x.data_ptr() for x in params_l)
-    sptrs = tuple(x.data_ptr() for x in shards_l)
+    pptrs = tuple(map(torch.Tensor.data_ptr, params_l))
+    sptrs = tuple(map(torch.Tensor.data_ptr, shards_l))
     have = tuple(min(x.numel(), k) for x, k in zip(shards_l, layout.shard_numels(me)))
     missing = max((r - k for k, r in zip(have, layout.shard_numels(me))), default=0)
     zero = g.zeros(device, missing * es).data_ptr() if missing else 0
