@@ -407,3 +407,41 @@ def test_a_prepared_all_gather_of_many_parameters_starts_no_gc_pass() -> None:
         for g in groups:
             g.close()
     assert passes.count <= 2, f"{passes.count} passes in {calls} calls of {W} ranks"
+
+
+@pytest.mark.multiproc
+def test_prepared_padding_zero_fill_runs_every_call() -> None:
+    """Padded shards' padding becomes zero on every call, also when a prepared (cached)
+    reduce-scatter is replayed after the caller wrote into the padding; with ``accumulate``
+    the padding is left as it is.  (The zero-fill is a copy list from the group's zero buffer,
+    prepared once per set of addresses: executor.prepare_padding_zeros.)"""
+    import tide_triton as tt
+
+    W, shapes = 3, [(7, 3), (5,), (4, 2, 2)]
+    layout = ShardLayout(shapes, W)
+    groups = tt.local_groups(W, timeout_s=60)
+
+    def body(r: int) -> list:
+        grads = [torch.full(s, float(r + 1), dtype=torch.bfloat16) for s in shapes]
+        shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+        rows = layout.shard_rows(r)
+        seen = []
+        for acc in (False, False, True):
+            for x, n in zip(shards, rows):
+                x[n:] = 7.0  # the caller's garbage in the padding
+            tt.reduce_scatter(grads, shards, group=groups[r], op="sum", accumulate=acc)
+            seen.append([x[n:].clone() for x, n in zip(shards, rows)])
+        return seen
+
+    try:
+        out = run_threads(body, W, timeout=300)
+    finally:
+        for g in groups:
+            g.close()
+    padded_somewhere = False
+    for r in range(W):
+        for call, acc in enumerate((False, False, True)):
+            for pad in out[r][call]:
+                padded_somewhere |= pad.numel() > 0
+                assert bool((pad == (7.0 if acc else 0.0)).all()), (r, call, pad)
+    assert padded_somewhere

@@ -22,7 +22,7 @@ import torch
 from . import hier_collectives, multicast_exec
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name, same_shapes
-from .executor import Streams, Strided, Work, plan_copies, prepare_planned, wait_vacated, zero_padding
+from .executor import Streams, Strided, Work, plan_copies, prepare_padding_zeros, prepare_planned, wait_vacated
 from .group import Group, resolve
 from .heap import Ring, ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
@@ -150,13 +150,14 @@ def _layout(dims: tuple[int, ...], sizes: tuple[int, ...], world: int) -> ShardL
 
 # --------------------------------------------------------------------------- reduce-scatter
 def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gptrs: tuple[int, ...],
-                            shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
-                            device: torch.device, scale: float | None, acc: bool, ring_bytes: int | None = None):
+                            shard_ptrs: tuple[int, ...], snumels: tuple[int, ...], gdt: torch.dtype,
+                            sdt: torch.dtype, device: torch.device, scale: float | None, acc: bool,
+                            ring_bytes: int | None = None):
     """Everything a reduce-scatter enqueues that depends only on its addresses: one bound
     reduction per chunk of this rank (sources in rank order: the peers' slots, and this
-    rank's own gradients read in place) and, per round, the copies that push this rank's
-    slices to its peers' slots.  The bindings hold stand-in tensors, not the caller's: a
-    cached entry keeps no gradient alive."""
+    rank's own gradients read in place), per round the copies that push this rank's slices
+    to its peers' slots, and (without ``acc``) the zero-fill of padded shards' padding.  The
+    bindings hold stand-in tensors, not the caller's: a cached entry keeps no gradient alive."""
     W, me, S = g.world_size, g.rank, plan.stages
     es = gdt.itemsize
     Sp = layout.padded_shard_numels
@@ -177,7 +178,9 @@ def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, g
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
     pushes = [(prepare_planned(t, p), len(p)) for p in _push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)]
-    return reducers, pushes
+    padding = None if acc else prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
+                                                     sdt.itemsize, device)
+    return reducers, pushes, padding
 
 
 def _push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
@@ -289,19 +292,16 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     gptrs = tuple(map(_PTR, grads_l))
     peers = [c for c in range(W) if c != me]
     acc = bool(accumulate)
-    shard_ptrs = tuple(map(_PTR, shards_l))
+    shard_ptrs, snumels = tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))
     # Prepare (tables, kernels, copy lists) before any flag wait is enqueued (see
     # Binding.prepare); cached by address, so a call on the same tensors prepares nothing.
-    key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, S, ring_bytes, reg.ring_off, scale, acc)
+    key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, snumels, S, ring_bytes, reg.ring_off, scale, acc)
     prep = g.cached(key)
     if prep is None:
         with st.kernels():
-            prep = g.cache(key, _prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
+            prep = g.cache(key, _prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs, snumels,
                                                         gdt, sdt, device, scale, acc, ring_bytes))
-    reducers, pushes = prep
-    if not accumulate:  # padding rows of padded shards become zero
-        with st.kernels():
-            zero_padding(shards_l, layout.shard_numels(me))
+    reducers, pushes, padding = prep
     g.heap_barrier()
     pace = g.pacer(device)
     pace.start(max((n for _, n in pushes), default=0) + 4 * W)
@@ -339,6 +339,8 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         g.rs_count = base + plan.rounds
         if staging is not None:
             staging._staged(cs)
+        if padding is not None:  # padding rows of padded shards become zero: after the pushes, on
+            t.copy_prepared(padding[0])  # the copy queue (disjoint from the reductions' rows)
         t.fence_to(cs)  # my grads may be reused once the copy queue has read them
     return st.finish()
 

@@ -49,7 +49,7 @@ from functools import lru_cache
 
 import torch
 
-from .executor import Streams, Work, wait_vacated, zero_padding
+from .executor import Streams, Work, prepare_padding_zeros, wait_vacated
 from .group import Group
 from .heap import CrossNode, ag_block_end
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan, _RailRuns
@@ -298,15 +298,19 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     st = _state(g, t)
     gptrs = tuple(map(torch.Tensor.data_ptr, grads_l))
     shard_ptrs = tuple(map(torch.Tensor.data_ptr, shards_l))
-    key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, reg.rs_off, ring_bytes, g.options.stages)
+    snumels = tuple(map(torch.Tensor.numel, shards_l))
+    key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, snumels, reg.rs_off, ring_bytes, g.options.stages)
     prep = g.cached(key)
-    if prep is None:
-        prep = g.cache(key, _prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device))
+    if prep is None:  # with the zero-fill of padded shards' padding (used without accumulate)
+        prep = g.cache(key, (_prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device),
+                             prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
+                                                   sdt.itemsize, device)))
+    prep, padding = prep
     order = Streams(g, t, device, stream, async_op, whole_on_side=True)
     t = order.t
     with order.kernels():
-        if not accumulate:  # padding rows of padded shards become zero
-            zero_padding(shards_l, layout.shard_numels(me))
+        if not accumulate and padding is not None:  # padding rows of padded shards become zero
+            t.copy_prepared(padding[0])
         fm, timeout, S = g.flags, g.options.timeout_s, plan.stages
         peers = [n * L + c for c in range(L) if c != me % L]
         net = st.net
