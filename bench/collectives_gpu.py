@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import itertools
 import json
 import os
@@ -47,7 +46,7 @@ if "RANK" not in os.environ:
 import torch  # noqa: E402
 
 import tide_triton as tt
-from tide_triton.measure import copy_ceiling, env_info
+from tide_triton.measure import GcPasses, copy_ceiling, env_info
 from tide_triton.report import collective_bytes
 from tide_triton.workloads import layer_shapes
 
@@ -100,36 +99,12 @@ def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
     return out
 
 
-class GcClock:
-    """The garbage collector's passes (process-wide: every thread's) and their time while
-    active -- a full (generation 2) pass over a process holding torch, Triton and the prepared
-    collectives costs milliseconds, and lands in whichever call triggers it."""
-
-    def __init__(self) -> None:
-        self.count, self.full, self.seconds, self._t0 = 0, 0, 0.0, 0.0
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.count += 1
-            self.full += info.get("generation") == 2
-            self.seconds += time.perf_counter() - self._t0
-
-    def __enter__(self) -> "GcClock":
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
-
-
 def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
     """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``):
     (start time, host ms per call -- the enqueue, pacing waits included -- and this thread's
     CPU ms per call), both means; the medians and the garbage collector's share are printed."""
     host, cpu = [], []
-    with _host_profile(profile_path, title), GcClock() as clock:
+    with _host_profile(profile_path, title), GcPasses() as clock:
         t0 = time.perf_counter()
         for _ in range(iters):
             a, c = time.perf_counter(), time.thread_time()

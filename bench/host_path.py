@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import os
 import pstats
 import threading
@@ -27,6 +26,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import tide_triton as tt  # noqa: E402
+from tide_triton.measure import GcPasses  # noqa: E402
 from tide_triton.transport import host  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
 
@@ -82,35 +82,6 @@ def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int
         pstats.Stats(prof["rank0"]).sort_stats("tottime").print_stats(15)
     return {"model": model, "op": op, "params": len(shapes), "us_per_call": [round(per_rank[r]) for r in range(world)],
             "gc_passes_per_call": clock.count / calls, "gc_full_passes": clock.full, "gc_ms": clock.seconds * 1e3}
-
-
-class GcPasses:
-    """The garbage collector's passes while counting (process-wide) and their time.  Every
-    ~700 container objects alive at once start a pass; a call that holds one per parameter
-    (a shape, a tuple) starts passes in proportion to the parameter count, and now and then a
-    full pass over every object of the process lands in one call (session 9: ~75 ms)."""
-
-    def __init__(self) -> None:
-        self.count = self.full = 0
-        self.seconds = self._t0 = 0.0
-        self._on = False
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.count += 1
-            self.full += info.get("generation") == 2
-            self.seconds += time.perf_counter() - self._t0
-
-    def start(self) -> None:
-        gc.callbacks.append(self._callback)
-        self._on = True
-
-    def stop(self) -> None:
-        if self._on:
-            gc.callbacks.remove(self._callback)
-            self._on = False
 
 
 def main() -> None:

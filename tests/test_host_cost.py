@@ -332,24 +332,14 @@ def test_a_step_of_many_modules_prepares_nothing_the_second_time(monkeypatch: py
 
 
 # ----------------------------------------------------------------- garbage-collector passes
-class _GcPasses:
-    def __init__(self) -> None:
-        self.count = 0
+def _gc_passes():
+    """Counting from an empty young generation (tide_triton.measure.GcPasses)."""
+    import gc
 
-    def __call__(self, phase: str, info: dict) -> None:
-        self.count += phase == "stop"
+    from tide_triton.measure import GcPasses
 
-    def __enter__(self) -> "_GcPasses":
-        import gc
-
-        gc.collect()  # the young generation's count starts at 0
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import gc
-
-        gc.callbacks.remove(self)
+    gc.collect()
+    return GcPasses()
 
 
 def test_argument_checks_hold_no_object_per_parameter() -> None:
@@ -365,7 +355,7 @@ def test_argument_checks_hold_no_object_per_parameter() -> None:
     full = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
     shards = [torch.zeros(s) for s in layout.shard_shapes(me, padded=True)]
     for first in (True, False):  # the first round builds (and caches) the layout and its shapes
-        with _GcPasses() as passes:
+        with _gc_passes() as passes:
             for _ in range(1 if first else 5):
                 _, _, _, _, lay = coll._full_and_shards("grads", full, shards, W)
                 check_shapes("shards", shards, lay.shard_shapes(me), lay.shard_shapes(me, padded=True))
@@ -378,16 +368,18 @@ def test_argument_checks_hold_no_object_per_parameter() -> None:
 def test_a_prepared_all_gather_of_many_parameters_starts_no_gc_pass() -> None:
     """End to end on the host transport (the 256-expert layer's 771 parameters, scaled):
     once prepared, all-gathers start (almost) no garbage-collector pass -- 4 per call before."""
+    import gc
     import threading
 
     import tide_triton as tt
+    from tide_triton.measure import GcPasses
 
     W, calls = 2, 10
     shapes = scaled_shapes("synthetic-moe-256e", 64)
     layout = ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=60)
     ready = threading.Barrier(W)
-    passes = _GcPasses()
+    passes = GcPasses()
 
     def body(r: int) -> None:
         shards = [torch.zeros(s, dtype=torch.bfloat16) for s in layout.shard_shapes(r, padded=True)]
@@ -395,7 +387,8 @@ def test_a_prepared_all_gather_of_many_parameters_starts_no_gc_pass() -> None:
         for _ in range(2):
             tt.all_gather(shards, params, group=groups[r])
         if ready.wait() == 0:
-            passes.__enter__()
+            gc.collect()  # count from an empty young generation
+            passes.start()
         ready.wait()
         for _ in range(calls):
             tt.all_gather(shards, params, group=groups[r])
@@ -403,7 +396,7 @@ def test_a_prepared_all_gather_of_many_parameters_starts_no_gc_pass() -> None:
     try:
         run_threads(body, W, timeout=120)
     finally:
-        passes.__exit__()
+        passes.stop()
         for g in groups:
             g.close()
     assert passes.count <= 2, f"{passes.count} passes in {calls} calls of {W} ranks"

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from .bootstrap import Abort
 from .errors import ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError
 
-__all__ = ["Call", "CallIdentity", "describe", "fingerprint", "sig32", "check_same"]
+__all__ = ["Call", "CallIdentity", "describe", "fingerprint", "sig32", "sig32_of", "check_same"]
 
 log = logging.getLogger("tide_triton")
 
@@ -264,18 +264,22 @@ class Call:
 
 
 @lru_cache(maxsize=1024)
-@lru_cache(maxsize=1024)
 def fingerprint(signature: object) -> bytes:
     """A 128-bit fingerprint of a signature, the same in every process (blake2b of its
     ``repr``).  Cached: a call's signature holds its layout's shapes (the same tuple object
     every call), so a repeated call costs a hash of the signature, not its ``repr`` (~0.2 ms
-    for the 771 parameters of the 256-expert layer)."""
+    for the 771 parameters of the 256-expert layer).  :func:`sig32` is derived from it."""
     return hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
 
 
 def sig32(signature: object) -> int:
     """A 32-bit fingerprint of a signature (never 0), the same in every process."""
-    return int.from_bytes(fingerprint(signature)[:4], "little") or 1
+    return sig32_of(fingerprint(signature))
+
+
+def sig32_of(fp: bytes) -> int:
+    """:func:`sig32` from the signature's :func:`fingerprint` already at hand."""
+    return int.from_bytes(fp[:4], "little") or 1
 
 
 @lru_cache(maxsize=1024)

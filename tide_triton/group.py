@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import heap
 from ._checks import is_int
 from .bootstrap import Exchange, LocalKeyValue, StoreKeyValue
-from .calls import Call, CallIdentity, check_same, describe, fingerprint, sig32
+from .calls import Call, CallIdentity, check_same, describe, fingerprint, sig32_of
 from .errors import ArgumentMismatchError, PeerArgumentError
 from .options import GroupOptions
 from .regions import heap_region
@@ -220,7 +220,7 @@ class Group(CallIdentity):
             check_same([(q, sg, None) for q, sg in zip(seqs, sigs)], self.rank)
             raise ArgumentMismatchError(f"ranks' call signatures differ by fingerprint, yet compare equal: "
                                         f"{describe(signature)} on rank {self.rank}")
-        if signature is not None and (k := sig32(signature)) not in self._sig_names:
+        if fp is not None and (k := sig32_of(fp)) not in self._sig_names:
             self._sig_names[k] = describe(signature)
         if self.options.agree == "first" and len(self._agreed) < _AGREED_KEEP:
             self._agreed.add(signature)

@@ -16,6 +16,7 @@ What is compared (bytes counted are the fewest each operation must move):
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import math
 import os
 import platform
@@ -27,7 +28,47 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["BenchRow", "env_info", "device_label", "copy_ceiling", "bench_placement", "bench_accumulation",
-           "bench_host_overhead"]
+           "bench_host_overhead", "GcPasses"]
+
+
+# --------------------------------------------------------------------------- garbage collector
+class GcPasses:
+    """The garbage collector's passes while counting (process-wide: every thread's), the full
+    (generation 2) ones among them, and their time.  ~700 container objects alive at once
+    start a pass; a call holding one per parameter (a shape, a tuple) starts passes in
+    proportion to the parameter count, and now and then a full pass over every object of
+    the process -- tens of milliseconds with torch and Triton loaded -- lands in one call.
+    A context manager, or :meth:`start` / :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.count = self.full = 0
+        self.seconds = self._t0 = 0.0
+        self._on = False
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self.seconds += time.perf_counter() - self._t0
+
+    def start(self) -> "GcPasses":
+        if not self._on:
+            gc.callbacks.append(self._callback)
+            self._on = True
+        return self
+
+    def stop(self) -> None:
+        if self._on:
+            gc.callbacks.remove(self._callback)
+            self._on = False
+
+    def __enter__(self) -> "GcPasses":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 # --------------------------------------------------------------------------- environment
