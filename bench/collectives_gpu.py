@@ -42,6 +42,7 @@ import time
 # more queues cost the GPU's capacity for contexts (bench/context_limit.py).
 if "RANK" not in os.environ:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 
 import torch  # noqa: E402
 

@@ -14,6 +14,7 @@ import os
 import threading
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 
 import torch  # noqa: E402
 

@@ -20,7 +20,10 @@ import argparse
 import os
 import threading
 
-import torch
+if "RANK" not in os.environ:  # one process, one thread per rank: no lazy kernel load may
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # sync the context (tide_triton.local_groups)
+
+import torch  # noqa: E402
 
 # Awkward on purpose: dim 0 not divisible by W (padding), a 1-D bias, a 3-D parameter whose
 # dim 0 is smaller than some world sizes (the last ranks hold no rows of it).

@@ -8,8 +8,10 @@ Test helper, reused by every multi-process test::
 
     results = run_multiprocess(_body, 4, x)  # list indexed by rank
 
-Habits (STYLE.md, triton_kernels ``test_distributed``): the rendezvous port comes from binding
-port 0 on 127.0.0.1; every wait has a timeout; survivors are killed; each child destroys its
+Habits (STYLE.md, triton_kernels ``test_distributed``): the parent holds the rendezvous store
+(a ``TCPStore`` on port 0 of 127.0.0.1: the OS picks a port and the parent keeps it bound, so
+no other test can take it between choosing and binding -- session 10 lost a run to that race
+with ``free_port``); every wait has a timeout; survivors are killed; each child destroys its
 process group in ``finally``; a child's exception comes back to the parent as a
 ``RuntimeError`` naming its rank and carrying its traceback text.
 """
@@ -107,7 +109,7 @@ def _patched_environ(env: Mapping[str, str] | None) -> Iterator[None]:
 def _child(
     rank: int,
     world_size: int,
-    init_method: str,
+    store_port: int,
     fn: Callable[..., Any],
     args: tuple,
     env: Mapping[str, str] | None,
@@ -125,9 +127,11 @@ def _child(
         torch.set_num_threads(num_threads)
     try:
         try:
+            store = dist.TCPStore("127.0.0.1", store_port, None, False,
+                                  timeout=datetime.timedelta(seconds=pg_timeout_s))
             dist.init_process_group(
                 "gloo",
-                init_method=init_method,
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -180,19 +184,24 @@ def run_multiprocess(
 
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # The parent serves the store for the whole run: its port stays bound (no race with other
+    # tests for a port chosen here and bound later by a child).
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
     procs = []
     ok = False
     deadline = time.monotonic() + timeout
     # One rank per child: the driver's default 8 hardware queues suffice, and a context with
-    # more costs the GPU's capacity for contexts (8 processes of a test beside others').
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8", **CHILD_ENV, **(env or {})}
+    # more costs the GPU's capacity for contexts (8 processes of a test beside others'); lazy
+    # module loading (torch's default) is safe with one rank per process and keeps contexts
+    # small -- a child running several ranks as threads asks for EAGER through ``env``.
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8", "CUDA_MODULE_LOADING": "LAZY", **CHILD_ENV, **(env or {})}
     try:
         with _patched_environ(env):
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_child,
-                    args=(rank, world_size, init_method, fn, args, env, num_threads,
+                    args=(rank, world_size, store.port, fn, args, env, num_threads,
                           timeout, results_q),
                     name=f"run_multiprocess-rank{rank}",
                     daemon=True,
@@ -259,6 +268,7 @@ def run_multiprocess(
                 p.join(timeout=5.0)
         results_q.close()
         results_q.cancel_join_thread()
+        del store
 
 
 def _format_errors(errors: Mapping[int, str]) -> str:
@@ -268,7 +278,9 @@ def _format_errors(errors: Mapping[int, str]) -> str:
 def run_threads(fn: Callable[[int], Any], world_size: int, *, timeout: float = 120) -> list[Any]:
     """``fn(rank)`` for every rank, one thread each (the single-process mode's ranks);
     returns the results by rank.  A rank's exception is re-raised here with its rank; a rank
-    still running after ``timeout`` is an error naming it."""
+    still running after ``timeout`` is an error naming it and showing where it waits (its
+    thread's stack)."""
+    import sys
     import threading
 
     out: dict[int, Any] = {}
@@ -291,5 +303,10 @@ def run_threads(fn: Callable[[int], Any], world_size: int, *, timeout: float = 1
         raise RuntimeError(f"rank {r} failed: {type(errors[r]).__name__}: {errors[r]}") from errors[r]
     late = [r for r in range(world_size) if r not in out]
     if late:
-        raise RuntimeError(f"rank(s) {late} did not finish within {timeout} s")
+        frames = sys._current_frames()
+        stacks = "".join(
+            f"\n--- rank {r} (thread {threads[r].ident}) ---\n"
+            + "".join(traceback.format_stack(frames[threads[r].ident]))
+            for r in late if threads[r].ident in frames)
+        raise RuntimeError(f"rank(s) {late} did not finish within {timeout} s{stacks}")
     return [out[r] for r in range(world_size)]

@@ -20,6 +20,12 @@ from typing import Iterator, Sequence
 # GPU's context capacity (bench/context_limit.py, H200: 62 contexts at 8, 9 at 32), and the
 # tests' spawned ranks (one each, _dist.run_multiprocess: 8) share the GPU with the workers.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16")
+# Eager module loading for the same tests: a kernel's first lazy load synchronizes the context,
+# which deadlocks ranks of one process waiting on each other's streams (tide_triton.group.
+# _eager_module_loading; session 10 on an H200: 3 of 3 runs stuck lazily, 3 of 3 passed
+# eagerly).  The tests' spawned ranks keep lazy loading (one rank per process: cheaper
+# contexts; _dist.run_multiprocess).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

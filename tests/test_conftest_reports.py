@@ -1,7 +1,8 @@
 """The reports for bounded test runs (bench/gpu_tests.sh, tests/conftest.py): a failure is
 written the moment it happens, and a test still running after the given seconds leaves its
 threads' stacks -- so a run stopped at its time limit still says what failed and where a stuck
-test waits.  Runs pytest on two small tests with this conftest, in a child process."""
+test waits.  Runs pytest on two small tests with this conftest, in a child process.  Also the
+helpers of tests/_dist.py: rendezvous without port races, late rank threads shown with stacks."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 _DEMO = '''
 import time
@@ -63,3 +66,59 @@ def test_failures_are_written_once_under_xdist(tmp_path: Path) -> None:
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert "2 failed, 1 passed" in run.stdout, run.stdout + run.stderr
     assert (tmp_path / "failures.txt").read_text().count("==== FAILED test_demo.py::test_that_fails (call,") == 1
+
+
+def _store_port_owner(rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+    dist.barrier()
+    return rank
+
+
+def test_run_multiprocess_holds_its_rendezvous_port() -> None:
+    """Two groups rendezvous at once (as xdist workers do): each parent serves its own store,
+    so neither child can find its port taken (session 10: ``EADDRINUSE`` from a port chosen
+    by one test and bound by another's child)."""
+    import threading
+
+    from _dist import run_multiprocess
+
+    out: dict[int, object] = {}
+
+    def one(i: int) -> None:
+        try:
+            out[i] = run_multiprocess(_store_port_owner, 2, timeout=60)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert out == {0: [0, 1], 1: [0, 1]}
+
+
+def test_run_threads_names_the_late_rank_and_shows_where_it_waits() -> None:
+    import threading
+
+    from _dist import run_threads
+
+    release = threading.Event()
+
+    def body(r: int) -> int:
+        if r == 1:
+            _waits_for_the_release(release)
+        return r
+
+    try:
+        with pytest.raises(RuntimeError) as e:
+            run_threads(body, 2, timeout=0.5)
+    finally:
+        release.set()
+    msg = str(e.value)
+    assert "rank(s) [1] did not finish within 0.5 s" in msg
+    assert "--- rank 1 " in msg and "_waits_for_the_release" in msg, msg
+
+
+def _waits_for_the_release(release) -> None:
+    release.wait(30)

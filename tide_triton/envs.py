@@ -45,6 +45,13 @@ Variables of other software, as the package reads them
     The driver's number of hardware queues per device, read when the CUDA context is
     created; the single-process mode needs it >= 2 x ranks.  Read and set by
     :mod:`tide_triton.group` (:func:`cuda_device_max_connections` reads it).
+``CUDA_MODULE_LOADING``
+    The driver's module loading, read at ``cuInit``: ``LAZY`` (torch's default) loads a
+    kernel at its first launch, which can synchronize the context -- in the single-process
+    mode that deadlocks ranks whose streams wait on each other, so :func:`tide_triton.local_groups`
+    sets ``EAGER`` when CUDA is not initialised yet, and its CUDA transport refuses lazy
+    loading with several ranks.  Read and set by :mod:`tide_triton.group`
+    (:func:`cuda_module_loading` reads it).
 ``NCCL_NVLS_ENABLE``
     NCCL's switch for NVLink SHARP (its own use of multicast objects); ``0`` is honoured by
     tide_triton as a second kill switch of multicast (:func:`nccl_nvls_enabled`).
@@ -156,6 +163,12 @@ def use_interpreter_if_no_gpu() -> bool:
 def cuda_device_max_connections(env: Mapping[str, str] | None = None) -> str | None:
     """``$CUDA_DEVICE_MAX_CONNECTIONS`` as set (None when unset)."""
     return (os.environ if env is None else env).get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def cuda_module_loading(env: Mapping[str, str] | None = None) -> str | None:
+    """``$CUDA_MODULE_LOADING`` as set, upper-cased (None when unset)."""
+    raw = (os.environ if env is None else env).get("CUDA_MODULE_LOADING")
+    return None if raw is None else raw.strip().upper()
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int | None:

@@ -165,6 +165,14 @@ def init() -> Any:
     return mod
 
 
+def module_loading_is_lazy() -> bool:
+    """Whether this process's CUDA driver loads kernels lazily (``cuModuleGetLoadingMode``;
+    fixed at ``cuInit`` by ``$CUDA_MODULE_LOADING``)."""
+    mod = init()
+    mode = check(mod.cuModuleGetLoadingMode(), "cuModuleGetLoadingMode")
+    return int(mode) == int(mod.CUmoduleLoadingMode.CU_MODULE_LAZY_LOADING)
+
+
 def driver_version() -> int:
     """``cuDriverGetVersion``, e.g. 13000 for CUDA 13.0."""
     return int(check(init().cuDriverGetVersion(), "cuDriverGetVersion"))
