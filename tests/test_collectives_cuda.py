@@ -26,6 +26,72 @@ def test_contract_exact_processes_sharing_one_gpu(world_size: int) -> None:
         assert all(res[i] == "ok" for i in range(3)), (r, res)
 
 
+def test_contract_exact_with_every_copy_list_a_graph() -> None:
+    """The contract scenarios with every prepared copy list captured into a CUDA graph at
+    its first use and replayed (``TIDE_TRITON_COPY_GRAPHS=always``)."""
+    out = run_multiprocess(_scenarios, 2, 11, "cuda", timeout=400,
+                           env={**MULTICAST_OFF, "TIDE_TRITON_COPY_GRAPHS": "always"})
+    for r, res in enumerate(out):
+        assert all(res[i] == "ok" for i in range(3)), (r, res)
+
+
+def test_reused_copy_lists_replay_as_graphs(monkeypatch) -> None:
+    """FSDP2's steady state (the same addresses every step) under the default
+    ``TIDE_TRITON_COPY_GRAPHS=auto``: the second call replays its copy lists as graphs,
+    every call exact (integer-valued bf16: the sums are exact) and bit-identical, and
+    parameters at new addresses are prepared again and still exact."""
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    import tide_triton as tt
+    from tide_triton.layout import ShardLayout
+
+    monkeypatch.delenv("TIDE_TRITON_COPY_GRAPHS", raising=False)
+    W, dev = 2, torch.device("cuda", 0)
+    shapes = [(24, 16)] * 40 + [(7, 3), (5,)]  # 42 parameters: lists of >= 8 descriptors
+    layout = ShardLayout(shapes, W)
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16).to(dev) for s in shapes]
+             for _ in range(W)]
+    want = [sum(grads[q][p].float() for q in range(W)) for p in range(len(shapes))]
+    groups = tt.local_groups(W, timeout_s=60, devices=[dev] * W)
+
+    def body(r: int):
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            shards = [torch.empty(s, device=dev) for s in layout.shard_shapes(r, padded=True)]
+            params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+            seen = []
+            for step in range(4):
+                if step == 3:  # new addresses: prepared again
+                    params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+                for x in shards:
+                    x.fill_(-1.0)
+                for x in params:
+                    x.fill_(-3.0)
+                tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+                tt.all_gather([x[:n].to(torch.bfloat16) for x, n in zip(shards, layout.shard_rows(r))],
+                              params, group=groups[r])
+                tt.synchronize(groups[r], timeout_s=60)
+                seen.append(([x.cpu() for x in shards], [x.cpu() for x in params]))
+            return seen, groups[r].transport(dev)._sig.graphs()
+
+    try:
+        out = run_threads(body, W, timeout=120)
+    finally:
+        for g in groups:
+            g.close()
+    for r, (seen, graphs) in enumerate(out):
+        assert graphs >= 1, f"rank {r}: no copy list was replayed as a graph"
+        for step, (shards, params) in enumerate(seen):
+            for p in range(len(shapes)):
+                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                assert torch.equal(shards[p][:rows], want[p][r * c: r * c + rows].cpu()), (r, step, p)
+                assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (r, step, p)
+                assert torch.equal(params[p], want[p].to(torch.bfloat16).cpu()), (r, step, p)
+            assert all(torch.equal(a, b) for a, b in zip(shards, seen[0][0]))
+
+
 def test_single_process_multi_rank_mode_cuda() -> None:
     run_single_process_mode("cuda")
 

@@ -47,6 +47,7 @@ from tide_triton.transport.driver import Transaction
 t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
 t._cu, t._guard, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), 0, 4, 64
 t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
+t.copy_graphs, t._graphs, t._capture_handle = "off", {}, None
 t.words = HiddenWords(0, 32, 4096)
 t.own_va = 0x7f0000000000
 t.bases = [0x7f0000000000 + r * (1 << 36) for r in range(4)]
@@ -66,6 +67,38 @@ for path in ("batch", "loop"):
     p = t.prepare_copies(dsts, srcs, sizes)
     assert len(p.nbytes) == 299 and len(p.dst_ptrs) == 299 and isinstance(p.dst_ptrs[0], cu.CUdeviceptr)
     t.copy_prepared(p)
+# Prepared lists replayed as CUDA graphs: captured at the second use under "auto" (lists of
+# >= 8 descriptors), at the first under "always"; a graph lives as long as its list.
+import gc
+from tide_triton.transport.signals import GRAPH_MIN_DESCRIPTORS
+t._graphs, t._capture_handle = {}, None
+t.copy_path = "batch"
+for mode, uses_before_graph in (("auto", 1), ("always", 0)):
+    t.copy_graphs = mode
+    p = t.prepare_copies(dsts, srcs, sizes)
+    for _ in range(uses_before_graph):
+        t.copy_prepared(p)
+        assert "graph" not in p.replay and t.graphs() == 0, (mode, p.replay)
+    t.copy_prepared(p)
+    assert p.replay.get("graph") is not None and t.graphs() == 1, (mode, p.replay)
+    t.copy_prepared(p)                     # replayed: one cuGraphLaunch
+    del p
+    gc.collect()
+    assert t.graphs() == 0                 # destroyed with its list
+t.copy_graphs = "auto"
+n = GRAPH_MIN_DESCRIPTORS - 1
+small = t.prepare_copies(dsts[:n], srcs[:n], [8] * n)
+for _ in range(3):
+    t.copy_prepared(small)
+assert "graph" not in small.replay and t.graphs() == 0
+t.copy_graphs = "always"
+kept = t.prepare_copies(dsts, srcs, sizes)
+t.copy_prepared(kept)
+assert t.graphs() == 1
+for key in list(t._graphs):
+    t._drop_graph(key)
+assert t.graphs() == 0
+t.copy_graphs = "off"
 for sig in ("direct", "copy"):
     t.signal_path = sig
     for batch in (True, False):

@@ -20,6 +20,13 @@ Variables of the package
     Diagnostics: pins the CUDA transport's copy path when its ``copy_mode`` is ``"auto"``:
     ``auto`` (default), ``batch`` (``cuMemcpyBatchAsync``) or ``loop`` (one
     ``cuMemcpyAsync`` per piece).  (:mod:`tide_triton.transport.cuda`)
+``TIDE_TRITON_COPY_GRAPHS``
+    When the CUDA transport replays a prepared copy list as one CUDA graph launch
+    (``cuGraphLaunch`` of the list captured once) instead of enqueueing its descriptors:
+    ``auto`` (default: from a list's second use, for lists of at least 8 descriptors --
+    a reused list is FSDP2's steady state; a one-off list never pays the capture),
+    ``always`` (from the first use, any list: the tests' setting), ``off``.
+    (:mod:`tide_triton.transport.signals`)
 ``TIDE_TRITON_MEMOP_BATCH``
     Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
     ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
@@ -93,6 +100,7 @@ MULTICAST = "TIDE_TRITON_MULTICAST"
 _NCCL_CLOSE = ("destroy", "abort", "none")
 _COPY_MODES = ("auto", "batch", "loop")
 _LAUNCH_MODES = ("direct", "jit")
+_COPY_GRAPHS = ("auto", "always", "off")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -119,6 +127,11 @@ def nccl_close(env: Mapping[str, str] | None = None) -> str:
 def copy_mode(env: Mapping[str, str] | None = None) -> str:
     """``$TIDE_TRITON_COPY_MODE``: ``"auto"`` (default), ``"batch"`` or ``"loop"``."""
     return _choice("TIDE_TRITON_COPY_MODE", "auto", _COPY_MODES, env)
+
+
+def copy_graphs(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_COPY_GRAPHS``: ``"auto"`` (default), ``"always"`` or ``"off"``."""
+    return _choice("TIDE_TRITON_COPY_GRAPHS", "auto", _COPY_GRAPHS, env)
 
 
 def memop_batch(env: Mapping[str, str] | None = None) -> bool:

@@ -7,6 +7,9 @@ Copies
     creation and logged once.  A stream being captured into a CUDA graph gets the loop
     (``cuMemcpyBatchAsync`` cannot be captured).  Strided runs (equal rows at constant
     pitches, :class:`tide_triton.executor.Strided`) are one ``cuMemcpy2DAsync`` each.
+    A prepared list used again (FSDP2's steady state: the same addresses every step) is
+    captured once into a CUDA graph of its copies and replayed with one ``cuGraphLaunch``:
+    host time per call no longer grows with its descriptors (``$TIDE_TRITON_COPY_GRAPHS``).
     Addresses may lie on another GPU (a peer's heap mapped with peer access): the copy
     engines of this rank's device move the bytes.
 
@@ -34,7 +37,8 @@ import ctypes
 import logging
 import threading
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -57,6 +61,9 @@ _CUDA_ERROR_NOT_READY = 600
 _BATCH_MIN_DRIVER = 12080
 _DATA_ALIGN = 4096
 _MEMOPS_PER_CALL = 255
+GRAPH_MIN_DESCRIPTORS = 8
+"""Under ``$TIDE_TRITON_COPY_GRAPHS=auto``, the smallest prepared list replayed as a graph:
+below it the descriptors cost less host time than a graph launch saves."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,9 @@ class PreparedCopies:
     src_ptrs: list[Any]
     strided: tuple[Any, ...] = ()
     """``CUDA_MEMCPY2D`` structs, one ``cuMemcpy2DAsync`` each."""
+    replay: dict = field(default_factory=dict, compare=False, repr=False)
+    """The graph replay's state (:meth:`CopyEngine.copy_prepared`): ``uses`` so far, and
+    ``graph`` -- the executable graph of these copies, or None where capturing failed."""
 
     @property
     def descriptors(self) -> int:
@@ -117,6 +127,9 @@ class CopyEngine:
         self.own_va = 0
         self.bases: list[int] = []
         self.copy_path = "loop"
+        self.copy_graphs = "off"  # choose_copy_path sets it
+        self._graphs: dict[int, Any] = {}  # id -> executable graph, destroyed with its list or at close
+        self._capture_handle: Any = None
         self.signal_path = "direct"
         self.memop_batch = False
         self._attrs: list[Any] = []
@@ -201,6 +214,7 @@ class CopyEngine:
         if copy_mode == "batch" and path != "batch":
             raise RuntimeError(f"copy_mode='batch' but {why}")
         self.copy_path = path
+        self.copy_graphs = envs.copy_graphs()
         level = logging.INFO if path == "batch" else logging.WARNING
         log_once(f"copy-{path}", level, "copies use %s (%s)",
                  "cuMemcpyBatchAsync" if path == "batch" else "a cuMemcpyAsync loop", why)
@@ -294,6 +308,13 @@ class CopyEngine:
             return
         s = self.stream_int(stream)
         cu = self._cu
+        if self.copy_graphs != "off":
+            graph = self._graph_of(prepared)
+            if graph is not None:
+                with self._guard:
+                    check(cu.cuGraphLaunch(graph, s),
+                          f"cuGraphLaunch(rank={self.rank}, {prepared.descriptors} copies)")
+                return
         with self._guard:
             for m in prepared.strided:
                 check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
@@ -311,6 +332,66 @@ class CopyEngine:
                          "loop (cuMemcpyBatchAsync refuses it)")
             for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
+
+    def _graph_of(self, prepared: PreparedCopies) -> Any:
+        """The executable graph replaying ``prepared``, captured at its second use (first,
+        under ``always``) if it is large enough; None: enqueue its descriptors."""
+        r = prepared.replay
+        if "graph" in r:
+            return r["graph"]
+        if self.copy_graphs == "auto" and prepared.descriptors < GRAPH_MIN_DESCRIPTORS:
+            return None
+        r["uses"] = r.get("uses", 0) + 1
+        if self.copy_graphs == "auto" and r["uses"] < 2:
+            return None
+        r["graph"] = graph = self._capture(prepared)
+        if graph is not None:
+            key = id(prepared)
+            self._graphs[key] = graph
+            weakref.finalize(prepared, self._drop_graph, key).atexit = False  # exit: close() does it
+        return graph
+
+    def _capture(self, prepared: PreparedCopies) -> Any:
+        """Capture ``prepared``'s copies (``cuMemcpy2DAsync`` / ``cuMemcpyAsync``: the batch
+        call cannot be captured) on a private stream, relaxed mode (other threads' CUDA calls
+        are not restricted meanwhile), into an executable graph; None, logged once, if the
+        driver refuses -- the list is then enqueued as before."""
+        cu = self._cu
+        with self._guard:
+            try:
+                if self._capture_handle is None:
+                    self._capture_handle = check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                                                 "cuStreamCreate(capture)")
+                cs = self._capture_handle
+                check(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                      "cuStreamBeginCapture(copies)")
+                try:
+                    for m in prepared.strided:
+                        check(cu.cuMemcpy2DAsync(m, cs), "cuMemcpy2DAsync(captured)")
+                    for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
+                        check(cu.cuMemcpyAsync(d, x, b, cs), "cuMemcpyAsync(captured)")
+                finally:
+                    graph = check(cu.cuStreamEndCapture(cs), "cuStreamEndCapture(copies)")
+                try:
+                    return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate(copies)")
+                finally:
+                    check(cu.cuGraphDestroy(graph), "cuGraphDestroy(copies)")
+            except CudaError as exc:
+                log_once("copy-graph-refused", logging.WARNING,
+                         "prepared copies are enqueued, not replayed as a CUDA graph: %s", exc)
+                return None
+
+    def _drop_graph(self, key: int) -> None:
+        """Its list is gone (a prepare-cache eviction): destroy the executable graph.  A
+        launch still in flight completes first (the driver frees it asynchronously)."""
+        graph = self._graphs.pop(key, None)
+        if graph is not None:
+            with self._guard:
+                check(self._cu.cuGraphExecDestroy(graph), f"cuGraphExecDestroy(rank={self.rank})")
+
+    def graphs(self) -> int:
+        """Executable copy graphs held now (a test's view)."""
+        return len(self._graphs)
 
     # ---- signals and stream waits ---------------------------------------------------------
     def signal(self, rank: int, slot: int, value: int, *, stream: Any = None) -> None:
@@ -558,7 +639,13 @@ class CopyEngine:
             check(self._cu.cuMemFreeHost(p), f"cuMemFreeHost(rank={self.rank})")
 
     def close(self, quiet: Any) -> None:
-        """Destroy the streams and free the host buffer (``quiet`` runs each step)."""
+        """Destroy the copy graphs and streams and free the host buffer (``quiet`` runs each
+        step)."""
+        for key in list(self._graphs):
+            quiet(self._drop_graph, key)
+        if self._capture_handle is not None:
+            quiet(self._destroy_stream, self._capture_handle)
+            self._capture_handle = None
         quiet(self._destroy_stream, self._host_stream)
         quiet(self._free_host, self._host_buf)
         quiet(self._destroy_stream, self._copy_handle)
