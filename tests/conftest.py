@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16")
 # Eager module loading for the same tests: a kernel's first lazy load synchronizes the context,
 # which deadlocks ranks of one process waiting on each other's streams (tide_triton.group.
-# _eager_module_loading; session 10 on an H200: 3 of 3 runs stuck lazily, 3 of 3 passed
+# _lazy_loading_problem; session 10 on an H200: 3 of 3 runs stuck lazily, 3 of 3 passed
 # eagerly).  The tests' spawned ranks keep lazy loading (one rank per process: cheaper
 # contexts; _dist.run_multiprocess).
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")

@@ -49,7 +49,9 @@ def test_reused_copy_lists_replay_as_graphs(monkeypatch) -> None:
 
     monkeypatch.delenv("TIDE_TRITON_COPY_GRAPHS", raising=False)
     W, dev = 2, torch.device("cuda", 0)
-    shapes = [(24, 16)] * 40 + [(7, 3), (5,)]  # 42 parameters: lists of >= 8 descriptors
+    # 42 parameters of distinct shapes (equal shapes back to back would merge into one
+    # strided copy): lists of >= 8 descriptors
+    shapes = [(24 + i, 16) for i in range(40)] + [(7, 3), (5,)]
     layout = ShardLayout(shapes, W)
     gen = torch.Generator().manual_seed(3)
     grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16).to(dev) for s in shapes]

@@ -312,40 +312,28 @@ def test_local_groups_devices_are_checked() -> None:
             g.close()
 
 
-def test_single_process_mode_asks_for_eager_module_loading(monkeypatch) -> None:
+def test_single_process_mode_refuses_lazy_module_loading(monkeypatch) -> None:
     """Lazy module loading deadlocked the single-process mode on an H200 (a rank thread's
     first launch of a kernel synchronizes the context while the ranks' streams wait on each
-    other): ``local_groups`` asks for ``CUDA_MODULE_LOADING=EAGER`` while CUDA is not yet
-    initialised and the user has not chosen, and a CUDA transport of several ranks in one
-    process refuses lazy loading with an error that says how to fix it."""
+    other): a CUDA transport of several ranks in one process refuses it, with an error that
+    says how to fix it (the driver reads the variable once, at cuInit: the library cannot)."""
     import tide_triton as tt
     from tide_triton import group as group_mod
     from tide_triton.transport import driver
 
-    groups = tt.local_groups(2, timeout_s=10)  # (no CUDA here: sets nothing)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    group_mod._eager_module_loading()
-    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")  # the user's choice is kept ...
-    group_mod._eager_module_loading()
-    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.delenv("CUDA_MODULE_LOADING")  # ... and too late once CUDA runs
-    group_mod._eager_module_loading()
-    assert "CUDA_MODULE_LOADING" not in os.environ
-
     assert group_mod._lazy_loading_problem(1, True) is None  # one rank waits on no one
     assert group_mod._lazy_loading_problem(2, False) is None
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     monkeypatch.setattr(driver, "module_loading_is_lazy", lambda: True)
+    groups = tt.local_groups(2, timeout_s=10)
     try:
         with pytest.raises(RuntimeError) as e:
             groups[1].transport(torch.device("cuda", 0))
         msg = str(e.value)
         assert msg.startswith("single-process mode (local_groups) with 2 ranks needs eager CUDA module loading")
         assert "CUDA_MODULE_LOADING=unset: LAZY, torch default" in msg
-        assert "Set CUDA_MODULE_LOADING=EAGER before this process's first CUDA call" in msg
+        assert "Set CUDA_MODULE_LOADING=EAGER in the environment before the process's first CUDA call" in msg
+        assert "torch.cuda.is_available() is already too late" in msg
         assert "one process per rank (torchrun)" in msg
     finally:
         for g in groups:

@@ -264,7 +264,7 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str) -> Non
     Sessions 8-10 (one H200): under lazy loading the rank threads stopped in ``Tensor.to``
     (a kernel's first launch loads its module, which synchronizes the context while the
     ranks' streams wait on each other) -- 3 of 3 runs under load; 3 of 3 passed with
-    ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.group._eager_module_loading)."""
+    ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.group._lazy_loading_problem)."""
     if device == "cuda":
         out = run_multiprocess(_planned_and_unplanned, 1, W, device, timeout=240,
                                env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"})[0]

@@ -53,11 +53,11 @@ Variables of other software, as the package reads them
     created; the single-process mode needs it >= 2 x ranks.  Read and set by
     :mod:`tide_triton.group` (:func:`cuda_device_max_connections` reads it).
 ``CUDA_MODULE_LOADING``
-    The driver's module loading, read at ``cuInit``: ``LAZY`` (torch's default) loads a
-    kernel at its first launch, which can synchronize the context -- in the single-process
-    mode that deadlocks ranks whose streams wait on each other, so :func:`tide_triton.local_groups`
-    sets ``EAGER`` when CUDA is not initialised yet, and its CUDA transport refuses lazy
-    loading with several ranks.  Read and set by :mod:`tide_triton.group`
+    The driver's module loading, read once at ``cuInit`` (``torch.cuda.is_available()``
+    already calls it): ``LAZY`` (torch's default) loads a kernel at its first launch, which
+    can synchronize the context -- in the single-process mode that deadlocks ranks whose
+    streams wait on each other, so its CUDA transport refuses lazy loading with several
+    ranks (set ``EAGER`` before the process touches CUDA).  Read by :mod:`tide_triton.group`
     (:func:`cuda_module_loading` reads it).
 ``NCCL_NVLS_ENABLE``
     NCCL's switch for NVLink SHARP (its own use of multicast objects); ``0`` is honoured by

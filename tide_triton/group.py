@@ -568,35 +568,29 @@ def _enough_hardware_queues(streams: int) -> None:
 _MODULE_LOADING = "CUDA_MODULE_LOADING"
 
 
-def _eager_module_loading() -> None:
-    """Lazy module loading (torch's default) loads a kernel at its first launch, and that
-    load can synchronize the whole CUDA context.  One process driving several ranks then
-    deadlocks when one rank's thread launches a kernel for the first time (``Tensor.to``,
-    ``torch.full`` ...) while another rank's stream waits for a flag that rank will only
-    set later: seen on an H200, 3 of 3 runs of the planned-collectives test under load with
-    ``LAZY``, 3 of 3 passed with ``EAGER`` (both ranks' threads stopped in ``Tensor.to``).
-    Ask for eager loading while that is still possible: before CUDA is initialised, when
-    the user has not chosen (:func:`_lazy_loading_problem` refuses lazy loading later)."""
-    if not torch.cuda.is_available() or torch.cuda.is_initialized():
-        return
-    if cuda_module_loading() is None:
-        os.environ[_MODULE_LOADING] = "EAGER"
-        log.info("single-process mode: %s=EAGER (a kernel's first launch must not synchronize "
-                 "the context while ranks' streams wait on each other)", _MODULE_LOADING)
-
-
 def _lazy_loading_problem(world_size: int, lazy: bool) -> str | None:
     """The error of a CUDA transport for ``world_size`` ranks of one process whose driver
-    loads kernels lazily, or None (one rank, or eager loading)."""
+    loads kernels lazily, or None (one rank, or eager loading).
+
+    Lazy module loading (torch's default) loads a kernel at its first launch, and that load
+    can synchronize the whole CUDA context.  One process driving several ranks then
+    deadlocks when one rank's thread launches a kernel for the first time (``Tensor.to``,
+    ``torch.full`` ...) while another rank's stream waits for a flag that rank will only set
+    later: seen on an H200 (session 10), 3 of 3 runs of the planned-collectives test under
+    load with ``LAZY`` (both ranks' threads stopped in ``Tensor.to``), 3 of 3 passed with
+    ``EAGER``.  The driver reads ``CUDA_MODULE_LOADING`` once, at ``cuInit`` -- which
+    ``torch.cuda.is_available()`` already calls (checked on the H200: set after it, the
+    driver still loads lazily) -- so the library cannot switch it; the process must."""
     if world_size < 2 or not lazy:
         return None
     return (f"single-process mode (local_groups) with {world_size} ranks needs eager CUDA module "
             f"loading, but this process loads kernels lazily ({_MODULE_LOADING}="
             f"{cuda_module_loading() or 'unset: LAZY, torch default'}): a kernel's first launch "
             f"synchronizes the CUDA context, and while one rank's stream waits for a peer's flag "
-            f"that synchronization can deadlock the ranks. Set {_MODULE_LOADING}=EAGER before "
-            f"this process's first CUDA call (local_groups sets it when it comes first), or run "
-            f"one process per rank (torchrun)")
+            f"that synchronization can deadlock the ranks. Set {_MODULE_LOADING}=EAGER in the "
+            f"environment before the process's first CUDA call (the driver reads it once, at "
+            f"cuInit: torch.cuda.is_available() is already too late), or run one process per "
+            f"rank (torchrun)")
 
 
 def local_groups(world_size: int, *, local_size: int | None = None,
@@ -614,8 +608,6 @@ def local_groups(world_size: int, *, local_size: int | None = None,
     Topology(world_size, world_size if local_size is None else local_size)  # errors before threads
     ex = _LocalExchange(world_size, devices)
     _enough_hardware_queues(2 * world_size + 2)
-    if world_size > 1:
-        _eager_module_loading()
     groups: list[Group | None] = [None] * world_size
 
     def make(r: int) -> None:  # Group() agrees on the topology: every rank at once
