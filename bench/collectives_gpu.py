@@ -86,17 +86,25 @@ def driver_calls(g, fn) -> int:
     return counter.calls
 
 
+APART = False
+"""``--apart``: gaps of varying size between the tensors (no run of equal shapes at a constant
+pitch, so no strided copy: one descriptor per parameter and rank, as for tensors allocated
+one by one)."""
+
+
 def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
     """Tensors of ``shapes`` carved one after another out of one buffer, as FSDP2 allocates
     its padded all-gather outputs and a flat gradient buffer (runs of equal shapes then take
-    one strided copy per rank)."""
+    one strided copy per rank); with :data:`APART`, 64-192 elements apart."""
     numels = [int(torch.Size(s).numel()) for s in shapes]
-    flat = (torch.randn(sum(numels), device=device) if fill is None
-            else torch.full((sum(numels),), fill, device=device)).to(dtype)
+    gaps = [64 * (1 + i % 3) if APART else 0 for i in range(len(shapes))]
+    total = sum(numels) + sum(gaps)
+    flat = (torch.randn(total, device=device) if fill is None
+            else torch.full((total,), fill, device=device)).to(dtype)
     out, o = [], 0
-    for s, n in zip(shapes, numels):
+    for s, n, gap in zip(shapes, numels, gaps):
         out.append(flat[o:o + n].view(s))
-        o += n
+        o += n + gap
     return out
 
 
@@ -315,11 +323,15 @@ def main() -> None:
                     help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on cuda:0 (default: rank r on cuda:r %% number of GPUs)")
+    ap.add_argument("--apart", action="store_true",
+                    help="tensors apart (no strided copies: a descriptor per parameter and rank)")
     ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
     ap.add_argument("--plot", default=None, metavar="FILE", help="draw time and bandwidth against W into FILE")
     ap.add_argument("--from", dest="from_rows", nargs="+", default=None, metavar="ROWS.jsonl",
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
+    global APART
+    APART = args.apart
     if args.from_rows:
         from tide_triton._cli import recorded_rows
 
@@ -373,6 +385,8 @@ def main() -> None:
                 continue
             first = False
             row["ceiling_gbps"] = ceiling
+            row["tensors_apart"] = APART
+            row["copy_graphs"] = os.environ.get("TIDE_TRITON_COPY_GRAPHS", "auto")
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
             print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | "

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -117,6 +119,9 @@ def _child(
     pg_timeout_s: float,
     results: Any,
 ) -> None:
+    # The parent asks for every thread's stack (SIGUSR1) before it kills a rank that did not
+    # report in time: the test's output then shows where each stuck rank waited.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -218,9 +223,15 @@ def run_multiprocess(
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(set(range(world_size)) - outputs.keys() - errors.keys())
+                for r in missing:  # their stacks, on the test's stderr
+                    if procs[r].is_alive():
+                        with contextlib.suppress(OSError):
+                            os.kill(procs[r].pid, signal.SIGUSR1)
+                time.sleep(1.0)
                 raise RuntimeError(
                     f"run_multiprocess({name}, world_size={world_size}): ranks {missing}"
-                    f" did not report within {timeout} s" + _format_errors(errors)
+                    f" did not report within {timeout} s (their threads' stacks: the test's stderr)"
+                    + _format_errors(errors)
                 )
             try:
                 status, rank, data = results_q.get(timeout=min(0.2, deadline - now))

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,24 @@ def test_run_threads_names_the_late_rank_and_shows_where_it_waits() -> None:
 
 def _waits_for_the_release(release) -> None:
     release.wait(30)
+
+
+def _sleeps_forever(rank: int, world_size: int) -> None:
+    if rank == 1:
+        _stuck_here()
+    return None
+
+
+def _stuck_here() -> None:
+    time.sleep(600)
+
+
+def test_run_multiprocess_shows_where_a_late_rank_waits(capfd) -> None:
+    """A rank that does not report in time is named, and its threads' stacks reach the
+    test's stderr before it is killed (faulthandler on SIGUSR1 in every child)."""
+    from _dist import run_multiprocess
+
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report within 20 s"):
+        run_multiprocess(_sleeps_forever, 2, timeout=20)
+    err = capfd.readouterr().err
+    assert "_stuck_here" in err and "_sleeps_forever" in err, err[-2000:]
