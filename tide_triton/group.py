@@ -9,10 +9,12 @@ every rank raises naming the argument and the ranks that disagree -- nobody is l
 on a peer that will never come.  Call identity on the data path, aborts and the broken state:
 :mod:`tide_triton.calls`; options: :mod:`tide_triton.options`.
 
-Why ~630 lines: the :class:`Group` is the state every layer above shares (bootstrap,
+Why ~740 lines: the :class:`Group` is the state every layer above shares (bootstrap,
 agreement, transports per device, the heap's regions and layout, caches of prepared calls,
-side streams, the pacer) and the ``init`` / ``local_groups`` / close-at-exit entry points; the
-pieces that stand alone already live in ``calls``, ``options``, ``heap`` and ``regions``.
+side streams, the pacer) and the ``init`` / ``local_groups`` / close-at-exit entry points,
+with the single-process mode's placement and its CUDA preconditions (hardware queues, eager
+module loading); the pieces that stand alone already live in ``calls``, ``options``, ``heap``
+and ``regions``.
 """
 from __future__ import annotations
 

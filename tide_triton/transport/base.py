@@ -62,6 +62,10 @@ class Transport(Protocol):
         """Enqueue a :meth:`prepare_copies` result on the copy queue (or ``stream``), after
         everything already there; pieces may run in any order among themselves."""
 
+    def replays(self, prepared: Any) -> bool:
+        """Whether :meth:`copy_prepared` enqueues ``prepared`` as one replayed graph (one
+        queue entry, nothing for the host to pace) rather than descriptor by descriptor."""
+
     def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
              stream: Any = None) -> None:
         """:meth:`prepare_copies` then :meth:`copy_prepared`, for one-off copies."""

@@ -23,11 +23,14 @@ Devices: peers may share a GPU or sit on different GPUs of the node, in any mix.
 distinct GPUs the creation checks ``cuDeviceCanAccessPeer`` both ways and every rank raises
 the same error, naming both ranks and devices, when two cannot reach each other.
 
-Why this module is ~770 lines: about half is the public surface (some 25 methods that the
-executors call, each a documented one-line delegation to a part); the rest is the two
-collective protocols that need every part at once (creation in three exchange rounds, heap
-growth in two).  Moving the growth round into vmm.py would make the heap module call the
-exchange and the fd channel, i.e. the heap would know its peers.
+Why this module is ~900 lines: over a third is the public surface (some 40 methods and
+properties the executors call, most a documented one-line delegation to a part); the rest is
+what needs every part at once -- creation in three exchange rounds with the peer-access checks
+across devices (~200 lines), heap growth in two rounds, Slot-Reuse's release / restore of a
+range, and the close that drains, releases its own stuck waits and unmaps (~70).  The parts
+that stand alone are their own modules (vmm, handles, signals, views, driver).  Moving the
+growth round into vmm.py would make the heap module call the exchange and the fd channel,
+i.e. the heap would know its peers.
 """
 from __future__ import annotations
 
@@ -699,6 +702,11 @@ class CudaTransport:
         """:meth:`copy` of a :meth:`prepare_copies` result."""
         self._check_open()
         self._sig.copy_prepared(prepared, stream=stream)
+
+    def replays(self, prepared: PreparedCopies) -> bool:
+        """Whether ``prepared`` is launched as one captured graph (from its second or third
+        use on, ``$TIDE_TRITON_COPY_GRAPHS``): one queue entry, nothing to pace."""
+        return prepared.replay.get("graph") is not None
 
     def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
              stream: torch.cuda.Stream | None = None) -> None:

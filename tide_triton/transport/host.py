@@ -207,6 +207,10 @@ class HostTransport:
                              f"{len(dsts)}, {len(srcs)} and {len(nbytes)}")
         return list(dsts), list(srcs), list(nbytes)
 
+    def replays(self, prepared) -> bool:
+        """Never: the host copies each piece itself."""
+        return False
+
     def copy_prepared(self, prepared, *, stream: object = None) -> None:
         self.copy(*prepared)
 

@@ -27,6 +27,10 @@ Host waits
     :class:`~tide_triton.errors.PeerTimeoutError` naming the peer of a pending wait whose
     flag is still short.
 
+Why ~650 lines: one class owns a rank's streams, and copies, signals and host waits all
+enqueue on them and share its pending-wait ledger (which a timeout and a close read); the
+copy-graph replay and the path probes are the parts that grew it.
+
 Layout of the words this module uses (:class:`HiddenWords`): below heap offset 0 of every
 rank, ``local_size`` probe words then ``local_size * n_flags`` scratch words; the flags
 are the first ``n_flags`` words at offset 0.
