@@ -10,12 +10,14 @@ flags -- the floor an eager call cannot go below (docs/benchmarks.md, "Python pe
 prepared").
 
     TRITON_INTERPRET=1 python bench/host_path.py [--models llama-3.1-70b qwen3-30b-a3b synthetic-moe-256e]
-        [--ops all_gather reduce_scatter] [--agree first|always] [--no-kernels] [--profile]
+        [--ops all_gather reduce_scatter] [--agree first|always] [--prepared [unchecked]] [--no-kernels]
+        [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import os
 import pstats
 import threading
@@ -32,7 +34,7 @@ from tide_triton.workloads import layer_shapes  # noqa: E402
 
 
 def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int, profile: bool,
-            agree: str = "first") -> dict:
+            agree: str = "first", prepared: str | None = None) -> dict:
     shapes = [tuple(max(1, d // scale) for d in s) for s in layer_shapes(model)]
     layout = tt.ShardLayout(shapes, world)
     groups = tt.local_groups(world, timeout_s=120, agree=agree)
@@ -47,14 +49,22 @@ def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int
             shards = [torch.zeros(s, dtype=torch.bfloat16) for s in layout.shard_shapes(r, padded=True)]
             params = [torch.zeros(s, dtype=torch.bfloat16) for s in layout.padded_shapes]
 
-            def call() -> None:
-                tt.all_gather(shards, params, group=g)
+            if prepared:
+                call = functools.partial(tt.prepare_all_gather(shards, params, group=g).run,
+                                         check_addresses=prepared != "unchecked")
+            else:
+                def call() -> None:
+                    tt.all_gather(shards, params, group=g)
         else:
             grads = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
             out = [torch.zeros(s) for s in layout.shard_shapes(r, padded=True)]
 
-            def call() -> None:
-                tt.reduce_scatter(grads, out, group=g, op="sum")
+            if prepared:
+                call = functools.partial(tt.prepare_reduce_scatter(grads, out, group=g, op="sum").run,
+                                         check_addresses=prepared != "unchecked")
+            else:
+                def call() -> None:
+                    tt.reduce_scatter(grads, out, group=g, op="sum")
         for _ in range(warmup):
             call()
         if ready.wait() == 0:  # one rank starts counting the process's collector passes
@@ -80,7 +90,11 @@ def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int
         g.close()
     if profile and "rank0" in prof:
         pstats.Stats(prof["rank0"]).sort_stats("tottime").print_stats(15)
-    return {"model": model, "op": op, "params": len(shapes), "us_per_call": [round(per_rank[r]) for r in range(world)],
+    label = op
+    if prepared:
+        label += f" (prepared: run, addresses {'not ' if prepared == 'unchecked' else ''}checked)"
+    return {"model": model, "op": label, "params": len(shapes),
+            "us_per_call": [round(per_rank[r]) for r in range(world)],
             "gc_passes_per_call": clock.count / calls, "gc_full_passes": clock.full, "gc_ms": clock.seconds * 1e3}
 
 
@@ -96,6 +110,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0's timed calls")
     ap.add_argument("--agree", choices=["first", "always"], default="first",
                     help="the groups' agree option (always: one bootstrap exchange per call, the default of tt.init)")
+    ap.add_argument("--prepared", nargs="?", const="checked", choices=["checked", "unchecked"], default=None,
+                    help="time run() of tt.prepare_reduce_scatter / tt.prepare_all_gather instead of the eager call "
+                         "(unchecked: run(check_addresses=False))")
     ap.add_argument("--no-kernels", action="store_true",
                     help="launch no reduction/cast kernel either (their Python on the CPU is Triton's interpreter)")
     a = ap.parse_args()
@@ -108,7 +125,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for model in a.models:
         for op in a.ops:
-            row = measure(model, op, a.world_size, a.scale, a.warmup, a.calls, a.profile, a.agree)
+            row = measure(model, op, a.world_size, a.scale, a.warmup, a.calls, a.profile, a.agree, a.prepared)
             gc_cells = (f"{row['gc_passes_per_call']:.2f} | {row['gc_full_passes']} "
                         f"({row['gc_ms']:.1f} ms in all passes)")
             print(f"| {row['model']} | {row['op']} | {row['params']} | {' / '.join(map(str, row['us_per_call']))} "

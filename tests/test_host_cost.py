@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
 import tide_triton.collectives as coll
+import tide_triton.node_prepare as node_prepare
 from tide_triton.executor import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies
 from tide_triton.heap import ring as heap_ring
 from tide_triton.layout import ShardLayout
@@ -144,7 +145,7 @@ def test_all_gather_descriptors_are_o_of_w(model: str, W: int) -> None:
     es = 2
     pptrs = _contiguous(layout.padded_numels, es)  # FSDP2's padded outputs, back to back
     reg = heap_ring(64, W, 1 << 20, 2, 0)
-    batches = coll._prepare_all_gather(_G(W), _Counting(1 << 36), layout, pptrs, es, None, reg.ag_off)
+    batches = node_prepare.prepare_all_gather(_G(W), _Counting(1 << 36), layout, pptrs, es, None, reg.ag_off)
     after = sum(len(b) for b in batches)
     before = sum(1 for r in range(W) for n in layout.shard_numels(r) if n)
     bound = W * (_runs(layout.padded_shard_numels) + 1)  # +1: the last rank's short rows
@@ -163,7 +164,7 @@ def test_reduce_scatter_push_descriptors_are_o_of_w(model: str, W: int) -> None:
     plan = ring_plan(layout, ring_bytes, es, stages)
     t = _Counting(1 << 36)
     for me in range(W):
-        rounds = coll._push_plans(W, me, plan, t.address, reg, gptrs, layout.padded_shard_numels, es)
+        rounds = node_prepare.push_plans(W, me, plan, t.address, reg, gptrs, layout.padded_shard_numels, es)
         for j, p in enumerate(rounds):
             pieces = [[layout.padded_shard_numels[pc.param] for pc in plan.chunks[d][j]]
                       for d in range(W) if d != me and j < len(plan.chunks[d])]
@@ -202,7 +203,7 @@ def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> d
     dev = torch.device(device)
     grads = [_flat_views(shapes, torch.bfloat16, gen=gen, device=dev) for _ in range(W)]
     counts: list[tuple[int, int]] = []
-    real_plan = coll.plan_copies
+    real_plan = node_prepare.plan_copies
 
     def counting(dsts, srcs, sizes, **k):
         p = real_plan(dsts, srcs, sizes, **k)
@@ -213,7 +214,7 @@ def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> d
         return [Strided(d, x, n) for d, x, n in zip(dsts, srcs, sizes) if n]
 
     def run(plan_fn):
-        coll.plan_copies = plan_fn
+        node_prepare.plan_copies = plan_fn
         # On the GPU a stuck wait must end in an error naming the rank well inside the test
         # timeout of bench/gpu_tests.sh (session 8: this variant never finished there).
         groups = tt.local_groups(W, timeout_s=20 if dev.type == "cuda" else 60, ring_bytes=4096 * W,
@@ -242,7 +243,7 @@ def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> d
         finally:
             for g in groups:
                 g.close()
-            coll.plan_copies = real_plan
+            node_prepare.plan_copies = real_plan
 
     planned = run(counting)
     plain = run(unplanned)
@@ -298,7 +299,7 @@ def test_a_step_of_many_modules_prepares_nothing_the_second_time(monkeypatch: py
     shapes = [[(4 + m % 3, 3), (5,)] for m in range(modules)]
     layouts = [ShardLayout(s, W) for s in shapes]
     prepared = {"ag": 0, "rs": 0}
-    real_ag, real_rs = coll._prepare_all_gather, coll._prepare_reduce_scatter
+    real_ag, real_rs = node_prepare.prepare_all_gather, node_prepare.prepare_reduce_scatter
 
     def count(kind, fn):
         def wrapped(*a, **k):
@@ -306,8 +307,8 @@ def test_a_step_of_many_modules_prepares_nothing_the_second_time(monkeypatch: py
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(coll, "_prepare_all_gather", count("ag", real_ag))
-    monkeypatch.setattr(coll, "_prepare_reduce_scatter", count("rs", real_rs))
+    monkeypatch.setattr(node_prepare, "prepare_all_gather", count("ag", real_ag))
+    monkeypatch.setattr(node_prepare, "prepare_reduce_scatter", count("rs", real_rs))
     groups = tt.local_groups(W, timeout_s=60, ring_bytes=4096 * W)
     tensors = [[(_flat_views(lay.shard_shapes(r, padded=True), torch.bfloat16, fill=1.0),
                  _flat_views(lay.padded_shapes, torch.bfloat16, fill=0.0),

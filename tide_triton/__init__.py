@@ -6,7 +6,7 @@ accumulation, packing, all Triton).  Collectives: :func:`init`, :func:`reduce_sc
 :func:`all_gather`.  FSDP2 drop-in: :func:`tide_triton.fsdp.enable`.
 """
 from . import fsdp  # FSDP2 drop-in; imports no FSDP2 internals until enable()
-from .collectives import Work, all_gather, reduce_scatter, synchronize
+from .collectives import Work, all_gather, prepare_all_gather, prepare_reduce_scatter, reduce_scatter, synchronize
 from .errors import (
     ArgumentMismatchError,
     GroupBrokenError,
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ShardLayout", "Topology", "AllGatherPlan", "ReduceScatterPlan",
     "init", "local_groups", "Group", "GroupOptions", "reduce_scatter", "all_gather", "synchronize", "Work",
+    "prepare_reduce_scatter", "prepare_all_gather",
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",

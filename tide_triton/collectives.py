@@ -19,25 +19,21 @@ from typing import Sequence
 
 import torch
 
-from . import hier_collectives, multicast_exec
+from . import hier_collectives, multicast_exec, node_prepare, programs
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name, same_shapes
-from .executor import Streams, Strided, Work, plan_copies, prepare_padding_zeros, prepare_planned, wait_vacated
+from .executor import Streams, Work, wait_vacated
 from .group import Group, resolve
-from .heap import Ring, ag_block_end, staging_ring
+from .heap import ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
-from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
 
 _PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 
-__all__ = ["reduce_scatter", "all_gather", "Work", "synchronize", "release_all_gather_block",
-           "released_block_bytes"]
-
-_AG_BATCH = 256
-"""Copy descriptors per batch of an all-gather's pulls."""
+__all__ = ["reduce_scatter", "all_gather", "prepare_reduce_scatter", "prepare_all_gather", "Work", "synchronize",
+           "release_all_gather_block", "released_block_bytes"]
 
 
 def _check_region(g: Group, region: object, device: torch.device, name: str, use: str) -> None:
@@ -102,18 +98,6 @@ def _check_stream(stream: object) -> None:
         raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
 
 
-@lru_cache(maxsize=256)
-def _chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, dest: int,
-                   j: int) -> SegmentProgram:
-    """Destination ``dest``'s reduction of its chunk ``j``: run ``i`` (one piece) reads
-    source entry ``i`` of every contributor -- a slot address for a peer, a gradient
-    address for ``dest`` itself -- so the pointer tables carry the offsets."""
-    plan = ring_plan(layout, ring_bytes, elem_bytes, stages)
-    pieces = plan.chunks[dest][j]
-    runs = tuple(Span(pc.param, pc.start, i, 0, pc.numel) for i, pc in enumerate(pieces))
-    return SegmentProgram(runs, n_dst=len(layout), n_src=len(pieces))
-
-
 def _full_and_shards(name: str, full: object, shards: object, world: int):
     """Checks shared by both collectives: full tensors (one dtype, one device, contiguous)
     and as many shards; the layout the full shapes define."""
@@ -149,61 +133,6 @@ def _layout(dims: tuple[int, ...], sizes: tuple[int, ...], world: int) -> ShardL
 
 
 # --------------------------------------------------------------------------- reduce-scatter
-def _prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gptrs: tuple[int, ...],
-                            shard_ptrs: tuple[int, ...], snumels: tuple[int, ...], gdt: torch.dtype,
-                            sdt: torch.dtype, device: torch.device, scale: float | None, acc: bool,
-                            ring_bytes: int | None = None):
-    """Everything a reduce-scatter enqueues that depends only on its addresses: one bound
-    reduction per chunk of this rank (sources in rank order: the peers' slots, and this
-    rank's own gradients read in place), per round the copies that push this rank's slices
-    to its peers' slots, and (without ``acc``) the zero-fill of padded shards' padding.  The
-    bindings hold stand-in tensors, not the caller's: a cached entry keeps no gradient alive."""
-    W, me, S = g.world_size, g.rank, plan.stages
-    es = gdt.itemsize
-    Sp = layout.padded_shard_numels
-    src_stub = torch.empty(0, dtype=gdt, device=device)
-    dst_stub = (torch.empty(0, dtype=sdt, device=device),) * len(layout)
-    reducers = []
-    for j, pieces in enumerate(plan.chunks[me]):
-        s = j % S
-        ptrs: list[int] = []
-        for c in range(W):  # contributors in rank order: the sum's fixed order
-            if c == me:
-                ptrs += [gptrs[pc.param] + (me * Sp[pc.param] + pc.start) * es for pc in pieces]
-            else:
-                slot = t.address(me, reg.slot(s, c, me))
-                ptrs += [slot + pc.slot_off * es for pc in pieces]
-        b = Binding(_chunk_program(layout, ring_bytes or g.options.ring_bytes, es, S, me, j), dst_stub,
-                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, tuple(ptrs)))
-        b.prepare(scale=scale, accumulate=acc)
-        reducers.append(b)
-    pushes = [(prepare_planned(t, p), len(p)) for p in _push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)]
-    padding = None if acc else prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
-                                                     sdt.itemsize, device)
-    return reducers, pushes, padding
-
-
-def _push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
-                es: int) -> list[list[Strided]]:
-    """Per round, the copies pushing rank ``me``'s slices of its gradients (at ``gptrs``)
-    into its peers' slots, planned: equal-shaped gradients allocated back to back (experts)
-    are one strided copy per peer and round."""
-    out = []
-    for j in range(plan.rounds):
-        s = j % plan.stages
-        dsts, srcs, sizes = [], [], []
-        for d in range(W):
-            if d == me or j >= len(plan.chunks[d]):
-                continue
-            dst0 = address(d, reg.slot(s, me, d))
-            for pc in plan.chunks[d][j]:
-                dsts.append(dst0 + pc.slot_off * es)
-                srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
-                sizes.append(pc.numel * es)
-        out.append(plan_copies(dsts, srcs, sizes))
-    return out
-
-
 def reduce_scatter(
     grads: Sequence[torch.Tensor],
     shards: Sequence[torch.Tensor],
@@ -238,20 +167,29 @@ def reduce_scatter(
         return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging)
 
 
+def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate):
+    """The reduce-scatter's own checks (this rank): ``(grads, shards, grads dtype, shards
+    dtype, device, layout, scale, signature)``; TypeError / ValueError naming the argument."""
+    W, me = g.world_size, g.rank
+    grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
+    check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                 why=lambda i: layout.shard_rule(i, me))
+    sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
+    scale = _scale(op, W)
+    sig = (name, ("grads shapes", layout.shapes), ("grads dtype", dtype_name(gdt)),
+           ("shards dtype", dtype_name(sdt)), ("op", repr(op)), ("accumulate", bool(accumulate)),
+           ("device", device.type))
+    return grads_l, shards_l, gdt, sdt, device, layout, scale, sig
+
+
 def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, staging) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
     try:
-        grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
-        check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
-                     why=lambda i: layout.shard_rule(i, me))
-        sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
-        scale = _scale(op, W)
+        grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
+            g, "reduce_scatter", grads, shards, op, accumulate)
         _check_stream(stream)
-        sig = ("reduce_scatter", ("grads shapes", layout.shapes), ("grads dtype", dtype_name(gdt)),
-               ("shards dtype", dtype_name(sdt)), ("op", repr(op)), ("accumulate", bool(accumulate)),
-               ("device", device.type))
         if staging is not None:
             _check_staging(g, staging, device)
             if g.nodes > 1:  # too small: ValueError
@@ -299,8 +237,9 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     prep = g.cached(key)
     if prep is None:
         with st.kernels():
-            prep = g.cache(key, _prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs, snumels,
-                                                        gdt, sdt, device, scale, acc, ring_bytes))
+            prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
+                                                                    snumels, gdt, sdt, device, scale, acc,
+                                                                    ring_bytes))
     reducers, pushes, padding = prep
     g.heap_barrier()
     pace = g.pacer(device)
@@ -363,71 +302,6 @@ def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: 
             raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got} ({layout.shard_rule(i, rank)})")
 
 
-def _prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...], es: int,
-                        source: tuple[int, tuple[int, ...]] | None, block_off: int) -> list:
-    """The copy-engine descriptors of an all-gather into parameters at ``pptrs``: every
-    rank's real rows of every parameter (``es``-byte elements) -- from that rank's heap
-    block at ``block_off``, or (``source = (region offset, byte offset of each parameter in
-    it)``, :func:`all_gather`'s ``params_region``) from the peers' copies of the region,
-    where each rank wrote its own rows in place -- planned
-    (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters allocated
-    back to back is one strided copy per rank) and prepared for the transport in batches of
-    :data:`_AG_BATCH` descriptors."""
-    offs, S = layout.flat_offsets, layout.padded_shard_numels
-    dsts, srcs, sizes = [], [], []
-    for r in range(g.world_size):
-        if source is not None and r == g.rank:
-            continue  # my rows are in place
-        base = t.address(r, block_off if source is None else source[0])
-        for p, n in enumerate(layout.shard_numels(r)):
-            if n:
-                dsts.append(pptrs[p] + r * S[p] * es)
-                srcs.append(base + (offs[p] * es if source is None else source[1][p] + r * S[p] * es))
-                sizes.append(n * es)
-    plan = plan_copies(dsts, srcs, sizes)
-    return [prepare_planned(t, plan[i:i + _AG_BATCH]) for i in range(0, len(plan), _AG_BATCH)]
-
-
-def _prepare_stage(g: Group, t, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
-                   dsts: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device,
-                   into_block: bool):
-    """How this rank's shards (as they are: padded or not) reach ``dsts`` (one address per
-    parameter: its place in this rank's heap block, or -- ``into_block`` False, ``params_region`` --
-    its own rows in the parameter) in the parameters' dtype: ``(caster, copies, pad_copies,
-    zeros)`` -- a bound cast kernel when the dtypes differ (stand-in tensors, addresses known),
-    else prepared copies; then the zero-fill, from ``zeros`` (kept alive here), of what a
-    shard lacks of this rank's part: its block slot (padded), or its rows of the parameter as
-    the layout knows them (a padded parameter: the padded rows; the zeros the block path
-    delivers too).  Into the block a padded shard goes whole; into the parameter only up to
-    those rows: the last ranks' padding rows lie past the end of a parameter passed unpadded,
-    where other data may live."""
-    es = pdt.itemsize
-    # how far this rank's part reaches: its block slot, or its rows of the parameter
-    part = layout.padded_shard_numels if into_block else layout.shard_numels(g.rank)
-    numels = [min(x.numel(), n) for x, n in zip(shards, part)]
-    caster = copies = None
-    if pdt != sdt:
-        runs = tuple(Span(p, 0, p, 0, n) for p, n in enumerate(numels))
-        caster = Binding(_cast_program(runs, len(layout)),
-                         (torch.empty(0, dtype=pdt, device=device),) * len(layout),
-                         (torch.empty(0, dtype=sdt, device=device),) * len(layout), 1, g.options.max_ctas,
-                         known_ptrs=(dsts, sptrs))
-        caster.prepare()
-    else:
-        copies = prepare_planned(t, plan_copies(list(dsts), list(sptrs), [n * es for n in numels]))
-    pads = [(p, n) for p, n in enumerate(numels) if n < part[p]]
-    zeros = g.zeros(device, max(part[p] - n for p, n in pads) * es) if pads else None
-    pad_copies = prepare_planned(t, plan_copies([dsts[p] + n * es for p, n in pads],
-                                                [zeros.data_ptr()] * len(pads) if pads else [],
-                                                [(part[p] - n) * es for p, n in pads]))
-    return caster, copies, pad_copies, zeros
-
-
-@lru_cache(maxsize=64)
-def _cast_program(runs: tuple[Span, ...], n: int) -> SegmentProgram:
-    return SegmentProgram(runs, n_dst=n, n_src=n)
-
-
 def all_gather(
     shards: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -459,23 +333,30 @@ def all_gather(
         return _all_gather(g, shards, params, stream, async_op, params_region)
 
 
+def _ag_arguments(g: Group, name: str, shards, params):
+    """The all-gather's own checks (this rank): ``(params, shards, params dtype, shards dtype,
+    device, layout, signature)``.  The params' shapes (their dim 0 too) are agreed: a rank
+    whose parameter has another dim 0 would place the others' rows by another layout (and pull
+    rows they do not hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not
+    be mixed."""
+    params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, g.world_size)
+    _check_gather_shards(shards_l, layout, g.rank)
+    sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
+    sig = (name, ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
+           ("shards dtype", dtype_name(sdt)), ("device", device.type))
+    return params_l, shards_l, pdt, sdt, device, layout, sig
+
+
 def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
     source = None
     try:
-        params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, W)
-        _check_gather_shards(shards_l, layout, me)
-        sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
+        params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "all_gather", shards, params)
         _check_stream(stream)
         # the call's addresses, read once (cache keys, the region's offsets)
         pptrs, sptrs, snumels = tuple(map(_PTR, params_l)), tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))
-        # The params' shapes (their dim 0 too) are agreed: a rank whose parameter has another
-        # dim 0 would place the others' rows by another layout (and pull rows they do not
-        # hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not be mixed.
-        sig = ("all_gather", ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
-               ("shards dtype", dtype_name(sdt)), ("device", device.type))
         if region is not None:
             _check_region(g, region, device, "params_region", "params")
             if g.nodes > 1:
@@ -516,7 +397,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     key = ("ag", layout, pdt, device, pptrs, where)
     pulls = g.cached(key)
     if pulls is None:
-        pulls = g.cache(key, _prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
+        pulls = g.cache(key, node_prepare.prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
     skey = ("ag-stage", layout, sdt, pdt, device, sptrs, snumels, where, pptrs if source is not None else None)
     stage = g.cached(skey)
     if stage is None:
@@ -526,8 +407,8 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
         else:  # my rows of each parameter
             dsts = tuple(pptrs[p] + me * n * es for p, n in enumerate(layout.padded_shard_numels))
         with st.kernels():
-            stage = g.cache(skey, _prepare_stage(g, t, layout, shards_l, sptrs, dsts, sdt, pdt, device,
-                                                 into_block=source is None))
+            stage = g.cache(skey, node_prepare.prepare_stage(g, t, layout, shards_l, sptrs, dsts, sdt, pdt,
+                                                             device, into_block=source is None))
     caster, stage_copies, pad_copies, _zeros = stage
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
@@ -556,7 +437,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     # W=8) queued behind the flag waits would fill the driver's queue and block this thread
     # inside the driver (see group._Pacer).
     pace = g.pacer(device)
-    pace.start(_AG_BATCH)
+    pace.start(node_prepare.AG_BATCH)
     for b, batch in enumerate(pulls):
         if not t.replays(batch):  # a replayed graph is one queue entry: nothing to pace
             pace.before(b, t, timeout)
@@ -568,6 +449,70 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
         region._read(e)  # its vacate() waits for every peer's ag_done of epoch e
     t.fence_to(cs)  # the parameters are complete for later work on the stream
     return st.finish()
+
+
+# --------------------------------------------------------------------------- prepared collectives
+def _check_preparable(g: Group) -> None:
+    if g.nodes > 1:
+        raise ValueError(f"prepared collectives need a group of one node, this one spans {g.nodes} nodes "
+                         "(call reduce_scatter / all_gather instead)")
+
+
+def prepare_reduce_scatter(
+    grads: Sequence[torch.Tensor],
+    shards: Sequence[torch.Tensor],
+    *,
+    group: object = None,
+    op: str | float = "avg",
+    accumulate: bool = False,
+) -> programs.PreparedReduceScatter:
+    """:func:`reduce_scatter` of these very tensors, checked, agreed and prepared once
+    (collective); ``.run(stream=None, async_op=False)`` performs it as often as wanted, with
+    host work independent of the parameter count (no checks, no agreement with the peers,
+    no cache lookups per run).  The grads' and shards' storage must stay where it is (each run
+    checks its addresses unless ``run(check_addresses=False)``); their values may change.
+    Every rank must run the same prepared collectives in the same order (a rank running
+    another one waits for it until the group's timeout, which names it).  One node; no
+    staging.  Its ring is a heap region of ``ring_bytes`` shared by the group's prepared
+    reduce-scatters (:mod:`tide_triton.programs`)."""
+    g = resolve(group)
+    with g.call("prepare_reduce_scatter") as c:
+        err: BaseException | None = None
+        sig: object = None
+        try:
+            _check_preparable(g)
+            grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
+                g, "prepare_reduce_scatter", grads, shards, op, accumulate)
+        except (TypeError, ValueError) as e:
+            err = e
+        g.agree(sig, err)
+        token = c.seq
+    return programs.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
+                                            bool(accumulate))
+
+
+def prepare_all_gather(
+    shards: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    *,
+    group: object = None,
+) -> programs.PreparedAllGather:
+    """:func:`all_gather` of these very tensors, prepared once (collective) and performed by
+    ``.run()``, like :func:`prepare_reduce_scatter`.  Its block is a heap region shared by the
+    group's prepared all-gathers of the same block size."""
+    g = resolve(group)
+    with g.call("prepare_all_gather") as c:
+        err: BaseException | None = None
+        sig: object = None
+        try:
+            _check_preparable(g)
+            params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "prepare_all_gather", shards,
+                                                                              params)
+        except (TypeError, ValueError) as e:
+            err = e
+        g.agree(sig, err)
+        token = c.seq
+    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device)
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,

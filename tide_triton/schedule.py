@@ -144,6 +144,29 @@ class FlagMap:
         """On every peer: the number of the last call ``src`` abandoned (0: none)."""
         return self._after_regions() + 2 * self.local_size + src
 
+    def _after_calls(self) -> int:
+        return self._after_regions() + 3 * self.local_size
+
+    # Prepared collectives (tide_triton.programs): token words, each with one writer and one
+    # reader, who sets it back to 0 once seen -- so a run leaves them all 0.
+    def program_rs_ready(self, stage: int, src: int) -> int:
+        """On a destination: contributor ``src``'s token once its slot of the prepared ring's
+        ``stage`` is filled (0 again once the destination saw it)."""
+        return self._after_calls() + stage * self.local_size + src
+
+    def program_rs_free(self, stage: int, dest: int) -> int:
+        """On a contributor: ``dest``'s token once it has reduced this contributor's slot of
+        ``stage`` (0 again once the contributor saw it)."""
+        return self._after_calls() + (self.stages + stage) * self.local_size + dest
+
+    def program_ag_ready(self, src: int) -> int:
+        """On a reader: ``src``'s token once its prepared all-gather block holds its rows."""
+        return self._after_calls() + 2 * self.stages * self.local_size + src
+
+    def program_ag_done(self, reader: int) -> int:
+        """On an owner: ``reader``'s token once it has read the owner's prepared block."""
+        return self._after_calls() + (2 * self.stages + 1) * self.local_size + reader
+
     @property
     def n_flags(self) -> int:
-        return self._after_regions() + 3 * self.local_size
+        return self._after_calls() + (2 * self.stages + 2) * self.local_size

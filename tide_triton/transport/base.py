@@ -78,6 +78,11 @@ class Transport(Protocol):
                    stream: Any = None) -> None:
         """:meth:`signal` to several flags of several ranks (one driver call where it can)."""
 
+    def wait_all_equal(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                       timeout_s: float, stream: Any = None, what: str = "") -> None:
+        """Wait until each local flag ``slots[i]`` holds exactly ``values[i]`` (a token or a
+        call identity, which no other value satisfies); on the copy queue (or ``stream``)."""
+
     def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: Any = None,
              what: str = "") -> None:
         """Later queue work waits until local flag ``slot`` is ``>= value`` (set by

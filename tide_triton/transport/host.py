@@ -254,6 +254,25 @@ class HostTransport:
         for r, sl, v in zip(ranks, slots, values, strict=True):
             self.signal(r, sl, v)
 
+    def wait_all_equal(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
+                       timeout_s: float, stream: object = None, what: str = "") -> None:
+        """:meth:`wait_all` for exactly each value (a token, which neither a smaller nor a
+        larger value satisfies)."""
+        for sl, v, p in zip(slots, values, peers, strict=True):
+            flag = self._flag(self.rank, sl)
+            if flag.value == v:
+                continue
+            deadline = time.monotonic() + timeout_s
+            pause = 1e-6
+            while flag.value != v:
+                if self.watch is not None:
+                    self.watch(p)
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(p + self.rank_offset, (what.format(peer=p + self.rank_offset) or
+                                           f"flag {sl} == {v}") + f", saw {flag.value}", timeout_s)
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
     def session(self):
         return contextlib.nullcontext()
 

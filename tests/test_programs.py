@@ -1,0 +1,402 @@
+"""Prepared collectives (``tt.prepare_reduce_scatter`` / ``tt.prepare_all_gather``, then
+``.run()``), on the host transport with the ranks as threads: every run exact (integer-valued
+bf16: the fp32 sums are exact) and bit-identical to the eager call on the same values, runs
+interleaved with eager calls and with other prepared collectives, two ranks running different
+prepared collectives end in a timeout naming the peer (the token protocol never pairs them),
+moved storage is refused, and a run's host work does not grow with the parameter count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    from _dist import run_threads
+except ImportError:  # pragma: no cover
+    from tests._dist import run_threads
+
+import tide_triton as tt
+from tide_triton.errors import GroupBrokenError, PeerAbortedError, PeerTimeoutError
+from tide_triton.layout import ShardLayout
+
+W = 3
+SHAPES = [(37, 5), (3,), (53, 2), (1, 4), (100,)]  # uneven rows: padded and empty shards at W=3
+
+
+def _grads(gen: torch.Generator, shapes) -> list[list[torch.Tensor]]:
+    return [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in shapes] for _ in range(W)]
+
+
+def _refill(grads, gen: torch.Generator) -> None:
+    """New values, same storage (what a training step does to its gradients)."""
+    for per_rank in grads:
+        for x in per_rank:
+            x.copy_(torch.randint(-8, 9, x.shape, generator=gen).to(torch.bfloat16))
+
+
+def _want(grads, p: int) -> torch.Tensor:
+    return sum(grads[q][p].float() for q in range(W))
+
+
+def _groups(**options):
+    return tt.local_groups(W, timeout_s=options.pop("timeout_s", 30), ring_bytes=options.pop("ring_bytes", 128 * W),
+                           **options)
+
+
+def _close(groups) -> None:
+    for g in groups:
+        g.close()
+
+
+def test_prepared_runs_are_exact_and_equal_the_eager_calls() -> None:
+    """Three runs of a prepared reduce-scatter (op sum, padded shards) and of two prepared
+    all-gathers (fp32 shards -> bf16 params, a cast; bf16 -> bf16, copies), with new gradient
+    values before each and eager calls on other tensors in between; each run equals the
+    contract and the eager call on the same values, bit for bit; padding rows become zero."""
+    layout = ShardLayout(SHAPES, W)
+    other_shapes = [(4, 4), (9,)]
+    other_layout = ShardLayout(other_shapes, W)
+    gen = torch.Generator().manual_seed(11)
+    grads = _grads(gen, SHAPES)
+    other = _grads(gen, other_shapes)
+    groups = _groups()
+    state: dict[int, dict] = {}
+
+    def prepare(r: int) -> None:
+        g = groups[r]
+        st = state[r] = {
+            "shards": [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)],
+            "params": [torch.full(s, -3.0, dtype=torch.bfloat16) for s in SHAPES],
+            "bshards": [torch.zeros(s, dtype=torch.bfloat16) for s in layout.shard_shapes(r)],
+            "bparams": [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES],
+        }
+        st["rs"] = tt.prepare_reduce_scatter(grads[r], st["shards"], group=g, op="sum")
+        st["ag"] = tt.prepare_all_gather([x[:n] for x, n in zip(st["shards"], layout.shard_rows(r))],
+                                         st["params"], group=g)
+        st["ag16"] = tt.prepare_all_gather(st["bshards"], st["bparams"], group=g)
+        assert st["rs"].plan.rounds >= 3  # more rounds than stages: slots reused within a run
+
+    def step(r: int):
+        g, st = groups[r], state[r]
+        for x in st["shards"]:
+            x.fill_(-1.0)  # stale values: a run must overwrite every real row and zero the padding
+        st["rs"].run()
+        st["ag"].run()
+        for i, x in enumerate(st["bshards"]):
+            x.copy_(st["shards"][i][:x.shape[0]].to(torch.bfloat16))
+        st["ag16"].run()
+        osh = [torch.empty(s) for s in other_layout.shard_shapes(r)]  # eager calls between runs
+        tt.reduce_scatter(other[r], osh, group=g, op="sum")
+        eager = [torch.empty(s) for s in layout.shard_shapes(r, padded=True)]
+        tt.reduce_scatter(grads[r], eager, group=g, op="sum")
+        return ([x.clone() for x in st["shards"]], [x.clone() for x in st["params"]],
+                [x.clone() for x in st["bparams"]], eager, osh)
+
+    try:
+        run_threads(prepare, W, timeout=120)
+        for k in range(3):
+            if k:
+                _refill(grads, gen)
+            out = run_threads(step, W, timeout=120)
+            for r, (shards, params, bparams, eager, osh) in enumerate(out):
+                for p in range(len(SHAPES)):
+                    want = _want(grads, p)
+                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
+                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
+                    assert torch.equal(shards[p], eager[p]), (k, r, p)  # bit for bit the eager call
+                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+                    assert torch.equal(bparams[p], want.to(torch.bfloat16)), (k, r, p)
+                for p in range(len(other_shapes)):
+                    want = _want(other, p)
+                    c, rows = other_layout.rows_per_rank[p], other_layout.shard_rows(r)[p]
+                    assert torch.equal(osh[p], want[r * c: r * c + rows]), (k, r, p)
+    finally:
+        _close(groups)
+
+
+def test_prepared_collectives_alternate_and_accumulate() -> None:
+    """Two prepared reduce-scatters of different layers share the prepared ring (each run ends
+    with every slot reduced): A (avg), B (sum, accumulate), A, B -- each run exact, B adding to
+    its shards; several rounds per run, so slots are reused inside a run too."""
+    shapes_a, shapes_b = SHAPES, [(60, 3), (50,), (2, 2)]
+    la, lb = ShardLayout(shapes_a, W), ShardLayout(shapes_b, W)
+    gen = torch.Generator().manual_seed(5)
+    ga, gb = _grads(gen, shapes_a), _grads(gen, shapes_b)
+    groups = _groups()
+    state: dict[int, tuple] = {}
+
+    def prepare(r: int) -> int:
+        sa = [torch.empty(s) for s in la.shard_shapes(r)]
+        sb = [torch.zeros(s) for s in lb.shard_shapes(r)]
+        a = tt.prepare_reduce_scatter(ga[r], sa, group=groups[r], op=0.5)
+        b = tt.prepare_reduce_scatter(gb[r], sb, group=groups[r], op="sum", accumulate=True)
+        state[r] = (a, b, sa, sb)
+        return a.plan.rounds
+
+    def run(r: int, which: str):
+        a, b, sa, sb = state[r]
+        (a if which == "a" else b).run()
+        return [x.clone() for x in (sa if which == "a" else sb)]
+
+    try:
+        rounds = run_threads(prepare, W, timeout=60)
+        assert min(rounds) >= 3, rounds  # more rounds than stages: slots reused within a run
+        for k, which in enumerate("abab"):
+            out = run_threads(lambda r, w=which: run(r, w), W, timeout=60)
+            layout, grads = (la, ga) if which == "a" else (lb, gb)
+            times = 1 if which == "a" else (k + 1) // 2  # b accumulates: 1x, then 2x the sum
+            for r, shards in enumerate(out):
+                for p in range(len(layout)):
+                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                    want = _want(grads, p)[r * c: r * c + rows]
+                    want = want * 0.5 if which == "a" else want * times
+                    assert torch.equal(shards[p], want), (which, k, r, p)
+    finally:
+        _close(groups)
+
+
+def test_ranks_running_different_prepared_collectives_time_out_naming_the_peer() -> None:
+    """Rank 0 runs prepared collective A while the others run B: their tokens differ, so no
+    rank takes the other's data; every rank raises -- PeerTimeoutError naming the peer whose
+    token did not come, or PeerAbortedError naming the peer that gave up first -- and the
+    group is broken afterwards (its flags hold a half-done run)."""
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(2)
+    grads = _grads(gen, SHAPES)
+    groups = _groups(timeout_s=3)
+
+    def body(r: int):
+        sa = [torch.empty(s) for s in layout.shard_shapes(r)]
+        sb = [torch.empty(s) for s in layout.shard_shapes(r)]
+        a = tt.prepare_reduce_scatter(grads[r], sa, group=groups[r], op="sum")
+        b = tt.prepare_reduce_scatter(grads[r], sb, group=groups[r], op="sum")
+        try:
+            (a if r == 0 else b).run()
+        except (PeerTimeoutError, PeerAbortedError) as e:
+            first = e
+        else:
+            return "no error"
+        with pytest.raises(GroupBrokenError):
+            a.run()
+        return first
+
+    try:
+        out = run_threads(body, W, timeout=60)
+    finally:
+        _close(groups)
+    for r, e in enumerate(out):
+        assert isinstance(e, (PeerTimeoutError, PeerAbortedError)), (r, e)
+        assert "prepared reduce-scatter" in str(e), (r, str(e))
+        assert (e.peer if isinstance(e, PeerTimeoutError) else e.rank) != r, (r, str(e))
+    assert any(isinstance(e, PeerTimeoutError) for e in out)  # someone saw the wrong token
+
+
+def test_prepared_collective_refuses_moved_storage_and_other_nodes() -> None:
+    """A run whose tensors' storage moved raises ValueError naming the tensor (on every rank
+    that sees it; here all), before anything moves: the group stays usable.  A group of
+    several nodes cannot prepare (ValueError on every rank)."""
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(3)
+    grads = _grads(gen, SHAPES)
+    groups = _groups()
+
+    def body(r: int):
+        shards = [torch.empty(s) for s in layout.shard_shapes(r)]
+        rs = tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+        moved = grads[r][2]
+        keep = moved.data
+        moved.data = moved.data.clone()  # same values, new storage
+        with pytest.raises(ValueError, match=r"grads\[2\] moved \(data_ptr 0x[0-9a-f]+ when prepared"):
+            rs.run()
+        moved.data = keep
+        rs.run()  # the group is still usable
+        return [x.clone() for x in shards]
+
+    try:
+        out = run_threads(body, W, timeout=60)
+    finally:
+        _close(groups)
+    for r, shards in enumerate(out):
+        for p in range(len(SHAPES)):
+            c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+            assert torch.equal(shards[p], _want(grads, p)[r * c: r * c + rows])
+
+    nodes = tt.local_groups(4, local_size=2, timeout_s=30)
+    two = ShardLayout([(8, 2)], 4)
+    try:
+        def refuse(r: int):
+            with pytest.raises(ValueError, match="prepared collectives need a group of one node, this one spans 2"):
+                tt.prepare_reduce_scatter([torch.zeros(8, 2, dtype=torch.bfloat16)],
+                                          [torch.empty(s) for s in two.shard_shapes(r)], group=nodes[r])
+        run_threads(refuse, 4, timeout=60)
+    finally:
+        _close(nodes)
+
+
+def test_a_run_does_host_work_independent_of_the_parameter_count(monkeypatch) -> None:
+    """A run makes no argument check and no agreement, and hands the transport the same
+    number of operations for a layer of 8 parameters as for one of 64 with the same bytes
+    (the rounds of the ring decide it, not the parameters)."""
+    import tide_triton.collectives as coll
+    from tide_triton.transport.host import HostTransport
+
+    calls: dict[str, int] = {}
+    for name in ("copy_prepared", "signal_all", "wait_all_equal", "wait_all"):
+        real = getattr(HostTransport, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(HostTransport, name, counted)
+
+    def per_run(shapes) -> dict[str, int]:
+        layout = ShardLayout(shapes, W)
+        gen = torch.Generator().manual_seed(9)
+        grads = _grads(gen, shapes)
+        groups = _groups(ring_bytes=1024 * W)
+        preps: dict[int, tuple] = {}
+
+        def prepare(r: int) -> None:
+            shards = [torch.empty(s) for s in layout.shard_shapes(r)]
+            params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+            preps[r] = (tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum"),
+                        tt.prepare_all_gather(shards, params, group=groups[r]))
+
+        try:
+            run_threads(prepare, W, timeout=60)
+            calls.clear()
+            checks = monkeypatch.context()
+            with checks as m:
+                m.setattr(coll, "_full_and_shards", lambda *a, **k: pytest.fail("a run checked its arguments"))
+                m.setattr(groups[0], "agree", lambda *a, **k: pytest.fail("a run agreed with its peers"))
+                run_threads(lambda r: (preps[r][0].run(), preps[r][1].run()), W, timeout=60)
+            return dict(calls)
+        finally:
+            _close(groups)
+
+    few = per_run([(24, 32)] * 8)                      # 8 parameters
+    many = per_run([(3, 32)] * 64)                     # 64 parameters, the same bytes and rows per rank
+    assert few == many, (few, many)
+
+
+def _prepared_child(rank: int, world_size: int, device: str) -> list:
+    """One process per rank: a prepared reduce-scatter (bf16 -> fp32, sum) and all-gather
+    (fp32 shards -> bf16 params) run three times with new gradient values each time, beside
+    the eager reduce-scatter on the same values; returns what every run produced (on the CPU)."""
+    import tide_triton as tt_
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
+    layout = ShardLayout(SHAPES, world_size)
+    grads = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+    params = [torch.full(s, -3.0, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    rs = tt_.prepare_reduce_scatter(grads, shards, group=g, op="sum")
+    ag = tt_.prepare_all_gather([x[:n] for x, n in zip(shards, layout.shard_rows(rank))], params, group=g)
+    out = []
+    try:
+        for k in range(3):
+            gen = torch.Generator().manual_seed(100 * k + rank)
+            for x in grads:
+                x.copy_(torch.randint(-8, 9, x.shape, generator=gen).to(torch.bfloat16))
+            for x in shards:
+                x.fill_(-1.0)
+            rs.run()
+            ag.run()
+            eager = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+            tt_.reduce_scatter(grads, eager, group=g, op="sum")
+            if dev.type == "cuda":
+                tt_.synchronize(g, timeout_s=60)
+            out.append(([x.to("cpu", copy=True) for x in shards], [x.to("cpu", copy=True) for x in params],
+                        [x.to("cpu", copy=True) for x in eager]))
+    finally:
+        g.close()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prepared_collectives_one_process_per_rank(device: str) -> None:
+    """How users run: one process per rank (on a GPU machine: cuda:LOCAL_RANK, or every rank
+    on one GPU with --share-gpu); every run exact and bit-identical to the eager call."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    world = 2
+    out = run_multiprocess(_prepared_child, world, device, timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    layout = ShardLayout(SHAPES, world)
+    for k in range(3):
+        grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
+                 for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
+        for r in range(world):
+            shards, params, eager = out[r][k]
+            for p in range(len(SHAPES)):
+                want = sum(grads[q][p].float() for q in range(world))
+                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
+                assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
+                assert torch.equal(shards[p], eager[p]), (k, r, p)
+                assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepared_collectives_single_process_mode_cuda() -> None:
+    """The single-process mode on one GPU (each rank thread on its own stream): three runs of a
+    prepared reduce-scatter and all-gather with new values between them, each exact; from the
+    second run the copy lists replay as CUDA graphs (``TIDE_TRITON_COPY_GRAPHS=auto``)."""
+    dev = torch.device("cuda", 0)
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(21)
+    vals = _grads(gen, SHAPES)
+    groups = tt.local_groups(W, timeout_s=60, ring_bytes=128 * W, devices=[dev] * W)
+    state: dict[int, dict] = {}
+
+    def prepare(r: int) -> None:
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            st = state[r] = {"stream": torch.cuda.current_stream(dev),
+                             "grads": [v.to(dev) for v in vals[r]],
+                             "shards": [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(r, padded=True)],
+                             "params": [torch.full(s, -3.0, dtype=torch.bfloat16, device=dev) for s in SHAPES]}
+            st["rs"] = tt.prepare_reduce_scatter(st["grads"], st["shards"], group=groups[r], op="sum")
+            st["ag"] = tt.prepare_all_gather([x[:n] for x, n in zip(st["shards"], layout.shard_rows(r))],
+                                             st["params"], group=groups[r])
+            torch.cuda.current_stream(dev).synchronize()
+
+    def step(r: int):
+        st = state[r]
+        with torch.cuda.stream(st["stream"]):
+            for x, v in zip(st["grads"], vals[r]):
+                x.copy_(v)
+            for x in st["shards"]:
+                x.fill_(-1.0)
+            st["rs"].run()
+            st["ag"].run()
+            tt.synchronize(groups[r], timeout_s=60)
+            return [x.cpu() for x in st["shards"]], [x.cpu() for x in st["params"]]
+
+    try:
+        run_threads(prepare, W, timeout=120)
+        for k in range(3):
+            if k:
+                _refill(vals, gen)
+            out = run_threads(step, W, timeout=120)
+            for r, (shards, params) in enumerate(out):
+                for p in range(len(SHAPES)):
+                    want = _want(vals, p)
+                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
+                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
+                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+    finally:
+        _close(groups)
