@@ -108,6 +108,21 @@ def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
     return out
 
 
+PREPARED = False
+"""``--prepared``: time ``run()`` of ``tt.prepare_reduce_scatter`` / ``tt.prepare_all_gather``
+(prepared once before the timed calls) instead of the eager calls."""
+
+
+def _calls(g, grads, shards, bshards, params, names):
+    """The two timed collectives of a rank, as ``(name, fn)``: eager, or prepared runs."""
+    if PREPARED:  # collective: every rank prepares both, in this order
+        rs = tt.prepare_reduce_scatter(grads, shards, group=g, op="avg")
+        ag = tt.prepare_all_gather(bshards, params, group=g)
+        return [(names[0], rs.run), (names[1], ag.run)]
+    return [(names[0], lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
+            (names[1], lambda: tt.all_gather(bshards, params, group=g))]
+
+
 def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
     """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``):
     (start time, host ms per call -- the enqueue, pacing waits included -- and this thread's
@@ -152,8 +167,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
 
     def rank_body(r: int) -> None:
         g = groups[r]
-        for name, fn in [("reduce_scatter", lambda: tt.reduce_scatter(grads[r], shards[r], group=g, op="avg")),
-                         ("all_gather", lambda: tt.all_gather(bshards[r], params[r], group=g))]:
+        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather")):
             fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
@@ -220,8 +234,7 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
     bshards = back_to_back(layout.shard_shapes(rank, padded=True), torch.bfloat16, dev, 0.0)
     params = back_to_back(layout.padded_shapes, torch.bfloat16, dev, 0.0)
     row: dict = {}
-    for name, fn in [("rs", lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
-                     ("ag", lambda: tt.all_gather(bshards, params, group=g))]:
+    for name, fn in _calls(g, grads, shards, bshards, params, ("rs", "ag")):
         fn()
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
@@ -323,6 +336,8 @@ def main() -> None:
                     help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on cuda:0 (default: rank r on cuda:r %% number of GPUs)")
+    ap.add_argument("--prepared", action="store_true",
+                    help="time run() of prepared collectives (tt.prepare_reduce_scatter / prepare_all_gather)")
     ap.add_argument("--apart", action="store_true",
                     help="tensors apart (no strided copies: a descriptor per parameter and rank)")
     ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
@@ -330,8 +345,8 @@ def main() -> None:
     ap.add_argument("--from", dest="from_rows", nargs="+", default=None, metavar="ROWS.jsonl",
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
-    global APART
-    APART = args.apart
+    global APART, PREPARED
+    APART, PREPARED = args.apart, args.prepared
     if args.from_rows:
         from tide_triton._cli import recorded_rows
 
@@ -386,6 +401,7 @@ def main() -> None:
             first = False
             row["ceiling_gbps"] = ceiling
             row["tensors_apart"] = APART
+            row["prepared"] = PREPARED
             row["copy_graphs"] = os.environ.get("TIDE_TRITON_COPY_GRAPHS", "auto")
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
