@@ -22,7 +22,7 @@ import torch
 from . import hier_collectives, multicast_exec, node_prepare, programs
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name, same_shapes
-from .executor import Streams, Work, wait_vacated
+from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .group import Group, resolve
 from .heap import ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
@@ -432,18 +432,8 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     t.signal_all(ranks, [fm.ag_ready(me)] * W, [e] * W)
     t.wait_all([fm.ag_ready(r) for r in ranks], [e] * W, peers=ranks, timeout_s=timeout,
                what="rank {peer}'s all-gather block")
-    # Every rank's real rows into every parameter, on copy engines.  In batches, the host at
-    # most two batches ahead of the copy engines: thousands of descriptors (a Qwen3 layer at
-    # W=8) queued behind the flag waits would fill the driver's queue and block this thread
-    # inside the driver (see group._Pacer).
-    pace = g.pacer(device)
-    pace.start(node_prepare.AG_BATCH)
-    for b, batch in enumerate(pulls):
-        if not t.replays(batch):  # a replayed graph is one queue entry: nothing to pace
-            pace.before(b, t, timeout)
-        t.copy_prepared(batch)
-        if st.cuda:
-            pace.after(b, t.copy_stream)
+    # Every rank's real rows into every parameter, on copy engines, in paced batches.
+    copy_batches_paced(g, t, device, pulls, node_prepare.AG_BATCH, timeout)
     t.signal_all(ranks, [fm.ag_done(me)] * W, [e] * W)
     if source is not None:
         region._read(e)  # its vacate() waits for every peer's ag_done of epoch e

@@ -232,3 +232,20 @@ def prepare_planned(t: Any, plan: Sequence[Strided]) -> Any:
         return t.prepare_copies([c.dst for c in plain], [c.src for c in plain], [c.nbytes for c in plain],
                                 strided=[c for c in plan if c.rows > 1])
     return t.prepare_copies(*expand_copies(plan))
+
+
+def copy_batches_paced(g: Any, t: Any, device: torch.device, batches: Sequence[Any], ops_per_batch: int,
+                       timeout_s: float) -> None:
+    """Enqueue prepared copy ``batches`` on the copy queue, the host at most a few batches
+    ahead of the copy engines (:meth:`Group.pacer`): thousands of descriptors queued behind
+    flag waits would fill the driver's queue and block the thread inside the driver.  A batch
+    the transport replays as one graph (:meth:`replays`) is one queue entry: not paced."""
+    pace = g.pacer(device)
+    pace.start(ops_per_batch)
+    cuda = device.type == "cuda"
+    for b, batch in enumerate(batches):
+        if not t.replays(batch):
+            pace.before(b, t, timeout_s)
+        t.copy_prepared(batch)
+        if cuda:
+            pace.after(b, t.copy_stream)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from . import node_prepare
-from .executor import Streams, Work
+from .executor import Streams, Work, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
 from .layout import ShardLayout
@@ -88,6 +88,19 @@ class _Prepared:
 
     _names: tuple[str, ...] = ()
 
+    def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
+        """The collective, as prepared, on the tensors' current values.  ``stream`` /
+        ``async_op`` as for the eager call; ``check_addresses=False`` skips the check that no
+        tensor's storage moved since it was prepared."""
+        g = self.g
+        with g.call(self.name) as c:
+            self._begin(check_addresses, stream)
+            c.moving = True
+            return self._run(g, stream, async_op)
+
+    def _run(self, g: Group, stream: object, async_op: bool) -> Work:
+        raise NotImplementedError
+
 
 def _capturing(device: torch.device, stream: object) -> bool:
     s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device)
@@ -97,9 +110,10 @@ def _capturing(device: torch.device, stream: object) -> bool:
 
 class PreparedReduceScatter(_Prepared):
     """A node-local reduce-scatter prepared for fixed ``grads`` and ``shards``
-    (:func:`tide_triton.prepare_reduce_scatter`); :meth:`run` performs it."""
+    (:func:`tide_triton.prepare_reduce_scatter`); :meth:`run` performs it: the shards receive
+    the sums of the grads' current values (same op, same accumulate as prepared)."""
 
-    name = "prepared reduce_scatter"
+    name = "reduce_scatter (prepared)"
     _names = ("grads", "shards")
 
     def __init__(self, g: Group, device: torch.device, token: int, grads: Sequence[torch.Tensor],
@@ -115,16 +129,6 @@ class PreparedReduceScatter(_Prepared):
         me, W = g.rank, g.world_size
         self.peers = [c for c in range(W) if c != me]
         self.dests = [[d for d in self.peers if j < len(plan.chunks[d])] for j in range(plan.rounds)]
-
-    def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
-        """The reduce-scatter, as prepared (same op, same accumulate): the shards receive the
-        sums of the grads' current values.  ``stream`` / ``async_op`` as for
-        :func:`tide_triton.reduce_scatter`."""
-        g = self.g
-        with g.call("reduce_scatter (prepared)") as c:
-            self._begin(check_addresses, stream)
-            c.moving = True
-            return self._run(g, stream, async_op)
 
     def _run(self, g: Group, stream: object, async_op: bool) -> Work:
         t = g.transport(self.device)
@@ -174,9 +178,10 @@ class PreparedReduceScatter(_Prepared):
 
 class PreparedAllGather(_Prepared):
     """A node-local all-gather prepared for fixed ``shards`` and ``params``
-    (:func:`tide_triton.prepare_all_gather`); :meth:`run` performs it."""
+    (:func:`tide_triton.prepare_all_gather`); :meth:`run` performs it: every rank's shards'
+    current values into the params."""
 
-    name = "prepared all_gather"
+    name = "all_gather (prepared)"
     _names = ("shards", "params")
 
     def __init__(self, g: Group, device: torch.device, token: int, shards: Sequence[torch.Tensor],
@@ -184,15 +189,6 @@ class PreparedAllGather(_Prepared):
         super().__init__(g, device, token, (shards, params), region)
         self.pulls = pulls
         self.caster, self.stage_copies, self.pad_copies, self._zeros = stage
-
-    def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
-        """The all-gather, as prepared: every rank's shards' current values into the params.
-        ``stream`` / ``async_op`` as for :func:`tide_triton.all_gather`."""
-        g = self.g
-        with g.call("all_gather (prepared)") as c:
-            self._begin(check_addresses, stream)
-            c.moving = True
-            return self._run(g, stream, async_op)
 
     def _run(self, g: Group, stream: object, async_op: bool) -> Work:
         t = g.transport(self.device)
@@ -216,14 +212,7 @@ class PreparedAllGather(_Prepared):
             t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
                              what="rank {peer}'s prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
-            pace = g.pacer(self.device)
-            pace.start(node_prepare.AG_BATCH)
-            for b, batch in enumerate(self.pulls):
-                if not t.replays(batch):  # a replayed graph is one queue entry: nothing to pace
-                    pace.before(b, t, timeout)
-                t.copy_prepared(batch)
-                if st.cuda:
-                    pace.after(b, t.copy_stream)
+            copy_batches_paced(g, t, self.device, self.pulls, node_prepare.AG_BATCH, timeout)
             t.signal_all(ranks, [fm.program_ag_done(me)] * W, [T] * W)
             t.fence_to(cs)  # the params are complete for later work on the stream
             slots = [fm.program_ag_done(r) for r in ranks]  # quiescent end: every reader is done
