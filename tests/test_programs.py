@@ -191,10 +191,10 @@ def test_ranks_running_different_prepared_collectives_time_out_naming_the_peer()
     assert any(isinstance(e, PeerTimeoutError) for e in out)  # someone saw the wrong token
 
 
-def test_prepared_collective_refuses_moved_storage_and_other_nodes() -> None:
+def test_prepared_collective_refuses_moved_storage_and_bad_arguments() -> None:
     """A run whose tensors' storage moved raises ValueError naming the tensor (on every rank
-    that sees it; here all), before anything moves: the group stays usable.  A group of
-    several nodes cannot prepare (ValueError on every rank)."""
+    that sees it; here all), before anything moves, and a bad ``stream`` TypeError: the group
+    stays usable (async_op too); after the group is closed a run says so."""
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(3)
     grads = _grads(gen, SHAPES)
@@ -209,18 +209,28 @@ def test_prepared_collective_refuses_moved_storage_and_other_nodes() -> None:
         with pytest.raises(ValueError, match=r"grads\[2\] moved \(data_ptr 0x[0-9a-f]+ when prepared"):
             rs.run()
         moved.data = keep
+        with pytest.raises(TypeError, match="stream must be None or a torch.cuda.Stream, got str"):
+            rs.run(stream="default")
         rs.run()  # the group is still usable
-        return [x.clone() for x in shards]
+        work = rs.run(async_op=True)  # on the CPU the work is done when run() returns
+        work.wait()
+        return [x.clone() for x in shards], rs
 
     try:
         out = run_threads(body, W, timeout=60)
+        preps = [rs for _, rs in out]
     finally:
         _close(groups)
-    for r, shards in enumerate(out):
+    with pytest.raises(RuntimeError, match="this tide_triton group is closed"):
+        preps[0].run()
+    for r, (shards, _) in enumerate(out):
         for p in range(len(SHAPES)):
             c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
             assert torch.equal(shards[p], _want(grads, p)[r * c: r * c + rows])
 
+
+def test_prepared_collectives_need_one_node() -> None:
+    """A group of several nodes cannot prepare: ValueError on every rank, naming why."""
     nodes = tt.local_groups(4, local_size=2, timeout_s=30)
     two = ShardLayout([(8, 2)], 4)
     try:

@@ -68,6 +68,8 @@ class _Prepared:
 
     def _begin(self, check_addresses: bool, stream: object) -> None:
         """The run's preconditions, on this rank (before anything moves)."""
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
         if self.device.type == "cuda" and _capturing(self.device, stream):
             raise RuntimeError(
                 f"{self.name}: a run cannot be captured into a CUDA graph yet -- the token protocol that "
