@@ -410,3 +410,70 @@ def test_prepared_collectives_single_process_mode_cuda() -> None:
                     assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
     finally:
         _close(groups)
+
+
+def test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment() -> None:
+    """The drop-in's use (``hold=False``): the prepared collective keeps no tensor; each run
+    takes the tensors of the moment -- new addresses are checked and bound on this rank alone
+    (the peers' side is the heap), known ones run as bound; every run exact.  Wrong shapes at
+    new addresses are refused (ValueError naming the argument); ``run()`` says why it cannot."""
+    import tide_triton.collectives as coll
+
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(8)
+    groups = _groups()
+    preps: dict[int, tuple] = {}
+
+    def fresh(r: int, vals):
+        grads = [v.clone() for v in vals[r]]  # new storage: new addresses
+        shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+        params = [torch.full(s, -3.0, dtype=torch.bfloat16) for s in SHAPES]
+        return grads, shards, params
+
+    def prepare(r: int) -> None:
+        grads, shards, params = fresh(r, _grads(torch.Generator().manual_seed(99), SHAPES))
+        rs = coll.prepared_reduce_scatter_call(groups[r], grads, shards, "sum", False, hold=False)
+        ag = coll.prepared_all_gather_call(groups[r], [x[:n] for x, n in zip(shards, layout.shard_rows(r))],
+                                           params, hold=False)
+        with pytest.raises(RuntimeError, match="prepared with hold=False"):
+            rs.run()
+        preps[r] = (rs, ag)
+
+    def step(r: int, vals, keep: dict):
+        rs, ag = preps[r]
+        if r not in keep or len(keep) > W:
+            keep[r] = fresh(r, vals)
+        grads, shards, params = keep[r]
+        for x, v in zip(grads, vals[r]):
+            x.copy_(v)
+        for x in shards:
+            x.fill_(-1.0)
+        rs._run_on(grads, shards)
+        ag._run_on([x[:n] for x, n in zip(shards, layout.shard_rows(r))], params)
+        return [x.clone() for x in shards], [x.clone() for x in params], len(rs._bindings)
+
+    try:
+        run_threads(prepare, W, timeout=60)
+        kept: dict = {}
+        for k in range(12):  # new tensors every step for 10 steps (past the bindings kept), then the same
+            vals = _grads(gen, SHAPES)
+            if k < 10:
+                kept.clear()
+            out = run_threads(lambda r, v=vals: step(r, v, kept), W, timeout=60)
+            for r, (shards, params, nb) in enumerate(out):
+                assert nb <= 8, nb
+                for p in range(len(SHAPES)):
+                    want = _want(vals, p)
+                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
+                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
+                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+
+        def wrong(r: int):
+            rs, _ = preps[r]
+            grads, shards, _params = fresh(r, _grads(torch.Generator().manual_seed(1), SHAPES))
+            with pytest.raises(ValueError, match=r"shards\[0\] must have shape"):
+                rs._run_on(grads, [x.reshape(-1) for x in shards])
+        run_threads(wrong, W, timeout=60)
+    finally:
+        _close(groups)

@@ -465,7 +465,12 @@ def prepare_reduce_scatter(
     another one waits for it until the group's timeout, which names it).  One node; no
     staging.  Its ring is a heap region of ``ring_bytes`` shared by the group's prepared
     reduce-scatters (:mod:`tide_triton.programs`)."""
-    g = resolve(group)
+    return prepared_reduce_scatter_call(resolve(group), grads, shards, op, accumulate, hold=True)
+
+
+def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hold: bool):
+    """:func:`prepare_reduce_scatter` on group ``g``; ``hold=False`` (the FSDP2 drop-in): the
+    prepared collective keeps no tensor alive and is run on the tensors of the moment."""
     with g.call("prepare_reduce_scatter") as c:
         err: BaseException | None = None
         sig: object = None
@@ -478,7 +483,7 @@ def prepare_reduce_scatter(
         g.agree(sig, err)
         token = c.seq
     return programs.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
-                                            bool(accumulate))
+                                            bool(accumulate), hold)
 
 
 def prepare_all_gather(
@@ -490,7 +495,12 @@ def prepare_all_gather(
     """:func:`all_gather` of these very tensors, prepared once (collective) and performed by
     ``.run()``, like :func:`prepare_reduce_scatter`.  Its block is a heap region shared by the
     group's prepared all-gathers of the same block size."""
-    g = resolve(group)
+    return prepared_all_gather_call(resolve(group), shards, params, hold=True)
+
+
+def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
+    """:func:`prepare_all_gather` on group ``g`` (``hold`` as for
+    :func:`prepared_reduce_scatter_call`)."""
     with g.call("prepare_all_gather") as c:
         err: BaseException | None = None
         sig: object = None
@@ -502,7 +512,7 @@ def prepare_all_gather(
             err = e
         g.agree(sig, err)
         token = c.seq
-    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device)
+    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold)
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,

@@ -21,15 +21,21 @@ never come: a :class:`~tide_triton.errors.PeerTimeoutError` (host waits; on CUDA
 :func:`tide_triton.synchronize`) naming the peer, never a pairing of two calls.
 
 The tensors are kept alive by the prepared collective, and a run checks that their storage has
-not moved (``check_addresses=False`` skips that, for hot loops that know).
+not moved (``check_addresses=False`` skips that, for hot loops that know).  What depends on the
+tensors' addresses is this rank's alone (its copy lists and reduction tables: the peers' side is
+the heap), so a trusted caller -- the FSDP2 drop-in, whose parameter groups keep their shapes --
+prepares without holding tensors (``hold=False``) and runs on the tensors of the moment
+(:meth:`_Prepared._run_on`): a new set of addresses is bound locally, checked once, and cached.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 
 from . import node_prepare
+from ._checks import check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -40,10 +46,14 @@ from .schedule import ring_plan
 __all__ = ["PreparedReduceScatter", "PreparedAllGather", "prepared_reduce_scatter", "prepared_all_gather",
            "RING_KEY", "block_key"]
 
-_PTR = torch.Tensor.data_ptr
+_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 
 RING_KEY = "tide_triton/prepared-rs-ring"
 """The heap region every prepared reduce-scatter of a group stages in (``ring_bytes``)."""
+
+_BINDINGS_KEPT = 8
+"""Sets of addresses a prepared collective keeps bound (:meth:`_Prepared._run_on`): FSDP2's
+caching allocator hands a parameter group a few recurring addresses."""
 
 
 def block_key(nbytes: int) -> str:
@@ -51,22 +61,46 @@ def block_key(nbytes: int) -> str:
     return f"tide_triton/prepared-ag-block/{nbytes}"
 
 
+def _capturing(device: torch.device, stream: object) -> bool:
+    s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device)
+    with torch.cuda.stream(s):
+        return torch.cuda.is_current_stream_capturing()
+
+
 class _Prepared:
-    """What both prepared collectives share: the group, the device, the token, the tensors
-    (kept alive; their addresses as prepared) and the heap region they own."""
+    """What both prepared collectives share: the group, the device, the token, the layout,
+    the heap region they own, the tensors they were prepared for (kept alive, unless
+    ``hold`` is False) and this rank's bindings (address-dependent preparation) by address."""
 
     name = "prepared collective"
+    _names: tuple[str, str] = ("", "")
 
-    def __init__(self, g: Group, device: torch.device, token: int, tensors: Sequence[Sequence[torch.Tensor]],
-                 region: HeapRegion) -> None:
+    def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
+                 first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], hold: bool) -> None:
         self.g = g
         self.device = device
         self.token = token
-        self._tensors = tuple(tuple(ts) for ts in tensors)
-        self._ptrs = tuple(tuple(map(_PTR, ts)) for ts in self._tensors)
+        self.layout = layout
         self._region = region
+        self._bindings: OrderedDict[tuple, Any] = OrderedDict()
+        key = self._key(first, second)
+        self._bindings[key] = self._bind(first, second)
+        self._held = (tuple(first), tuple(second), key) if hold else None
 
-    def _begin(self, check_addresses: bool, stream: object) -> None:
+    @staticmethod
+    def _key(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> tuple:
+        return tuple(map(_PTR, first)), tuple(map(_PTR, second)), tuple(map(_NUMEL, second))
+
+    def _bind(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> Any:
+        raise NotImplementedError
+
+    def _check(self, first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
+        raise NotImplementedError
+
+    def _begin(self, stream: object) -> None:
         """The run's preconditions, on this rank (before anything moves)."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
@@ -78,36 +112,56 @@ class _Prepared:
         if self._region.released:
             raise RuntimeError(f"{self.name}: its heap region {self._region.key!r} is released; restore() it "
                                "on every rank before running")
-        if check_addresses:
-            for ts, ptrs, what in zip(self._tensors, self._ptrs, self._names):
-                now = tuple(map(_PTR, ts))
-                if now != ptrs:
-                    i = next(i for i, (a, b) in enumerate(zip(now, ptrs)) if a != b)
-                    raise ValueError(
-                        f"{self.name}: {what}[{i}] moved (data_ptr {hex(ptrs[i])} when prepared, {hex(now[i])} "
-                        f"now; e.g. its storage was resized or swapped): prepare the collective again for the "
-                        f"new storage")
-
-    _names: tuple[str, ...] = ()
 
     def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
         """The collective, as prepared, on the tensors' current values.  ``stream`` /
         ``async_op`` as for the eager call; ``check_addresses=False`` skips the check that no
         tensor's storage moved since it was prepared."""
+        if self._held is None:
+            raise RuntimeError(f"{self.name} was prepared with hold=False (it keeps no tensors): its caller "
+                               "runs it on the tensors of the moment")
+        first, second, key = self._held
         g = self.g
         with g.call(self.name) as c:
-            self._begin(check_addresses, stream)
+            self._begin(stream)
+            if check_addresses:
+                for ts, ptrs, what in zip((first, second), key[:2], self._names):
+                    now = tuple(map(_PTR, ts))
+                    if now != ptrs:
+                        i = next(i for i, (a, b) in enumerate(zip(now, ptrs)) if a != b)
+                        raise ValueError(
+                            f"{self.name}: {what}[{i}] moved (data_ptr {hex(ptrs[i])} when prepared, "
+                            f"{hex(now[i])} now; e.g. its storage was resized or swapped): prepare the "
+                            f"collective again for the new storage")
+            binding = self._bindings[key]
             c.moving = True
-            return self._run(g, stream, async_op)
+            return self._run(g, binding, stream, async_op)
 
-    def _run(self, g: Group, stream: object, async_op: bool) -> Work:
-        raise NotImplementedError
-
-
-def _capturing(device: torch.device, stream: object) -> bool:
-    s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device)
-    with torch.cuda.stream(s):
-        return torch.cuda.is_current_stream_capturing()
+    def _run_on(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], *, stream: object = None,
+                async_op: bool = False) -> Work:
+        """A run on these tensors, for a trusted caller (the FSDP2 drop-in) whose tensors have
+        the prepared shapes, dtypes and device whenever they sit at addresses seen before:
+        a new set of addresses is checked in full and bound (this rank's copy lists and
+        tables; nothing of the peers'), a known one is run as bound."""
+        g = self.g
+        with g.call(self.name) as c:
+            self._begin(stream)
+            key = self._key(first, second)
+            binding = self._bindings.get(key)
+            if binding is None:
+                first_l, second_l = list(first), list(second)
+                self._check(first_l, second_l)
+                t = g.transport(self.device)
+                with Streams(g, t, self.device, stream, False).kernels():
+                    binding = self._bindings[key] = self._bind(first_l, second_l)
+                held = self._held[2] if self._held is not None else None
+                while len(self._bindings) > _BINDINGS_KEPT:
+                    old = next(k for k in self._bindings if k != held)
+                    del self._bindings[old]
+            else:
+                self._bindings.move_to_end(key)
+            c.moving = True
+            return self._run(g, binding, stream, async_op)
 
 
 class PreparedReduceScatter(_Prepared):
@@ -118,28 +172,44 @@ class PreparedReduceScatter(_Prepared):
     name = "reduce_scatter (prepared)"
     _names = ("grads", "shards")
 
-    def __init__(self, g: Group, device: torch.device, token: int, grads: Sequence[torch.Tensor],
-                 shards: Sequence[torch.Tensor], region: HeapRegion, plan: Any, prepared: tuple,
-                 scale: float | None, accumulate: bool) -> None:
-        super().__init__(g, device, token, (grads, shards), region)
-        self.plan = plan
-        self.reducers, pushes, self.padding = prepared
-        self.pushes = [p for p, _n in pushes]
-        self._ops = max((n for _, n in pushes), default=0) + 4 * g.world_size
-        self.scale = scale
-        self.accumulate = accumulate
+    def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
+                 reg: Ring, plan: Any, gdt: torch.dtype, sdt: torch.dtype, scale: float | None, accumulate: bool,
+                 grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], hold: bool) -> None:
+        self.reg, self.plan, self.gdt, self.sdt = reg, plan, gdt, sdt
+        self.scale, self.accumulate = scale, accumulate
         me, W = g.rank, g.world_size
         self.peers = [c for c in range(W) if c != me]
         self.dests = [[d for d in self.peers if j < len(plan.chunks[d])] for j in range(plan.rounds)]
+        super().__init__(g, device, token, layout, region, grads, shards, hold)
 
-    def _run(self, g: Group, stream: object, async_op: bool) -> Work:
+    def _check(self, grads: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
+        layout, me = self.layout, self.g.rank
+        if len(grads) != len(layout) or not same_shapes(grads, layout.shapes):
+            raise ValueError(f"{self.name}: grads must have the prepared shapes ({len(layout)} tensors)")
+        check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                     why=lambda i: layout.shard_rule(i, me))
+        check_uniform("grads", grads, dtypes=(self.gdt,), device=self.device)
+        check_uniform("shards", shards, dtypes=(self.sdt,), device=self.device)
+
+    def _bind(self, grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> tuple:
+        g = self.g
+        t = g.transport(self.device)
+        reducers, pushes, padding = node_prepare.prepare_reduce_scatter(
+            g, t, self.reg, self.plan, self.layout, tuple(map(_PTR, grads)), tuple(map(_PTR, shards)),
+            tuple(map(_NUMEL, shards)), self.gdt, self.sdt, self.device, self.scale, self.accumulate,
+            g.options.ring_bytes)
+        ops = max((n for _, n in pushes), default=0) + 4 * g.world_size
+        return reducers, [p for p, _n in pushes], padding, ops
+
+    def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
+        reducers, pushes, padding, ops = binding
         t = g.transport(self.device)
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
         fm, T, timeout = g.flags, self.token, g.options.timeout_s
         me, S, plan, peers = g.rank, self.plan.stages, self.plan, self.peers
         pace = g.pacer(self.device)
-        pace.start(self._ops)
+        pace.start(ops)
         pending: set[tuple[int, int]] = set()  # (dest, stage): written, its free token not seen yet
         with t.session(), st.kernels():
             t.fence_from(cs)  # grads are complete before the copy queue reads them
@@ -154,20 +224,20 @@ class PreparedReduceScatter(_Prepared):
                                      what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
                     t.signal_all([me] * len(frees), slots, [0] * len(frees))
                     pending.difference_update((d, s) for d in frees)
-                t.copy_prepared(self.pushes[j])
+                t.copy_prepared(pushes[j])
                 t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
                 pending.update((d, s) for d in dests)
-                if j < len(self.reducers):  # my chunk j, from my grads and the peers' slots, in rank order
+                if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order
                     slots = [fm.program_rs_ready(s, p) for p in peers]
                     t.wait_all_equal(slots, [T] * len(peers), peers=peers, timeout_s=timeout, stream=cs,
                                      what=f"rank {{peer}}'s prepared reduce-scatter contribution (chunk {j})")
                     t.signal_all([me] * len(peers), slots, [0] * len(peers), stream=cs)
-                    self.reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False)
+                    reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False)
                     t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
                 if st.cuda:
-                    pace.after(j, cs if j < len(self.reducers) else t.copy_stream)
-            if self.padding is not None:  # padding rows become zero (disjoint from the sums' rows)
-                t.copy_prepared(self.padding[0])
+                    pace.after(j, cs if j < len(reducers) else t.copy_stream)
+            if padding is not None:  # padding rows become zero (disjoint from the sums' rows)
+                t.copy_prepared(padding[0])
             t.fence_to(cs)  # the grads may be reused once the copy queue has read them
             if pending:  # quiescent end: every slot this run wrote has been reduced
                 ds = sorted(pending)
@@ -186,13 +256,34 @@ class PreparedAllGather(_Prepared):
     name = "all_gather (prepared)"
     _names = ("shards", "params")
 
-    def __init__(self, g: Group, device: torch.device, token: int, shards: Sequence[torch.Tensor],
-                 params: Sequence[torch.Tensor], region: HeapRegion, pulls: list, stage: tuple) -> None:
-        super().__init__(g, device, token, (shards, params), region)
-        self.pulls = pulls
-        self.caster, self.stage_copies, self.pad_copies, self._zeros = stage
+    def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
+                 sdt: torch.dtype, pdt: torch.dtype, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                 hold: bool) -> None:
+        self.sdt, self.pdt = sdt, pdt
+        super().__init__(g, device, token, layout, region, shards, params, hold)
 
-    def _run(self, g: Group, stream: object, async_op: bool) -> Work:
+    def _check(self, shards: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        layout, me = self.layout, self.g.rank
+        if len(params) != len(layout) or not same_shapes(params, layout.shapes):
+            raise ValueError(f"{self.name}: params must have the prepared shapes ({len(layout)} tensors)")
+        check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                     why=lambda i: layout.shard_rule(i, me))
+        check_uniform("params", params, dtypes=(self.pdt,), device=self.device)
+        check_uniform("shards", shards, dtypes=(self.sdt,), device=self.device)
+
+    def _bind(self, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple:
+        g, layout, es = self.g, self.layout, self.pdt.itemsize
+        t = g.transport(self.device)
+        pptrs, sptrs = tuple(map(_PTR, params)), tuple(map(_PTR, shards))
+        block = t.address(g.rank, self._region.offset)
+        dsts = tuple(block + o * es for o in layout.flat_offsets)
+        pulls = node_prepare.prepare_all_gather(g, t, layout, pptrs, es, None, self._region.offset)
+        stage = node_prepare.prepare_stage(g, t, layout, list(shards), sptrs, dsts, self.sdt, self.pdt, self.device,
+                                           into_block=True)
+        return pulls, stage
+
+    def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
+        pulls, (caster, stage_copies, pad_copies, _zeros) = binding
         t = g.transport(self.device)
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
@@ -203,18 +294,18 @@ class PreparedAllGather(_Prepared):
             t.fence_from(cs)  # shards are complete before the copy queue reads them
             # My block is free: the previous run (of any prepared all-gather) ended only after
             # every reader had read it.
-            if self.caster is not None:  # cast on SMs, then the copy queue goes on from there
-                self.caster.launch(check_addresses=False)
+            if caster is not None:  # cast on SMs, then the copy queue goes on from there
+                caster.launch(check_addresses=False)
                 t.fence_from(cs)
             else:
-                t.copy_prepared(self.stage_copies)
-            t.copy_prepared(self.pad_copies)
+                t.copy_prepared(stage_copies)
+            t.copy_prepared(pad_copies)
             t.signal_all(ranks, [fm.program_ag_ready(me)] * W, [T] * W)
             slots = [fm.program_ag_ready(r) for r in ranks]
             t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
                              what="rank {peer}'s prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
-            copy_batches_paced(g, t, self.device, self.pulls, node_prepare.AG_BATCH, timeout)
+            copy_batches_paced(g, t, self.device, pulls, node_prepare.AG_BATCH, timeout)
             t.signal_all(ranks, [fm.program_ag_done(me)] * W, [T] * W)
             t.fence_to(cs)  # the params are complete for later work on the stream
             slots = [fm.program_ag_done(r) for r in ranks]  # quiescent end: every reader is done
@@ -226,7 +317,7 @@ class PreparedAllGather(_Prepared):
 
 def prepared_reduce_scatter(g: Group, token: int, grads: list[torch.Tensor], shards: list[torch.Tensor],
                             layout: ShardLayout, gdt: torch.dtype, sdt: torch.dtype, device: torch.device,
-                            scale: float | None, accumulate: bool) -> PreparedReduceScatter:
+                            scale: float | None, accumulate: bool, hold: bool = True) -> PreparedReduceScatter:
     """Make the prepared reduce-scatter of checked, agreed arguments (collective: the ring's
     heap region).  ``token``: the preparing call's number."""
     ring_bytes = g.options.ring_bytes
@@ -237,30 +328,22 @@ def prepared_reduce_scatter(g: Group, token: int, grads: list[torch.Tensor], sha
     if plan.chunk_elems * es > reg.slot_bytes:
         raise RuntimeError("internal error: prepared ring plan and heap region disagree")
     t = g.transport(device)
-    st = Streams(g, t, device, None, False)
-    with st.kernels():
-        prepared = node_prepare.prepare_reduce_scatter(
-            g, t, reg, plan, layout, tuple(map(_PTR, grads)), tuple(map(_PTR, shards)),
-            tuple(x.numel() for x in shards), gdt, sdt, device, scale, accumulate, ring_bytes)
+    with Streams(g, t, device, None, False).kernels():
+        out = PreparedReduceScatter(g, device, token, layout, region, reg, plan, gdt, sdt, scale, accumulate,
+                                    grads, shards, hold)
     g.heap_barrier()
-    return PreparedReduceScatter(g, device, token, grads, shards, region, plan, prepared, scale, accumulate)
+    return out
 
 
 def prepared_all_gather(g: Group, token: int, shards: list[torch.Tensor], params: list[torch.Tensor],
-                        layout: ShardLayout, sdt: torch.dtype, pdt: torch.dtype,
-                        device: torch.device) -> PreparedAllGather:
+                        layout: ShardLayout, sdt: torch.dtype, pdt: torch.dtype, device: torch.device,
+                        hold: bool = True) -> PreparedAllGather:
     """Make the prepared all-gather of checked, agreed arguments (collective: the block's
     heap region, shared by the group's prepared all-gathers of the same block size)."""
-    es = pdt.itemsize
-    nbytes = max(layout.flat_shard_numel * es, 1)
+    nbytes = max(layout.flat_shard_numel * pdt.itemsize, 1)
     region = g.heap_region(block_key(nbytes), nbytes, device)
     t = g.transport(device)
-    pptrs, sptrs = tuple(map(_PTR, params)), tuple(map(_PTR, shards))
-    block = t.address(g.rank, region.offset)
-    dsts = tuple(block + o * es for o in layout.flat_offsets)
-    st = Streams(g, t, device, None, False)
-    pulls = node_prepare.prepare_all_gather(g, t, layout, pptrs, es, None, region.offset)
-    with st.kernels():
-        stage = node_prepare.prepare_stage(g, t, layout, shards, sptrs, dsts, sdt, pdt, device, into_block=True)
+    with Streams(g, t, device, None, False).kernels():
+        out = PreparedAllGather(g, device, token, layout, region, sdt, pdt, shards, params, hold)
     g.heap_barrier()
-    return PreparedAllGather(g, device, token, shards, params, region, pulls, stage)
+    return out
