@@ -115,7 +115,8 @@ def _inside_fsdp_range(e) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["stock", "tide", "slot"], required=True)
+    ap.add_argument("--mode", choices=["stock", "tide", "slot", "prepared"], required=True,
+                    help="prepared: tide_triton.fsdp.enable(model, prepared=True)")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                     help="process group for CUDA tensors (nccl: stock FSDP2's collectives run on NCCL)")
     ap.add_argument("--model", choices=["llama-3.1-70b", "qwen3-30b-a3b"], default="llama-3.1-70b",
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         group = None
         if args.chunk_mib:
             group = tide_triton.init(local_size=args.local_size, chunk_bytes=args.chunk_mib << 20, agree="first")
-        report = tide_triton.fsdp.enable(model, group=group, slot_reuse=args.mode == "slot")
+        report = tide_triton.fsdp.enable(model, group=group, slot_reuse=args.mode == "slot",
+                                         prepared=args.mode == "prepared")
         if rank == 0:
             nodes = {st["nodes"] for st in tide_triton.fsdp.stats(model).values() if st is not None}
             print(f"tide_triton groups span {sorted(nodes)} node(s)", flush=True)

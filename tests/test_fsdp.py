@@ -64,7 +64,8 @@ def _mp(kind: str):
     return MixedPrecisionPolicy()
 
 
-def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mesh=None, slot_reuse=False, **shard_kw):
+def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mesh=None, slot_reuse=False,
+           prepared=False, **shard_kw):
     from torch.distributed.device_mesh import init_device_mesh
 
     import tide_triton as tt
@@ -72,7 +73,7 @@ def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mes
     torch.manual_seed(0)
     model = Llama(cfg).to(device)
     shard(model, mesh if mesh is not None else init_device_mesh(device, (W,)), _mp(mp), **shard_kw)
-    report = tt.fsdp.enable(model, slot_reuse=slot_reuse) if tide else None
+    report = tt.fsdp.enable(model, slot_reuse=slot_reuse, prepared=prepared) if tide else None
     return model, torch.optim.AdamW(model.parameters(), lr=LR), report
 
 
@@ -123,8 +124,8 @@ def _explicit_prefetch(model) -> None:
     b.set_reshard_after_forward(False)
 
 
-def _train(W, rank, device, mp, tide, steps, setup=None, **kw):
-    model, opt, report = _build(W, device, mp, tide)
+def _train(W, rank, device, mp, tide, steps, setup=None, prepared=False, **kw):
+    model, opt, report = _build(W, device, mp, tide, prepared=prepared)
     if setup is not None:
         setup(model)
     grads: dict = {}
@@ -374,6 +375,7 @@ def _scenario_errors(W, rank, device):
     for name, call in [
         ("module", lambda: tt.fsdp.enable("model")),
         ("slot_reuse_type", lambda: tt.fsdp.enable(model, slot_reuse=1)),
+        ("prepared_type", lambda: tt.fsdp.enable(model, prepared="yes")),
         ("group", lambda: tt.fsdp.enable(model, group=3)),
         ("no_fsdp", lambda: tt.fsdp.enable(torch.nn.Linear(2, 2))),
         ("disable_module", lambda: tt.fsdp.disable(None)),
@@ -420,6 +422,10 @@ def _run_scenario(out: dict, s: str, rank: int, W: int, device: str) -> None:
             steps = 2 if W == 2 else 1
             out[s] = {"stock": _train(W, rank, device, "bf16", False, steps, micro=micro),
                       "tide": _train(W, rank, device, "bf16", True, steps, micro=micro)}
+        elif s == "prepared":  # enable(prepared=True): both reduce-scatter kinds (flat, into .grad)
+            micro = (False, True, True)
+            out[s] = {"stock": _train(W, rank, device, "bf16", False, 3, micro=micro),
+                      "tide": _train(W, rank, device, "bf16", True, 3, micro=micro, prepared=True)}
         elif s == "prefetch":
             out[s] = {"stock": _train(W, rank, device, "bf16", False, 2, setup=_explicit_prefetch),
                       "tide": _train(W, rank, device, "bf16", True, 2, setup=_explicit_prefetch)}
@@ -521,6 +527,15 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             close(res["accum"]["tide"]["losses"], res["accum"]["stock"]["losses"], f"accum losses rank {rank}")
         close(r0["accum"]["tide"]["grads"], r0["accum"]["stock"]["grads"], "accum last-step grads")
         close(r0["accum"]["tide"]["params"], r0["accum"]["stock"]["params"], "accum params")
+    if "prepared" in r0:
+        for rank, res in enumerate(out):
+            tide = res["prepared"]["tide"]
+            _check_tide_served(tide, direct=True)
+            for name, st in tide["stats"].items():  # every collective a prepared run
+                assert st["prepared_runs"] == st["all_gathers"] + st["reduce_scatters"] > 0, (name, st)
+            close(tide["losses"], res["prepared"]["stock"]["losses"], f"prepared losses rank {rank}")
+        close(r0["prepared"]["tide"]["grads"], r0["prepared"]["stock"]["grads"], "prepared last-step grads")
+        close(r0["prepared"]["tide"]["params"], r0["prepared"]["stock"]["params"], "prepared params")
     if "prefetch" in r0:
         for rank, res in enumerate(out):
             _check_tide_served(res["prefetch"]["tide"])
@@ -616,6 +631,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         e = r0["errors"]
         assert e["module"].startswith("TypeError: module must be a torch.nn.Module"), e
         assert e["slot_reuse_type"].startswith("TypeError: slot_reuse must be a bool"), e
+        assert e["prepared_type"].startswith("TypeError: prepared must be a bool, got str"), e
         assert e["group"].startswith("TypeError: group must be"), e
         assert e["no_fsdp"].startswith("ValueError: module must contain a fully_shard-ed module"), e
         assert e["disable_module"].startswith("TypeError: module must be"), e
@@ -629,8 +645,9 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
 # the CI budget (~2 min for the three on 2 cores; bf16 steps cost most: the all-gather's
 # fp32 -> bf16 cast is a Triton kernel run by the interpreter).
 _PLAN = {
-    2: ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "errors", "slot"),
-    3: ("bf16", "fp32", "accum"),
+    2: ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "errors", "slot",
+        "prepared"),
+    3: ("bf16", "fp32", "accum", "prepared"),
     4: ("bf16", "fp32", "hsdp"),
 }
 
@@ -681,9 +698,8 @@ def test_fsdp_across_declared_nodes_on_one_gpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp_processes_sharing_one_gpu(world_size: int) -> None:
-    plan = ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "slot") \
-        if world_size == 2 \
-        else ("bf16", "fp32", "accum", "disable", "hsdp")
+    plan = ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "slot",
+            "prepared") if world_size == 2 else ("bf16", "fp32", "accum", "disable", "hsdp", "prepared")
     out = run_multiprocess(_child, world_size, "cuda", plan, timeout=500, env=MULTICAST_OFF)
     print(f"W={world_size} cuda scenario seconds (rank 0): {out[0]['_times']}")
     _check(out, world_size, "cuda")

@@ -60,7 +60,7 @@ all-gather into a slot another group still holds raises, naming both)."""
 
 
 def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
-           release_slots: bool = True) -> dict[str, str | None]:
+           release_slots: bool = True, prepared: bool = False) -> dict[str, str | None]:
     """Route every ``fully_shard``-ed module inside ``module`` (itself included) through
     tide_triton's all-gather and reduce-scatter.  Call it on every rank, after ``fully_shard``
     and between steps (not inside forward/backward).
@@ -81,9 +81,15 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     again at the next all-gather, so the optimizer step runs without them; this blocks the
     host until the GPU is idle at the end of backward.  False keeps them mapped for the
     group's life.
+    ``prepared``: from a module's first all-gather / reduce-scatter of a kind on, run it as a
+    prepared collective (:func:`tide_triton.prepare_all_gather`): no argument checks and no
+    agreement per call, this rank's address-dependent preparation cached by address -- host
+    work per call that does not grow with the parameter count.  Groups of one node without
+    Slot-Reuse (the others keep the eager calls).  Tested on the CPU; its GPU tests have not
+    run yet, hence off by default.
 
     Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
     stock module's reason is also logged once (logger ``"tide_triton"``).
     """
     return _install.enable(module, group=group, slot_reuse=slot_reuse, slot_pool=SLOT_POOL,
-                           release_slots=release_slots)
+                           release_slots=release_slots, prepared=prepared)

@@ -11,7 +11,7 @@ All keyed weakly: a model that is dropped takes its records with it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +53,14 @@ class GroupState:
     slot_all_gathers: int = 0
     """All-gathers whose peers read this rank's rows straight from its slot (Slot-Reuse on
     one node: no all-gather block)."""
+    use_prepared: bool = False
+    """``enable(prepared=True)``: the collectives run as prepared ones where they can."""
+    prepared: dict = field(default_factory=dict)
+    """The group's prepared collectives by kind (``("ag", dtypes)``, ``("rs", op, accumulate,
+    dtypes)``): made at a kind's first call -- the same call on every rank, since every rank
+    makes the same calls -- and run on the tensors of each later call."""
+    prepared_runs: int = 0
+    """Calls served by a prepared collective's run (the first of each kind included)."""
 
     @property
     def pg(self) -> Any:

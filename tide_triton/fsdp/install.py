@@ -138,7 +138,7 @@ def group_state(pg: Any) -> GroupState | None:
 
 # --------------------------------------------------------------------------- public
 def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
-           slot_pool: int = 2, release_slots: bool = True) -> dict[str, str | None]:
+           slot_pool: int = 2, release_slots: bool = True, prepared: bool = False) -> dict[str, str | None]:
     """Implementation of :func:`tide_triton.fsdp.enable` (``slot_pool``: its SLOT_POOL)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -146,6 +146,8 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         raise TypeError(f"slot_reuse must be a bool, got {type(slot_reuse).__name__}")
     if not isinstance(release_slots, bool):
         raise TypeError(f"release_slots must be a bool, got {type(release_slots).__name__}")
+    if not isinstance(prepared, bool):
+        raise TypeError(f"prepared must be a bool, got {type(prepared).__name__}")
     if slot_reuse and (not is_int(slot_pool) or slot_pool < 1):
         raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
                          "set it to 2 (default) or more before enable()")
@@ -181,7 +183,7 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
                 why = _why_no_slot(pg)
             if why is None:
                 g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
-                _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg)))
+                _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg), use_prepared=prepared))
             else:
                 _drop(pg)
                 log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
@@ -253,5 +255,5 @@ def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
                 "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
                 "direct_accumulations": st.direct_accumulations,
                 "staged_reduce_scatters": st.staged_reduce_scatters, "slot_all_gathers": st.slot_all_gathers,
-                "nodes": st.group.nodes}
+                "prepared_runs": st.prepared_runs, "nodes": st.group.nodes}
     return out

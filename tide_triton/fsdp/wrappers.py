@@ -82,7 +82,10 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
         # Slot-Reuse on one node: the peers read this rank's rows straight from its slot (no
         # all-gather block; the slot's vacate before a staged reduce-scatter waits for them).
         region = slot.region if slot is not None and st.group.nodes == 1 else None
-        tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None, params_region=region)
+        if st.use_prepared and slot is None and st.group.nodes == 1:
+            _prepared_all_gather(st, shards, outs, ag_stream if cuda else None)
+        else:
+            tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None, params_region=region)
         st.all_gathers += 1
         st.slot_all_gathers += region is not None
         event = ag_stream.record_event()
@@ -93,6 +96,20 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
         all_gather_output=st.sentinel, all_gather_event=event, all_gather_work=None,
         param_all_gather_input_dtypes=dtypes, param_all_gather_input_numels=numels,
         all_gather_input_split_sizes=[n[0] for n in numels])
+
+
+def _prepared_all_gather(st: GroupState, shards: list, outs: list, stream: Any) -> None:
+    """The group's all-gather as a prepared collective (``enable(prepared=True)``): made at its
+    first call (collective: every rank is in the same call), run on this call's tensors --
+    FSDP2's parameter group keeps its shapes, so a known set of addresses runs as bound."""
+    from ..collectives import prepared_all_gather_call
+
+    key = ("ag", shards[0].dtype, outs[0].dtype)
+    prep = st.prepared.get(key)
+    if prep is None:
+        prep = st.prepared[key] = prepared_all_gather_call(st.group, shards, outs, hold=False)
+    prep._run_on(shards, outs, stream=stream)
+    st.prepared_runs += 1
 
 
 def _ag_views(st: GroupState, fsdp_params: list, W: int) -> tuple[list, list, list, list]:
@@ -223,6 +240,20 @@ def _release_after_backward() -> None:
     slots.release_idle()
 
 
+def _prepared_reduce_scatter(st: GroupState, grads: list, shards: list, op: str | float, accumulate: bool,
+                             stream: Any) -> None:
+    """The group's reduce-scatter as a prepared collective, one per (op, accumulate, dtypes):
+    made at that kind's first call (the same call on every rank), run on this call's tensors."""
+    from ..collectives import prepared_reduce_scatter_call
+
+    key = ("rs", repr(op), accumulate, grads[0].dtype, shards[0].dtype)
+    prep = st.prepared.get(key)
+    if prep is None:
+        prep = st.prepared[key] = prepared_reduce_scatter_call(st.group, grads, shards, op, accumulate, hold=False)
+    prep._run_on(grads, shards, stream=stream)
+    st.prepared_runs += 1
+
+
 def _combine(op: str | float, post: float, W: int) -> float:
     base = 1.0 if op == "sum" else (1.0 / W if op == "avg" else float(op))
     return base / post
@@ -278,8 +309,11 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
             # (on a GPU: once the work the reduce-scatter stream waited for is done).
             staging = st.slot.region
             staging.vacate(stream=rs_stream if cuda else None)
-        reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
-                       stream=rs_stream if cuda else None, staging=staging)
+        if st.use_prepared and staging is None and st.group.nodes == 1:
+            _prepared_reduce_scatter(st, grads, shards, op, direct, rs_stream if cuda else None)
+        else:
+            reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
+                           stream=rs_stream if cuda else None, staging=staging)
         st.reduce_scatters += 1
         if st.slot is not None and st.slot.release:
             _queue_release()
