@@ -247,9 +247,11 @@ def main(argv=None) -> int:
         from tide_triton.fsdp._torch_adapter import fsdp_modules, param_groups
         from tide_triton.fsdp.install import group_state
 
-        groups = {id(st.group): st.group for _, m in fsdp_modules(model) for pg in param_groups(m)
-                  if (st := group_state(pg)) is not None}
-        return sum(g.preparations for g in groups.values())
+        states = [st for _, m in fsdp_modules(model) for pg in param_groups(m) if (st := group_state(pg)) is not None]
+        groups = {id(st.group): st.group for st in states}
+        # prepared collectives (--mode prepared): each new set of addresses bound counts as one
+        binds = sum(p.binds for st in states for p in st.prepared.values())
+        return sum(g.preparations for g in groups.values()) + binds
 
     for _ in range(args.warmup):
         step()

@@ -83,6 +83,8 @@ class _Prepared:
         self.layout = layout
         self._region = region
         self._bindings: OrderedDict[tuple, Any] = OrderedDict()
+        self.binds = 1
+        """Sets of addresses bound so far (the first at preparation): a steady state adds none."""
         key = self._key(first, second)
         self._bindings[key] = self._bind(first, second)
         self._held = (tuple(first), tuple(second), key) if hold else None
@@ -154,6 +156,7 @@ class _Prepared:
                 t = g.transport(self.device)
                 with Streams(g, t, self.device, stream, False).kernels():
                     binding = self._bindings[key] = self._bind(first_l, second_l)
+                self.binds += 1
                 held = self._held[2] if self._held is not None else None
                 while len(self._bindings) > _BINDINGS_KEPT:
                     old = next(k for k in self._bindings if k != held)

@@ -255,5 +255,6 @@ def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
                 "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
                 "direct_accumulations": st.direct_accumulations,
                 "staged_reduce_scatters": st.staged_reduce_scatters, "slot_all_gathers": st.slot_all_gathers,
-                "prepared_runs": st.prepared_runs, "nodes": st.group.nodes}
+                "prepared_runs": st.prepared_runs,
+                "prepared_binds": sum(p.binds for p in st.prepared.values()), "nodes": st.group.nodes}
     return out
