@@ -85,7 +85,18 @@ for mode, uses_before_graph in (("auto", 1), ("always", 0)):
     del p
     gc.collect()
     assert t.graphs() == 0                 # destroyed with its list
+# warm_replays (a collective, before its flag waits) captures what the next use would replay
 t.copy_graphs = "auto"
+p = t.prepare_copies(dsts, srcs, sizes)
+t.warm_replays([p, None])
+assert "graph" not in p.replay                # never used: nothing to replay yet
+t.copy_prepared(p)
+t.warm_replays([p])
+assert p.replay.get("graph") is not None and t.graphs() == 1
+t.copy_prepared(p)                            # the warmed graph
+del p
+gc.collect()
+assert t.graphs() == 0
 n = GRAPH_MIN_DESCRIPTORS - 1
 small = t.prepare_copies(dsts[:n], srcs[:n], [8] * n)
 for _ in range(3):

@@ -241,6 +241,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
                                                                     snumels, gdt, sdt, device, scale, acc,
                                                                     ring_bytes))
     reducers, pushes, padding = prep
+    t.warm_replays([p for p, _n in pushes] + [padding[0] if padding else None])  # before any flag wait
     g.heap_barrier()
     pace = g.pacer(device)
     pace.start(max((n for _, n in pushes), default=0) + 4 * W)
@@ -410,6 +411,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
             stage = g.cache(skey, node_prepare.prepare_stage(g, t, layout, shards_l, sptrs, dsts, sdt, pdt,
                                                              device, into_block=source is None))
     caster, stage_copies, pad_copies, _zeros = stage
+    t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
     g.heap_barrier()
     t.fence_from(cs)  # shards are complete before the copy queue reads them
     g.check_in(t, [r for r in range(W) if r != me])  # every peer reads my block, I read theirs

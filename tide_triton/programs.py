@@ -207,6 +207,7 @@ class PreparedReduceScatter(_Prepared):
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
         reducers, pushes, padding, ops = binding
         t = g.transport(self.device)
+        t.warm_replays([*pushes, padding[0] if padding else None])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
         fm, T, timeout = g.flags, self.token, g.options.timeout_s
@@ -288,6 +289,7 @@ class PreparedAllGather(_Prepared):
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
         pulls, (caster, stage_copies, pad_copies, _zeros) = binding
         t = g.transport(self.device)
+        t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
         fm, T, timeout = g.flags, self.token, g.options.timeout_s

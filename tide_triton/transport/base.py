@@ -62,6 +62,11 @@ class Transport(Protocol):
         """Enqueue a :meth:`prepare_copies` result on the copy queue (or ``stream``), after
         everything already there; pieces may run in any order among themselves."""
 
+    def warm_replays(self, lists: Sequence[Any]) -> None:
+        """Before a collective enqueues flag waits: capture the prepared ``lists`` that
+        :meth:`copy_prepared` will replay as graphs at their next use (nothing that might
+        synchronize the device may run once a peer waits on this rank)."""
+
     def replays(self, prepared: Any) -> bool:
         """Whether :meth:`copy_prepared` enqueues ``prepared`` as one replayed graph (one
         queue entry, nothing for the host to pace) rather than descriptor by descriptor."""

@@ -703,6 +703,12 @@ class CudaTransport:
         self._check_open()
         self._sig.copy_prepared(prepared, stream=stream)
 
+    def warm_replays(self, lists: Sequence[Any]) -> None:
+        """Capture, before the collective enqueues flag waits, the prepared lists that will
+        be replayed as graphs this time (see :meth:`CopyEngine.warm_replays`)."""
+        self._check_open()
+        self._sig.warm_replays(lists)
+
     def replays(self, prepared: PreparedCopies) -> bool:
         """Whether ``prepared`` is launched as one captured graph (from its second or third
         use on, ``$TIDE_TRITON_COPY_GRAPHS``): one queue entry, nothing to pace."""

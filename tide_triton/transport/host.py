@@ -207,6 +207,9 @@ class HostTransport:
                              f"{len(dsts)}, {len(srcs)} and {len(nbytes)}")
         return list(dsts), list(srcs), list(nbytes)
 
+    def warm_replays(self, lists) -> None:
+        """Nothing to capture: the host copies each piece itself."""
+
     def replays(self, prepared) -> bool:
         """Never: the host copies each piece itself."""
         return False
