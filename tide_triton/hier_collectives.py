@@ -306,6 +306,8 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
                              prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                    sdt.itemsize, device)))
     prep, padding = prep
+    # copy graphs captured before any flag wait (CopyEngine.warm_replays)
+    t.warm_replays([padding[0] if padding else None] + [c for pushes, *_ in prep for c, _n in pushes.values()])
     order = Streams(g, t, device, stream, async_op, whole_on_side=True)
     t = order.t
     with order.kernels():
@@ -438,6 +440,8 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     prep = g.cached(key)
     if prep is None:
         prep = g.cache(key, _prepare_ag(g, t, reg, plan, layout, pptrs, sptrs, have, zero, pdt, sdt, device))
+    t.warm_replays([prep.own if pdt == sdt else None, prep.pads, prep.publish,
+                    *(copies for _r, copies, _n in prep.pickups)])  # graphs before any flag wait
     last = {**{f"ag inter {k}": 0 for k in range(len(plan.node_rounds))}, "ag intra": 0}
     order = Streams(g, t, device, stream, async_op, whole_on_side=True)
     t = order.t
