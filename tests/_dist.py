@@ -11,8 +11,8 @@ Test helper, reused by every multi-process test::
 Habits (STYLE.md, triton_kernels ``test_distributed``): the parent holds the rendezvous store
 (a ``TCPStore`` on port 0 of 127.0.0.1: the OS picks a port and the parent keeps it bound, so
 no other test can take it between choosing and binding -- session 10 lost a run to that race
-with ``free_port``); every wait has a timeout; survivors are killed; each child destroys its
-process group in ``finally``; a child's exception comes back to the parent as a
+with a port chosen by binding port 0 and closing it again); every wait has a timeout; survivors
+are killed; each child destroys its process group in ``finally``; a child's exception comes back to the parent as a
 ``RuntimeError`` naming its rank and carrying its traceback text.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import pickle
 import queue as queue_mod
 import signal
-import socket
 import time
 import traceback
 from typing import Any, Callable, Collection, Iterator, Mapping
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_multiprocess", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU"]
+__all__ = ["run_multiprocess", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU"]
 
 CHILD_ENV: dict[str, str] = {}
 """Set in every child's environment under the test's own ``env`` (conftest puts
@@ -79,14 +78,6 @@ _GRACE_S = 2.0
 
 # Results are pickled to bytes in the child (tensors by value, not as shared-memory handles
 # that die with the child), so a child may exit as soon as its message is flushed.
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago: bind port 0 and read back what the OS chose."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

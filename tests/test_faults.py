@@ -313,7 +313,8 @@ _EXIT_SCRIPT = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     import tide_triton as tt
     rank, W, port = int(sys.argv[1]), 2, int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
+    store = dist.TCPStore("127.0.0.1", port, None, False)  # the test serves it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=W)
     layout = tt.ShardLayout([(6, 3)], W)
     grads = [torch.full((6, 3), 1.0, dtype=torch.bfloat16)]
     shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
@@ -326,14 +327,19 @@ _EXIT_SCRIPT = textwrap.dedent("""
 
 
 def test_fifty_exits_without_close_never_abort(tmp_path) -> None:
-    from _dist import free_port
+    import datetime
+
+    import torch.distributed as dist
 
     script = tmp_path / "exit.py"
     script.write_text(_EXIT_SCRIPT)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     codes = []
     for i in range(25):  # 25 runs x 2 ranks = 50 exits; half destroy the process group first
-        port = free_port()
+        # the test serves each run's store on a port it keeps bound (no race for a free port)
+        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=120))
+        port = store.port
         how = "destroy" if i % 2 else "exit"
         procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), how], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(2)]
@@ -344,6 +350,7 @@ def test_fifty_exits_without_close_never_abort(tmp_path) -> None:
                 p.kill()
                 _, err = p.communicate()
             codes.append((p.returncode, how, err.decode(errors="replace")[-400:]))
+        del store
     bad = [c for c in codes if c[0] != 0]
     assert not bad, bad[:3]
 

@@ -346,7 +346,7 @@ def test_argument_checks_hold_no_object_per_parameter() -> None:
     object one at a time: with a shape per parameter alive at once, every ~700 parameters
     started a garbage-collector pass -- 4 per all-gather of the 256-expert layer, and now and
     then a full pass of ~70 ms over the whole process inside one call (session 9)."""
-    from tide_triton._checks import check_shapes
+    from tide_triton._checks import check_gather_shards, check_shapes
 
     W, me = 2, 0
     shapes = [(4 + i % 3, 2) for i in range(3000)]
@@ -358,7 +358,7 @@ def test_argument_checks_hold_no_object_per_parameter() -> None:
             for _ in range(1 if first else 5):
                 _, _, _, _, lay = coll._full_and_shards("grads", full, shards, W)
                 check_shapes("shards", shards, lay.shard_shapes(me), lay.shard_shapes(me, padded=True))
-                coll._check_gather_shards(shards, lay, me)
+                check_gather_shards(shards, lay, me)
     assert lay == layout
     assert passes.count == 0, passes.count
 

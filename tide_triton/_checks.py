@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ __all__ = [
     "check_tensor_list",
     "check_uniform",
     "check_shapes",
+    "check_gather_shards",
     "same_shapes",
     "check_flat",
     "dtype_name",
@@ -196,3 +197,21 @@ def check_entries_uniform(
     for j, e in enumerate(entries[1:], start=1):
         check_uniform(f"{name}[{j}]", e, dtypes=(dtype,), device=device)
     return dtype
+
+
+def check_gather_shards(shards: Sequence[torch.Tensor], layout: Any, rank: int) -> None:
+    """An all-gather's shards against ``layout`` (a :class:`tide_triton.layout.ShardLayout`):
+    shard ``i`` is ``(rows, *rest)`` with rows = ``c`` (padded) or this rank's real rows.
+    A parameter passed padded (``W*c`` rows) hides its true dim 0, so there any row count
+    up to ``c`` is a valid unpadded shard: the rows it lacks arrive as zero padding."""
+    if same_shapes(shards, layout.shard_shapes(rank)) or same_shapes(shards, layout.shard_shapes(rank, padded=True)):
+        return  # fast path: all unpadded or all padded
+    real = layout.shard_rows(rank)
+    for i, (x, shape, c) in enumerate(zip(shards, layout.shapes, layout.rows_per_rank)):
+        got = tuple(x.shape)
+        ok = len(got) == len(shape) and got[1:] == shape[1:] and (
+            got[0] in (c, real[i]) or (shape[0] == layout.world_size * c and 0 <= got[0] <= c))
+        if not ok:
+            want = (real[i], *shape[1:])
+            alt = "" if real[i] == c else f" or padded {(c, *shape[1:])}"
+            raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got} ({layout.shard_rule(i, rank)})")

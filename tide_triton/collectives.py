@@ -21,8 +21,10 @@ import torch
 
 from . import hier_collectives, multicast_exec, node_prepare, programs
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
-from ._checks import FLOAT_DTYPES, check_shapes, check_tensor_list, check_uniform, dtype_name, same_shapes
+from ._checks import (FLOAT_DTYPES, check_gather_shards, check_shapes, check_tensor_list, check_uniform,
+                      dtype_name)
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
+from .executor import capturing as _capturing  # the name the capture tests patch
 from .group import Group, resolve
 from .heap import ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
@@ -65,16 +67,6 @@ def _scale(op: object, world: int) -> float | None:
                              "NaN or infinite)")
         return op
     raise ValueError(f'op must be "sum", "avg" or a float (pre-multiplied sum), got {op!r}')
-
-
-def _capturing(stream: object) -> bool:
-    """Whether ``stream`` (default: the current stream) is being captured into a CUDA graph."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return False
-    if isinstance(stream, torch.cuda.Stream):
-        with torch.cuda.stream(stream):
-            return torch.cuda.is_current_stream_capturing()
-    return torch.cuda.is_current_stream_capturing()
 
 
 def _refuse_capture(name: str, stream: object) -> None:
@@ -286,23 +278,6 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
 
 
 # --------------------------------------------------------------------------- all-gather
-def _check_gather_shards(shards: list[torch.Tensor], layout: ShardLayout, rank: int) -> None:
-    """Shard ``i`` is ``(rows, *rest)`` with rows = ``c`` (padded) or this rank's real rows.
-    A parameter passed padded (``W*c`` rows) hides its true dim 0, so there any row count
-    up to ``c`` is a valid unpadded shard: the rows it lacks arrive as zero padding."""
-    if same_shapes(shards, layout.shard_shapes(rank)) or same_shapes(shards, layout.shard_shapes(rank, padded=True)):
-        return  # fast path: all unpadded or all padded
-    real = layout.shard_rows(rank)
-    for i, (x, shape, c) in enumerate(zip(shards, layout.shapes, layout.rows_per_rank)):
-        got = tuple(x.shape)
-        ok = len(got) == len(shape) and got[1:] == shape[1:] and (
-            got[0] in (c, real[i]) or (shape[0] == layout.world_size * c and 0 <= got[0] <= c))
-        if not ok:
-            want = (real[i], *shape[1:])
-            alt = "" if real[i] == c else f" or padded {(c, *shape[1:])}"
-            raise ValueError(f"shards[{i}] must have shape {want}{alt}, got {got} ({layout.shard_rule(i, rank)})")
-
-
 def all_gather(
     shards: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -341,7 +316,7 @@ def _ag_arguments(g: Group, name: str, shards, params):
     rows they do not hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not
     be mixed."""
     params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, g.world_size)
-    _check_gather_shards(shards_l, layout, g.rank)
+    check_gather_shards(shards_l, layout, g.rank)
     sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
     sig = (name, ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
            ("shards dtype", dtype_name(sdt)), ("device", device.type))

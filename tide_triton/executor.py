@@ -130,6 +130,16 @@ class Streams:
         return Work()
 
 
+def capturing(stream: object = None, device: object = None) -> bool:
+    """Whether ``stream`` (default: the current stream of ``device``, default the current
+    device) is being captured into a CUDA graph; False while CUDA is not initialised."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device)
+    with torch.cuda.stream(s):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def prepare_padding_zeros(g: Any, t: Any, shard_ptrs: Sequence[int], shard_numels: Sequence[int],
                           real_numels: Sequence[int], elem_bytes: int, device: torch.device) -> Any:
     """The zero-fill of padded shards' padding (the elements past each shard's real ones) as

@@ -35,8 +35,8 @@ from typing import Any, Sequence
 import torch
 
 from . import node_prepare
-from ._checks import check_shapes, check_uniform, same_shapes
-from .executor import Streams, Work, copy_batches_paced
+from ._checks import check_gather_shards, check_shapes, check_uniform, same_shapes
+from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
 from .layout import ShardLayout
@@ -61,12 +61,6 @@ def block_key(nbytes: int) -> str:
     return f"tide_triton/prepared-ag-block/{nbytes}"
 
 
-def _capturing(device: torch.device, stream: object) -> bool:
-    s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device)
-    with torch.cuda.stream(s):
-        return torch.cuda.is_current_stream_capturing()
-
-
 class _Prepared:
     """What both prepared collectives share: the group, the device, the token, the layout,
     the heap region they own, the tensors they were prepared for (kept alive, unless
@@ -74,6 +68,10 @@ class _Prepared:
 
     name = "prepared collective"
     _names: tuple[str, str] = ("", "")
+    _full_first = True
+    """Whether the first tensor list is the full one (grads) or the shards (all-gather)."""
+    _dtypes: tuple[torch.dtype, torch.dtype]
+    """The prepared dtypes of the full tensors and of the shards."""
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], hold: bool) -> None:
@@ -97,7 +95,22 @@ class _Prepared:
         raise NotImplementedError
 
     def _check(self, first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
-        raise NotImplementedError
+        """New tensors against what was prepared (the eager call's own rules): the full
+        tensors (grads / params) with the layout's shapes, the shards by the collective's
+        shard rule, each list of the prepared dtype on this device."""
+        full, shards = (first, second) if self._full_first else (second, first)
+        full_dtype, shard_dtype = self._dtypes
+        layout, me = self.layout, self.g.rank
+        name = self._names[0 if self._full_first else 1]
+        if len(full) != len(layout) or not same_shapes(full, layout.shapes):
+            raise ValueError(f"{self.name}: {name} must have the prepared shapes ({len(layout)} tensors)")
+        if self._full_first:
+            check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                         why=lambda i: layout.shard_rule(i, me))
+        else:
+            check_gather_shards(shards, layout, me)
+        check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
+        check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
         raise NotImplementedError
@@ -106,7 +119,7 @@ class _Prepared:
         """The run's preconditions, on this rank (before anything moves)."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
-        if self.device.type == "cuda" and _capturing(self.device, stream):
+        if self.device.type == "cuda" and capturing(stream, self.device):
             raise RuntimeError(
                 f"{self.name}: a run cannot be captured into a CUDA graph yet -- the token protocol that "
                 "makes it capturable is built and tested on the CPU transport, but not yet on a GPU under "
@@ -174,32 +187,25 @@ class PreparedReduceScatter(_Prepared):
 
     name = "reduce_scatter (prepared)"
     _names = ("grads", "shards")
+    _full_first = True
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  reg: Ring, plan: Any, gdt: torch.dtype, sdt: torch.dtype, scale: float | None, accumulate: bool,
                  grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], hold: bool) -> None:
-        self.reg, self.plan, self.gdt, self.sdt = reg, plan, gdt, sdt
+        self.reg, self.plan = reg, plan
+        self._dtypes = (gdt, sdt)
         self.scale, self.accumulate = scale, accumulate
         me, W = g.rank, g.world_size
         self.peers = [c for c in range(W) if c != me]
         self.dests = [[d for d in self.peers if j < len(plan.chunks[d])] for j in range(plan.rounds)]
         super().__init__(g, device, token, layout, region, grads, shards, hold)
 
-    def _check(self, grads: list[torch.Tensor], shards: list[torch.Tensor]) -> None:
-        layout, me = self.layout, self.g.rank
-        if len(grads) != len(layout) or not same_shapes(grads, layout.shapes):
-            raise ValueError(f"{self.name}: grads must have the prepared shapes ({len(layout)} tensors)")
-        check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
-                     why=lambda i: layout.shard_rule(i, me))
-        check_uniform("grads", grads, dtypes=(self.gdt,), device=self.device)
-        check_uniform("shards", shards, dtypes=(self.sdt,), device=self.device)
-
     def _bind(self, grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> tuple:
         g = self.g
         t = g.transport(self.device)
         reducers, pushes, padding = node_prepare.prepare_reduce_scatter(
             g, t, self.reg, self.plan, self.layout, tuple(map(_PTR, grads)), tuple(map(_PTR, shards)),
-            tuple(map(_NUMEL, shards)), self.gdt, self.sdt, self.device, self.scale, self.accumulate,
+            tuple(map(_NUMEL, shards)), *self._dtypes, self.device, self.scale, self.accumulate,
             g.options.ring_bytes)
         ops = max((n for _, n in pushes), default=0) + 4 * g.world_size
         return reducers, [p for p, _n in pushes], padding, ops
@@ -259,30 +265,24 @@ class PreparedAllGather(_Prepared):
 
     name = "all_gather (prepared)"
     _names = ("shards", "params")
+    _full_first = False
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  sdt: torch.dtype, pdt: torch.dtype, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                  hold: bool) -> None:
-        self.sdt, self.pdt = sdt, pdt
+        self._dtypes = (pdt, sdt)
         super().__init__(g, device, token, layout, region, shards, params, hold)
 
-    def _check(self, shards: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-        layout, me = self.layout, self.g.rank
-        if len(params) != len(layout) or not same_shapes(params, layout.shapes):
-            raise ValueError(f"{self.name}: params must have the prepared shapes ({len(layout)} tensors)")
-        check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
-                     why=lambda i: layout.shard_rule(i, me))
-        check_uniform("params", params, dtypes=(self.pdt,), device=self.device)
-        check_uniform("shards", shards, dtypes=(self.sdt,), device=self.device)
-
     def _bind(self, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple:
-        g, layout, es = self.g, self.layout, self.pdt.itemsize
+        g, layout = self.g, self.layout
+        pdt, sdt = self._dtypes
+        es = pdt.itemsize
         t = g.transport(self.device)
         pptrs, sptrs = tuple(map(_PTR, params)), tuple(map(_PTR, shards))
         block = t.address(g.rank, self._region.offset)
         dsts = tuple(block + o * es for o in layout.flat_offsets)
         pulls = node_prepare.prepare_all_gather(g, t, layout, pptrs, es, None, self._region.offset)
-        stage = node_prepare.prepare_stage(g, t, layout, list(shards), sptrs, dsts, self.sdt, self.pdt, self.device,
+        stage = node_prepare.prepare_stage(g, t, layout, list(shards), sptrs, dsts, sdt, pdt, self.device,
                                            into_block=True)
         return pulls, stage
 

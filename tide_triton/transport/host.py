@@ -230,17 +230,21 @@ class HostTransport:
 
     def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: object = None,
              what: str = "") -> None:
+        self._poll(slot, value.__le__, peer, timeout_s, what or f"flag {slot} >= {value}")
+
+    def _poll(self, slot: int, done: Callable[[int], bool], peer: int, timeout_s: float, what: str) -> None:
+        """Until ``done(flag value)``, with backoff; a peer's abort (``watch``) or the deadline
+        raises, the deadline as :class:`PeerTimeoutError` naming ``peer``."""
         flag = self._flag(self.rank, slot)
-        if flag.value >= value:
+        if done(flag.value):
             return
         deadline = time.monotonic() + timeout_s
         pause = 1e-6
-        while flag.value < value:
+        while not done(flag.value):
             if self.watch is not None:
                 self.watch(peer)
             if time.monotonic() > deadline:
-                raise PeerTimeoutError(peer + self.rank_offset, what or f"flag {slot} >= {value}, saw {flag.value}",
-                                       timeout_s)
+                raise PeerTimeoutError(peer + self.rank_offset, f"{what}, saw {flag.value}", timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -262,19 +266,7 @@ class HostTransport:
         """:meth:`wait_all` for exactly each value (a token, which neither a smaller nor a
         larger value satisfies)."""
         for sl, v, p in zip(slots, values, peers, strict=True):
-            flag = self._flag(self.rank, sl)
-            if flag.value == v:
-                continue
-            deadline = time.monotonic() + timeout_s
-            pause = 1e-6
-            while flag.value != v:
-                if self.watch is not None:
-                    self.watch(p)
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(p + self.rank_offset, (what.format(peer=p + self.rank_offset) or
-                                           f"flag {sl} == {v}") + f", saw {flag.value}", timeout_s)
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+            self._poll(sl, v.__eq__, p, timeout_s, what.format(peer=p + self.rank_offset) or f"flag {sl} == {v}")
 
     def session(self):
         return contextlib.nullcontext()

@@ -337,33 +337,32 @@ class CopyEngine:
             for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
 
+    def _replay_due(self, prepared: PreparedCopies, use: int) -> bool:
+        """Whether the ``use``-th use of ``prepared`` (1 = first) replays it as a graph:
+        from the second use of a list of >= :data:`GRAPH_MIN_DESCRIPTORS` (``auto``), from the
+        first of any (``always``), never (``off``)."""
+        if self.copy_graphs == "always":
+            return True
+        return self.copy_graphs == "auto" and use >= 2 and prepared.descriptors >= GRAPH_MIN_DESCRIPTORS
+
     def warm_replays(self, lists: Sequence[Any]) -> None:
         """Capture now the lists that :meth:`copy_prepared` will replay as graphs at their next
         use -- called by a collective before it enqueues any flag wait.  Instantiating a graph
         may allocate device memory, and in the single-process mode nothing that might
         synchronize the device may run while a peer's stream waits for this rank's flags."""
-        if self.copy_graphs == "off":
-            return
         for p in lists:
-            if p is None or "graph" in p.replay or not (p.nbytes or p.strided):
-                continue
-            if self.copy_graphs == "auto" and (p.descriptors < GRAPH_MIN_DESCRIPTORS or p.replay.get("uses", 0) < 1):
-                continue
-            self._make_graph(p)
+            if (p is not None and "graph" not in p.replay and (p.nbytes or p.strided)
+                    and self._replay_due(p, p.replay.get("uses", 0) + 1)):
+                self._make_graph(p)
 
     def _graph_of(self, prepared: PreparedCopies) -> Any:
-        """The executable graph replaying ``prepared``, captured at its second use (first,
-        under ``always``) if it is large enough -- by :meth:`warm_replays` where the caller
-        warms, else here; None: enqueue its descriptors."""
+        """The executable graph replaying ``prepared`` if this use is due one (captured here
+        unless :meth:`warm_replays` did); None: enqueue its descriptors."""
         r = prepared.replay
         if "graph" in r:
             return r["graph"]
-        if self.copy_graphs == "auto" and prepared.descriptors < GRAPH_MIN_DESCRIPTORS:
-            return None
-        r["uses"] = r.get("uses", 0) + 1
-        if self.copy_graphs == "auto" and r["uses"] < 2:
-            return None
-        return self._make_graph(prepared)
+        r["uses"] = use = r.get("uses", 0) + 1
+        return self._make_graph(prepared) if self._replay_due(prepared, use) else None
 
     def _make_graph(self, prepared: PreparedCopies) -> Any:
         r = prepared.replay
