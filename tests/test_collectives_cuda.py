@@ -98,6 +98,44 @@ def test_single_process_multi_rank_mode_cuda() -> None:
     run_single_process_mode("cuda")
 
 
+def test_single_process_ranks_sharing_a_stream_are_refused_on_every_rank() -> None:
+    """Two rank threads of the single-process mode on one GPU, both on the default stream: a
+    deadlock in waiting (each rank's wait for its peer's flag would sit in front of the peer's
+    write).  Every rank raises a ValueError instead, naming the stream and how to fix it; with
+    a stream each, the same calls go through."""
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    import tide_triton as tt
+
+    W, dev = 2, torch.device("cuda", 0)
+    groups = tt.local_groups(W, timeout_s=30, devices=[dev] * W)
+    grads = [[torch.ones(8, 4, dtype=torch.bfloat16, device=dev)] for _ in range(W)]
+    shards = [[torch.empty(4, 4, device=dev)] for _ in range(W)]
+
+    def shared(r: int) -> str:
+        try:
+            tt.reduce_scatter(grads[r], shards[r], group=groups[r])
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    def own(r: int) -> list:
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            tt.reduce_scatter(grads[r], shards[r], group=groups[r])
+            tt.synchronize(groups[r], timeout_s=30)
+            return shards[r][0].cpu().tolist()
+
+    try:
+        errors = run_threads(shared, W, timeout=60)
+        assert all("the default stream of cuda:0" in e and "its own" in e for e in errors), errors
+        assert all(x == [[2.0] * 4] * 4 for x in run_threads(own, W, timeout=60))
+    finally:
+        for g in groups:
+            g.close()
+
+
 @pytest.fixture(autouse=True)
 def _collect_after_each_test():
     # Finalisers of CUDA resources run here, attributed to the test that left them.

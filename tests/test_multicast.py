@@ -321,7 +321,12 @@ def test_no_multicast_call_reaches_the_driver(mode, env, monkeypatch, caplog):
     full = [torch.randint(-50, 51, s, generator=gen).float().to(device) for s in SHAPES]
 
     def rank(r):
-        dev = torch.device("cuda", r % torch.cuda.device_count()) if device.type == "cuda" else device
+        if device.type == "cuda":  # every rank on the group's device, each on its own stream
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                return one(r, device)
+        return one(r, device)
+
+    def one(r, dev):
         g = [x.to(dev) for x in grads[r]]
         shards = [torch.empty(s, device=dev) for s in layout.shard_shapes(r)]
         tt.reduce_scatter(g, shards, group=groups[r], op="sum")

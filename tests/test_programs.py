@@ -359,6 +359,76 @@ def test_prepared_collectives_one_process_per_rank(device: str) -> None:
                 assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
 
 
+BACK_TO_BACK_SHAPES = [(1024, 512), (768, 1024), (2048, 256), (512, 512)]
+BACK_TO_BACK_RUNS = 12
+
+
+def _back_to_back_value(k: int, which: int, rank: int) -> float:
+    """Run ``k`` of all-gather ``which`` fills rank ``rank``'s shards with this (exact in bf16,
+    distinct for neighbouring runs and the two collectives)."""
+    return float((k % 8) * 16 + which * 4 + rank)
+
+
+def _back_to_back_child(rank: int, world_size: int, device: str) -> list:
+    """Two prepared all-gathers of the same block size (fp32 shards -> bf16 params: the cast
+    writes this rank's block on its stream) run alternately with no synchronization between
+    runs; rank 1 stalls its stream before every other run (a slow peer).  Each run's params are
+    cloned on the stream; returns the clones' distinct values per parameter (on the CPU)."""
+    import tide_triton as tt_
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    g = tt_.init(timeout_s=60)
+    layout = ShardLayout(BACK_TO_BACK_SHAPES, world_size)
+    shards = [[torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)] for _ in range(2)]
+    params = [[torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in BACK_TO_BACK_SHAPES] for _ in range(2)]
+    preps = [tt_.prepare_all_gather(shards[i], params[i], group=g) for i in range(2)]
+    clones = []
+    try:
+        torch.cuda.synchronize()
+        for k in range(BACK_TO_BACK_RUNS):
+            for i in range(2):
+                if rank == 1 and (k + i) % 2:
+                    torch.cuda._sleep(2_000_000)  # ~1 ms: the peers run ahead
+                for x in shards[i]:
+                    x.fill_(_back_to_back_value(k, i, rank))
+                preps[i].run()
+                clones.append([x.clone() for x in params[i]])
+        tt_.synchronize(g, timeout_s=60)
+        return [[torch.unique(x).float().cpu() for x in run] for run in clones]
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepared_all_gathers_back_to_back_with_a_slow_peer() -> None:
+    """The FSDP2 drop-in's pattern on a GPU: prepared all-gathers sharing one block, one after
+    another on the stream, a peer lagging.  Every run delivers exactly that run's values (a
+    run's cast must not overwrite this rank's block while a peer still reads the previous run
+    from it)."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    world = 2
+    out = run_multiprocess(_back_to_back_child, world, "cuda", timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    layout = ShardLayout(BACK_TO_BACK_SHAPES, world)
+    for r in range(world):
+        for n, run in enumerate(out[r]):
+            k, i = divmod(n, 2)
+            for p, values in enumerate(run):
+                want = sorted({_back_to_back_value(k, i, q) for q in range(world) if layout.shard_rows(q)[p]})
+                assert values.tolist() == want, (f"rank {r}, run {k} of all-gather {i}, parameter {p}: "
+                                                 f"values {values.tolist()}, want {want}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prepared_collectives_single_process_mode_cuda() -> None:

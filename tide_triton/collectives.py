@@ -85,9 +85,12 @@ def _refuse_capture(name: str, stream: object) -> None:
             "run it eagerly")
 
 
-def _check_stream(stream: object) -> None:
+def _check_stream(g: Group, stream: object, device: torch.device) -> None:
+    """``stream``'s type; in the single-process mode also that no other rank of the group
+    enqueues on the same CUDA stream (:meth:`Group.check_own_stream`)."""
     if stream is not None and not isinstance(stream, torch.cuda.Stream):
         raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
+    g.check_own_stream(stream, device)
 
 
 def _full_and_shards(name: str, full: object, shards: object, world: int):
@@ -181,7 +184,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     try:
         grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
             g, "reduce_scatter", grads, shards, op, accumulate)
-        _check_stream(stream)
+        _check_stream(g, stream, device)
         if staging is not None:
             _check_staging(g, staging, device)
             if g.nodes > 1:  # too small: ValueError
@@ -330,7 +333,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     source = None
     try:
         params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "all_gather", shards, params)
-        _check_stream(stream)
+        _check_stream(g, stream, device)
         # the call's addresses, read once (cache keys, the region's offsets)
         pptrs, sptrs, snumels = tuple(map(_PTR, params_l)), tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))
         if region is not None:
@@ -455,6 +458,7 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
             _check_preparable(g)
             grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
                 g, "prepare_reduce_scatter", grads, shards, op, accumulate)
+            g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e
         g.agree(sig, err)
@@ -485,6 +489,7 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
             _check_preparable(g)
             params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "prepare_all_gather", shards,
                                                                               params)
+            g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e
         g.agree(sig, err)

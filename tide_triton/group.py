@@ -345,6 +345,25 @@ class Group(CallIdentity):
         if self._local is not None:
             self.exchange(None)
 
+    def check_own_stream(self, stream: Any, device: torch.device) -> None:
+        """Single-process mode, CUDA: the stream this rank's call enqueues on (``stream``, else
+        the current stream of ``device``) is no other rank's.  Ranks that share a stream
+        deadlock -- a wait for a peer's flag sits in front of the peer's own write -- so the
+        second rank to use one in the same call gets a ValueError (agreed with the call: every
+        rank raises).  Per call, not for ever: torch hands out pooled streams round-robin, so
+        threads that make a stream per step may in time get one another rank had."""
+        if self._local is None or self.world_size == 1 or device.type != "cuda" or self._call is None:
+            return
+        s = stream if stream is not None else torch.cuda.current_stream(device)
+        owner = self._local.claim_stream(self.rank, self._call.seq, s.device.index, s.cuda_stream)
+        if owner != self.rank:
+            what = "the default stream" if s.cuda_stream == 0 else f"stream {hex(s.cuda_stream)}"
+            raise ValueError(
+                f"stream: rank {self.rank} enqueues on {what} of {s.device}, which rank {owner} of this "
+                "single-process group uses too; ranks that share a stream wait on each other forever -- give "
+                "each rank's thread its own (`with torch.cuda.stream(torch.cuda.Stream(device)):`) or pass "
+                "stream=")
+
     def side_stream(self, device: torch.device):
         """The group's stream for ``async_op=True`` collectives on ``device``."""
         key = ("stream", device.type, device.index)
@@ -493,6 +512,7 @@ class _LocalExchange:
         self.kv = LocalKeyValue()
         self._lock = threading.Lock()
         self._shared: dict = {}
+        self._streams: dict[tuple[int, int, int], int] = {}
         self._devices = None if devices is None else _local_rank_devices(world_size, devices)
 
     def devices(self) -> list[torch.device]:
@@ -508,6 +528,16 @@ class _LocalExchange:
         if self._devices is not None:
             return "the devices given to local_groups"
         return f"rank r on cuda:(r % {torch.cuda.device_count()}) over the visible GPUs"
+
+    def claim_stream(self, rank: int, seq: int, device_index: int, handle: int) -> int:
+        """The rank that first enqueued call ``seq`` on CUDA stream ``handle`` of device
+        ``device_index`` (``rank`` if none did).  The last 4096 claims are kept (a rank
+        would have to run that many calls ahead of a peer for one to be missed)."""
+        with self._lock:
+            owner = self._streams.setdefault((seq, device_index, handle), rank)
+            while len(self._streams) > 4096:
+                del self._streams[next(iter(self._streams))]
+            return owner
 
     def shared(self, key: object, make: Any) -> Any:
         """One object per key for all local ranks, made by the first rank that asks."""

@@ -119,6 +119,7 @@ class _Prepared:
         """The run's preconditions, on this rank (before anything moves)."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
+        self.g.check_own_stream(stream, self.device)
         if self.device.type == "cuda" and capturing(stream, self.device):
             raise RuntimeError(
                 f"{self.name}: a run cannot be captured into a CUDA graph yet -- the token protocol that "
@@ -297,9 +298,15 @@ class PreparedAllGather(_Prepared):
         ranks = list(range(W))
         with t.session(), st.kernels():
             t.fence_from(cs)  # shards are complete before the copy queue reads them
-            # My block is free: the previous run (of any prepared all-gather) ended only after
-            # every reader had read it.
+            # My block is free for the copy queue: the previous run (of any prepared all-gather
+            # of this block) ended there only after every reader had read it.  The cast writes
+            # it on SMs, from the caller's stream, which never waited for that end: it waits
+            # for the event recorded there (without it, a run following a run wrote the block
+            # while a slower peer still read the previous one -- seen on the H200).
             if caster is not None:  # cast on SMs, then the copy queue goes on from there
+                free = self._block_free()
+                if free[0] is not None:
+                    cs.wait_event(free[0])
                 caster.launch(check_addresses=False)
                 t.fence_from(cs)
             else:
@@ -317,7 +324,16 @@ class PreparedAllGather(_Prepared):
             t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
                              what="rank {peer} to finish reading my prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
+            if st.cuda:  # where the block is free again (the next run's cast waits for it)
+                self._block_free()[0] = t.copy_stream.record_event()
         return st.finish()
+
+    def _block_free(self) -> list:
+        """The event after the last run's quiescent end on this rank's block (shared by the
+        group's prepared all-gathers of the block's size), in a one-element list; ``[None]``
+        before the first run."""
+        return self.g.state(("prepared-ag-block-free", self.device.type, self.device.index, self._region.key),
+                            lambda: [None])
 
 
 def prepared_reduce_scatter(g: Group, token: int, grads: list[torch.Tensor], shards: list[torch.Tensor],
