@@ -116,14 +116,14 @@ def test_single_process_ranks_sharing_a_stream_are_refused_on_every_rank() -> No
 
     def shared(r: int) -> str:
         try:
-            tt.reduce_scatter(grads[r], shards[r], group=groups[r])
+            tt.reduce_scatter(grads[r], shards[r], group=groups[r], op="sum")
         except ValueError as e:
             return str(e)
         return "no error"
 
     def own(r: int) -> list:
         with torch.cuda.stream(torch.cuda.Stream(dev)):
-            tt.reduce_scatter(grads[r], shards[r], group=groups[r])
+            tt.reduce_scatter(grads[r], shards[r], group=groups[r], op="sum")
             tt.synchronize(groups[r], timeout_s=30)
             return shards[r][0].cpu().tolist()
 
