@@ -359,6 +359,96 @@ def test_prepared_collectives_one_process_per_rank(device: str) -> None:
                 assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
 
 
+def _captured_child(rank: int, world_size: int, device: str) -> list:
+    """One process per rank on CUDA: a prepared reduce-scatter (bf16 -> fp32, sum, padded
+    shards) and all-gather (fp32 shards -> bf16 params, a cast) run once eagerly, captured
+    together into one CUDA graph (``torch.cuda.graph``, its default global capture mode),
+    replayed with new gradient values copied in place, an eager run between replays; after
+    each replay or run: the shards, the params and the eager reduce-scatter of the same values
+    (on other tensors), on the CPU."""
+    import tide_triton as tt_
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
+    layout = ShardLayout(SHAPES, world_size)
+    grads = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+    params = [torch.full(s, -3.0, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    rs = tt_.prepare_reduce_scatter(grads, shards, group=g, op="sum")
+    ag = tt_.prepare_all_gather([x[:n] for x, n in zip(shards, layout.shard_rows(rank))], params, group=g)
+    out = []
+
+    def values(k: int) -> None:
+        gen = torch.Generator().manual_seed(100 * k + rank)
+        for x in grads:
+            x.copy_(torch.randint(-8, 9, x.shape, generator=gen).to(torch.bfloat16))
+
+    def record() -> None:
+        eager = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+        tt_.reduce_scatter(grads, eager, group=g, op="sum")
+        tt_.synchronize(g, timeout_s=60)
+        torch.cuda.synchronize()
+        out.append(([x.cpu() for x in shards], [x.cpu() for x in params], [x.cpu() for x in eager]))
+
+    try:
+        values(0)
+        rs.run()
+        ag.run()
+        record()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rs.run()
+            ag.run()
+        for k in (1, 2, 3):
+            values(k)
+            for x in shards:
+                x.fill_(-1.0)
+            graph.replay()
+            record()
+            if k == 2:  # an eager run between replays
+                values(7)
+                rs.run()
+                ag.run()
+                record()
+    finally:
+        g.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly() -> None:
+    """Issue 15's capture: prepared runs recorded into a CUDA graph (one process per rank);
+    every replay -- and an eager run between replays -- exact, bit-identical to the eager
+    reduce-scatter on the same values, padding rows zero."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    world = 2
+    out = run_multiprocess(_captured_child, world, "cuda", timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    layout = ShardLayout(SHAPES, world)
+    for n, k in enumerate((0, 1, 2, 7, 3)):
+        grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
+                 for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
+        for r in range(world):
+            shards, params, eager = out[r][n]
+            for p in range(len(SHAPES)):
+                want = sum(grads[q][p].float() for q in range(world))
+                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
+                assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
+                assert torch.equal(shards[p], eager[p]), (k, r, p)
+                assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+
+
 BACK_TO_BACK_SHAPES = [(1024, 512), (768, 1024), (2048, 256), (512, 512)]
 BACK_TO_BACK_RUNS = 12
 
@@ -547,5 +637,137 @@ def test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment() -> None:
             with pytest.raises(ValueError, match=r"shards\[0\] must have shape"):
                 rs._run_on(grads, [x.reshape(-1) for x in shards])
         run_threads(wrong, W, timeout=60)
+    finally:
+        _close(groups)
+
+
+def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
+    """Capture, as far as the CPU can check it: there is no CUDA graph here, so the capture
+    decision is forced (``_is_captured``) and the transport's calls are recorded.  A captured
+    run warms no copy graphs, asks for no pacer, enqueues capturable copies only, launches its
+    kernels as captured, and ends joined (``fence_to`` after its last flag operation: a capture
+    must rejoin the copy stream); it keeps its binding past eviction and itself alive in the
+    group; its results are exact.  After a capture, eager runs end joined too.  Under capture,
+    ``async_op=True`` and tensors it never ran on raise ValueError naming the cause."""
+    import tide_triton.programs as programs
+    from tide_triton.kernels import Binding
+    from tide_triton.transport.host import HostTransport
+
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(31)
+    vals = _grads(gen, SHAPES)
+    groups = _groups()
+    log: list[tuple] = []
+    capture = {"on": False}
+
+    def spy(name):
+        real = getattr(HostTransport, name)
+
+        def wrapped(self, *a, **k):
+            log.append((self.rank, name, k.get("capturable", False)))
+            return real(self, *a, **k)
+        return wrapped
+
+    for name in ("copy_prepared", "warm_replays", "fence_to", "signal_all", "wait_all_equal"):
+        monkeypatch.setattr(HostTransport, name, spy(name))
+    real_launch = Binding.launch
+
+    def launch(self, **k):
+        log.append((None, "launch", k.get("capturing", False)))
+        return real_launch(self, **k)
+
+    monkeypatch.setattr(Binding, "launch", launch)
+    for cls in (programs.PreparedReduceScatter, programs.PreparedAllGather):
+        def run_marked(self, g, *a, _real=cls._run, **k):
+            log.append((g.rank, "run", False))
+            return _real(self, g, *a, **k)
+        monkeypatch.setattr(cls, "_run", run_marked)
+    monkeypatch.setattr(programs._Prepared, "_is_captured", lambda self, stream: capture["on"])
+    state: dict[int, dict] = {}
+
+    def prepare(r: int) -> None:
+        st = state[r] = {"grads": [v.clone() for v in vals[r]],
+                         "shards": [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)],
+                         "params": [torch.full(s, -3.0, dtype=torch.bfloat16) for s in SHAPES]}
+        st["rs"] = tt.prepare_reduce_scatter(st["grads"], st["shards"], group=groups[r], op="sum")
+        st["ag"] = tt.prepare_all_gather([x[:n] for x, n in zip(st["shards"], layout.shard_rows(r))],
+                                         st["params"], group=groups[r])
+
+    def step(r: int):
+        st = state[r]
+        for x in st["shards"]:
+            x.fill_(-1.0)
+        st["rs"].run()
+        st["ag"].run()
+        return [x.clone() for x in st["shards"]], [x.clone() for x in st["params"]]
+
+    def check(out) -> None:
+        for r, (shards, params) in enumerate(out):
+            for p in range(len(SHAPES)):
+                want = _want(vals, p)
+                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (r, p)
+                assert torch.equal(params[p], want.to(torch.bfloat16)), (r, p)
+
+    def runs(entries) -> list[list[str]]:  # rank 0's transport calls, run by run
+        out: list[list[str]] = []
+        for _, n, _ in entries:
+            if n == "run":
+                out.append([])
+            elif n != "launch":
+                out[-1].append(n)
+        return out
+
+    def ends_joined(entries) -> bool:  # every run's last transport call is its join
+        rs = runs(entries)
+        return len(rs) == 2 and all(r[-1] == "fence_to" and "wait_all_equal" in r for r in rs)
+
+    try:
+        run_threads(prepare, W, timeout=60)
+        log.clear()
+        check(run_threads(step, W, timeout=60))  # eager, before any capture: not joined
+        # eager, no capture yet: the copy queue waits for the quiescent end alone
+        assert not any(r[-1] == "fence_to" for r in runs([e for e in log if e[0] == 0])), log
+        assert any(n == "warm_replays" for _, n, _ in log)
+        log.clear()
+        capture["on"] = True
+        real_pacer = groups[0].pacer
+
+        def pacer(*a):
+            if capture["on"]:
+                pytest.fail("a captured run asked for a pacer")
+            return real_pacer(*a)
+
+        monkeypatch.setattr(groups[0], "pacer", pacer)
+        check(run_threads(step, W, timeout=60))
+        assert not any(n == "warm_replays" for _, n, _ in log), log
+        assert all(flag for _, n, flag in log if n in ("copy_prepared", "launch")), log
+        assert ends_joined([e for e in log if e[0] == 0]), log
+        for r in range(W):
+            kept = groups[r].state(programs._CAPTURED_KEY)
+            assert {id(p) for p in kept} == {id(state[r]["rs"]), id(state[r]["ag"])}
+            assert all(len(state[r][k]._captured) == 1 for k in ("rs", "ag"))
+
+        def refused(r: int) -> list[str]:
+            st, msgs = state[r], []
+            for fn in (lambda: st["rs"].run(async_op=True),
+                       lambda: st["ag"]._run_on([torch.zeros(s) for s in layout.shard_shapes(r, padded=True)],
+                                                [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES])):
+                with pytest.raises(ValueError) as e:
+                    fn()
+                msgs.append(str(e.value))
+            return msgs
+
+        for msgs in run_threads(refused, W, timeout=60):
+            assert msgs[0].startswith("async_op:") and "capture" in msgs[0], msgs
+            assert "has not run on yet" in msgs[1], msgs
+        capture["on"] = False
+        log.clear()
+        _refill(vals, gen)
+        for r in range(W):
+            for x, v in zip(state[r]["grads"], vals[r]):
+                x.copy_(v)
+        check(run_threads(step, W, timeout=60))  # eager after a capture: joined, exact
+        assert ends_joined([e for e in log if e[0] == 0]), log
     finally:
         _close(groups)

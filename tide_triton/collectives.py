@@ -81,8 +81,9 @@ def _refuse_capture(name: str, stream: object) -> None:
             "bake in, so a second replay finds its waits already satisfied and reads slots before the peers "
             "wrote them; (2) its pacing waits on events from the host (group._Pacer), which a capture "
             "cannot do; (3) a first call of a signature, heap growth or a new transport exchange with the "
-            "peers on the host.  Call it outside the captured region (capture the compute around it), or "
-            "run it eagerly")
+            "peers on the host.  Capture a prepared collective instead (tide_triton.prepare_reduce_scatter / "
+            "prepare_all_gather, then .run() inside the capture: fixed tensors, token flags), or call this one "
+            "outside the captured region")
 
 
 def _check_stream(g: Group, stream: object, device: torch.device) -> None:

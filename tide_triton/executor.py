@@ -245,11 +245,18 @@ def prepare_planned(t: Any, plan: Sequence[Strided]) -> Any:
 
 
 def copy_batches_paced(g: Any, t: Any, device: torch.device, batches: Sequence[Any], ops_per_batch: int,
-                       timeout_s: float) -> None:
+                       timeout_s: float, *, capturing: bool = False) -> None:
     """Enqueue prepared copy ``batches`` on the copy queue, the host at most a few batches
     ahead of the copy engines (:meth:`Group.pacer`): thousands of descriptors queued behind
     flag waits would fill the driver's queue and block the thread inside the driver.  A batch
-    the transport replays as one graph (:meth:`replays`) is one queue entry: not paced."""
+    the transport replays as one graph (:meth:`replays`) is one queue entry: not paced.
+    ``capturing``: the copy queue is being captured into a CUDA graph -- capturable copies,
+    no pacing (nothing reaches the driver's queues until a replay, and a capture cannot wait
+    on the host)."""
+    if capturing:
+        for batch in batches:
+            t.copy_prepared(batch, capturable=True)
+        return
     pace = g.pacer(device)
     pace.start(ops_per_batch)
     cuda = device.type == "cuda"

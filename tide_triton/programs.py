@@ -51,6 +51,9 @@ _PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 RING_KEY = "tide_triton/prepared-rs-ring"
 """The heap region every prepared reduce-scatter of a group stages in (``ring_bytes``)."""
 
+_CAPTURED_KEY = ("prepared-captured",)
+"""Group state: the prepared collectives a CUDA graph has recorded (kept alive until close)."""
+
 _BINDINGS_KEPT = 32
 """Sets of addresses a prepared collective keeps bound (:meth:`_Prepared._run_on`).  FSDP2's
 caching allocator hands a parameter group's all-gather outputs more recurring addresses than
@@ -90,6 +93,8 @@ class _Prepared:
         key = self._key(first, second)
         self._bindings[key] = self._bind(first, second)
         self._held = (tuple(first), tuple(second), key) if hold else None
+        self._captured: dict[tuple, Any] = {}
+        """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
 
     @staticmethod
     def _key(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> tuple:
@@ -116,22 +121,47 @@ class _Prepared:
         check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
         check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
 
-    def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
+    def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         raise NotImplementedError
 
-    def _begin(self, stream: object) -> None:
-        """The run's preconditions, on this rank (before anything moves)."""
+    def _is_captured(self, stream: object) -> bool:
+        """Whether this run is being recorded into a CUDA graph (the caller's stream is capturing)."""
+        return self.device.type == "cuda" and capturing(stream, self.device)
+
+    def _begin(self, stream: object, async_op: bool) -> bool:
+        """The run's preconditions, on this rank (before anything moves); returns whether the
+        run is being captured into a CUDA graph."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
         self.g.check_own_stream(stream, self.device)
-        if self.device.type == "cuda" and capturing(stream, self.device):
-            raise RuntimeError(
-                f"{self.name}: a run cannot be captured into a CUDA graph yet -- the token protocol that "
-                "makes it capturable is built and tested on the CPU transport, but not yet on a GPU under "
-                "capture; run it outside the captured region")
+        captured = self._is_captured(stream)
+        if captured and async_op:
+            raise ValueError(f"async_op: {self.name} under CUDA graph capture must run with async_op=False "
+                             "(its Work would wait on an event recorded inside the graph)")
         if self._region.released:
             raise RuntimeError(f"{self.name}: its heap region {self._region.key!r} is released; restore() it "
                                "on every rank before running")
+        return captured
+
+    def _keep_for_graph(self, key: tuple, binding: Any) -> None:
+        """A graph now replays ``binding`` (its tables, copy addresses, heap and flag words)
+        whenever the user launches it: keep the binding past eviction and this prepared
+        collective alive until the group closes; from now on every prepared run of the group
+        ends joined (see :meth:`_joined`)."""
+        self._captured[key] = binding
+        kept = self.g.state(_CAPTURED_KEY, list)
+        if not any(p is self for p in kept):
+            kept.append(self)
+
+    def _joined(self, captured: bool) -> bool:
+        """Whether this run's end makes the caller's stream wait for the copy queue's
+        quiescent end.  Eager runs leave that wait on the copy queue (the caller's stream runs
+        on while peers finish reading), and the next eager run's copy queue work comes after
+        it in order.  A graph's copy queue is its own branch, forked from the caller's stream
+        at each replay: it must be joined at the graph's end (a capture requires it), and once
+        a group has captured runs its eager runs join too -- so that a replay, ordered after
+        them on the caller's stream, never overwrites a ring slot or a block a peer still reads."""
+        return captured or bool(self.g.state(_CAPTURED_KEY))
 
     def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
         """The collective, as prepared, on the tensors' current values.  ``stream`` /
@@ -143,7 +173,7 @@ class _Prepared:
         first, second, key = self._held
         g = self.g
         with g.call(self.name) as c:
-            self._begin(stream)
+            captured = self._begin(stream, async_op)
             if check_addresses:
                 for ts, ptrs, what in zip((first, second), key[:2], self._names):
                     now = tuple(map(_PTR, ts))
@@ -154,8 +184,10 @@ class _Prepared:
                             f"{hex(now[i])} now; e.g. its storage was resized or swapped): prepare the "
                             f"collective again for the new storage")
             binding = self._bindings[key]
+            if captured:
+                self._keep_for_graph(key, binding)
             c.moving = True
-            return self._run(g, binding, stream, async_op)
+            return self._run(g, binding, stream, async_op, captured)
 
     def _run_on(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], *, stream: object = None,
                 async_op: bool = False) -> Work:
@@ -165,10 +197,13 @@ class _Prepared:
         tables; nothing of the peers'), a known one is run as bound."""
         g = self.g
         with g.call(self.name) as c:
-            self._begin(stream)
+            captured = self._begin(stream, async_op)
             key = self._key(first, second)
-            binding = self._bindings.get(key)
+            binding = self._bindings.get(key) or self._captured.get(key)
             if binding is None:
+                if captured:  # binding allocates and uploads tables: nothing a capture may record
+                    raise ValueError(f"{self.name}: captured into a CUDA graph on tensors it has not run on yet; "
+                                     "run it once on these tensors outside the capture first")
                 first_l, second_l = list(first), list(second)
                 self._check(first_l, second_l)
                 t = g.transport(self.device)
@@ -179,10 +214,12 @@ class _Prepared:
                 while len(self._bindings) > _BINDINGS_KEPT:
                     old = next(k for k in self._bindings if k != held)
                     del self._bindings[old]
-            else:
+            elif key in self._bindings:
                 self._bindings.move_to_end(key)
+            if captured:
+                self._keep_for_graph(key, binding)
             c.moving = True
-            return self._run(g, binding, stream, async_op)
+            return self._run(g, binding, stream, async_op, captured)
 
 
 class PreparedReduceScatter(_Prepared):
@@ -215,22 +252,25 @@ class PreparedReduceScatter(_Prepared):
         ops = max((n for _, n in pushes), default=0) + 4 * g.world_size
         return reducers, [p for p, _n in pushes], padding, ops
 
-    def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
+    def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         reducers, pushes, padding, ops = binding
         t = g.transport(self.device)
-        t.warm_replays([*pushes, padding[0] if padding else None])  # before any flag wait
+        if not captured:  # a capture records loop copies instead (docs/design.md)
+            t.warm_replays([*pushes, padding[0] if padding else None])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
         fm, T, timeout = g.flags, self.token, g.options.timeout_s
         me, S, plan, peers = g.rank, self.plan.stages, self.plan, self.peers
-        pace = g.pacer(self.device)
-        pace.start(ops)
+        pace = None if captured else g.pacer(self.device)  # a capture neither fills queues nor waits on the host
+        if pace is not None:
+            pace.start(ops)
         pending: set[tuple[int, int]] = set()  # (dest, stage): written, its free token not seen yet
         with t.session(), st.kernels():
             t.fence_from(cs)  # grads are complete before the copy queue reads them
             for j in range(plan.rounds):
                 s = j % S
-                pace.before(j, t, timeout)
+                if pace is not None:
+                    pace.before(j, t, timeout)
                 dests = self.dests[j]
                 frees = [d for d in dests if (d, s) in pending]
                 if frees:  # the slot's previous contents were reduced by its reader
@@ -239,7 +279,7 @@ class PreparedReduceScatter(_Prepared):
                                      what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
                     t.signal_all([me] * len(frees), slots, [0] * len(frees))
                     pending.difference_update((d, s) for d in frees)
-                t.copy_prepared(pushes[j])
+                t.copy_prepared(pushes[j], capturable=captured)
                 t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
                 pending.update((d, s) for d in dests)
                 if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order
@@ -247,12 +287,13 @@ class PreparedReduceScatter(_Prepared):
                     t.wait_all_equal(slots, [T] * len(peers), peers=peers, timeout_s=timeout, stream=cs,
                                      what=f"rank {{peer}}'s prepared reduce-scatter contribution (chunk {j})")
                     t.signal_all([me] * len(peers), slots, [0] * len(peers), stream=cs)
-                    reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False)
+                    reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False,
+                                       capturing=captured)
                     t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
-                if st.cuda:
+                if st.cuda and pace is not None:
                     pace.after(j, cs if j < len(reducers) else t.copy_stream)
             if padding is not None:  # padding rows become zero (disjoint from the sums' rows)
-                t.copy_prepared(padding[0])
+                t.copy_prepared(padding[0], capturable=captured)
             t.fence_to(cs)  # the grads may be reused once the copy queue has read them
             if pending:  # quiescent end: every slot this run wrote has been reduced
                 ds = sorted(pending)
@@ -260,6 +301,8 @@ class PreparedReduceScatter(_Prepared):
                 t.wait_all_equal(slots, [T] * len(ds), peers=[d for d, _ in ds], timeout_s=timeout,
                                  what="rank {peer} to free prepared reduce-scatter slots (end of run)")
                 t.signal_all([me] * len(ds), slots, [0] * len(ds))
+            if self._joined(captured):
+                t.fence_to(cs)
         return st.finish()
 
 
@@ -291,10 +334,11 @@ class PreparedAllGather(_Prepared):
                                            into_block=True)
         return pulls, stage
 
-    def _run(self, g: Group, binding: Any, stream: object, async_op: bool) -> Work:
+    def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         pulls, (caster, stage_copies, pad_copies, _zeros) = binding
         t = g.transport(self.device)
-        t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
+        if not captured:  # a capture records loop copies instead (docs/design.md)
+            t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
         fm, T, timeout = g.flags, self.token, g.options.timeout_s
@@ -307,29 +351,34 @@ class PreparedAllGather(_Prepared):
             # it on SMs, from the caller's stream, which never waited for that end: it waits
             # for the event recorded there (without it, a run following a run wrote the block
             # while a slower peer still read the previous one -- seen on the H200).
+            # Under capture there is no such event to wait on (a graph may not wait on one
+            # recorded outside it): the capture began with the device idle, and replays follow
+            # joined runs on the caller's stream (:meth:`_joined`).
             if caster is not None:  # cast on SMs, then the copy queue goes on from there
                 free = self._block_free()
-                if free[0] is not None:
+                if free[0] is not None and not captured:
                     cs.wait_event(free[0])
-                caster.launch(check_addresses=False)
+                caster.launch(check_addresses=False, capturing=captured)
                 t.fence_from(cs)
             else:
-                t.copy_prepared(stage_copies)
-            t.copy_prepared(pad_copies)
+                t.copy_prepared(stage_copies, capturable=captured)
+            t.copy_prepared(pad_copies, capturable=captured)
             t.signal_all(ranks, [fm.program_ag_ready(me)] * W, [T] * W)
             slots = [fm.program_ag_ready(r) for r in ranks]
             t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
                              what="rank {peer}'s prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
-            copy_batches_paced(g, t, self.device, pulls, node_prepare.AG_BATCH, timeout)
+            copy_batches_paced(g, t, self.device, pulls, node_prepare.AG_BATCH, timeout, capturing=captured)
             t.signal_all(ranks, [fm.program_ag_done(me)] * W, [T] * W)
             t.fence_to(cs)  # the params are complete for later work on the stream
             slots = [fm.program_ag_done(r) for r in ranks]  # quiescent end: every reader is done
             t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
                              what="rank {peer} to finish reading my prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
-            if st.cuda:  # where the block is free again (the next run's cast waits for it)
+            if st.cuda and not captured:  # where the block is free again (the next run's cast waits for it)
                 self._block_free()[0] = t.copy_stream.record_event()
+            if self._joined(captured):
+                t.fence_to(cs)
         return st.finish()
 
     def _block_free(self) -> list:

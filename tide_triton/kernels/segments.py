@@ -300,9 +300,13 @@ class Binding:
 
     def launch(
         self, *, scale: float | None = None, accumulate: bool = False, check_addresses: bool = True,
+        capturing: bool = False,
     ) -> None:
         """Enqueue the kernel on the current stream of the destinations' device:
-        ``dst = [dst +] scale * sum_k src_k`` over every tile."""
+        ``dst = [dst +] scale * sum_k src_k`` over every tile.  ``capturing``: the stream is
+        being captured into a CUDA graph, whose capture began with the device idle
+        (``torch.cuda.graph`` synchronizes first): the tables are uploaded, and a capture may
+        not wait on an event recorded outside it -- so no wait for the uploads."""
         if self.program.n_tiles == 0:
             return
         if check_addresses and not self.addresses_unchanged():
@@ -322,7 +326,7 @@ class Binding:
                 )
             return
         stream = torch.cuda.current_stream(self.dsts[0].device)
-        if stream != self._upload_stream and stream not in self._streams_seen:
+        if not capturing and stream != self._upload_stream and stream not in self._streams_seen:
             # First launch on another stream: wait for the table uploads, and keep the
             # tables' memory from being reused before this stream is done with them.
             for event in self._events:
@@ -336,6 +340,9 @@ class Binding:
             return
         compiled = self._compiled.get(key)
         if compiled is None:  # first launch of this variant: compile or load, then run directly
+            if capturing:  # loading a module inside a capture is not allowed (and would sync)
+                raise RuntimeError("a kernel variant of this binding was not loaded before the CUDA graph "
+                                   "capture; prepare() it (or run once) outside the capture")
             self.prepare(scale=scale, accumulate=accumulate)
             compiled = self._compiled[key]
         kernel, consts = compiled

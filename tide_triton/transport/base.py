@@ -58,9 +58,11 @@ class Transport(Protocol):
         """Check and convert byte copies ``srcs[i] -> dsts[i]`` (addresses) once, for
         :meth:`copy_prepared` to enqueue many times."""
 
-    def copy_prepared(self, prepared: Any, *, stream: Any = None) -> None:
+    def copy_prepared(self, prepared: Any, *, stream: Any = None, capturable: bool = False) -> None:
         """Enqueue a :meth:`prepare_copies` result on the copy queue (or ``stream``), after
-        everything already there; pieces may run in any order among themselves."""
+        everything already there; pieces may run in any order among themselves.
+        ``capturable``: only operations a CUDA graph capture records (no batch call, no
+        nested graph launch) -- the copy queue is being captured."""
 
     def warm_replays(self, lists: Sequence[Any]) -> None:
         """Before a collective enqueues flag waits: capture the prepared ``lists`` that

@@ -698,10 +698,13 @@ class CudaTransport:
         (:class:`tide_triton.executor.Strided`), one ``cuMemcpy2DAsync`` each."""
         return self._sig.prepare_copies(dsts, srcs, nbytes, strided=strided)
 
-    def copy_prepared(self, prepared: PreparedCopies, *, stream: torch.cuda.Stream | None = None) -> None:
-        """:meth:`copy` of a :meth:`prepare_copies` result."""
+    def copy_prepared(self, prepared: PreparedCopies, *, stream: torch.cuda.Stream | None = None,
+                      capturable: bool = False) -> None:
+        """:meth:`copy` of a :meth:`prepare_copies` result (``capturable``: the copy stream is
+        being captured into a CUDA graph -- one ``cuMemcpy2DAsync`` / ``cuMemcpyAsync`` per
+        descriptor, which capture records, instead of the batch call or a graph launch)."""
         self._check_open()
-        self._sig.copy_prepared(prepared, stream=stream)
+        self._sig.copy_prepared(prepared, stream=stream, capturable=capturable)
 
     def warm_replays(self, lists: Sequence[Any]) -> None:
         """Capture, before the collective enqueues flag waits, the prepared lists that will

@@ -214,7 +214,7 @@ class HostTransport:
         """Never: the host copies each piece itself."""
         return False
 
-    def copy_prepared(self, prepared, *, stream: object = None) -> None:
+    def copy_prepared(self, prepared, *, stream: object = None, capturable: bool = False) -> None:
         self.copy(*prepared)
 
     def _flag(self, rank: int, slot: int) -> ctypes.c_int64:

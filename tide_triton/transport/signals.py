@@ -307,11 +307,18 @@ class CopyEngine:
         m.WidthInBytes, m.Height = int(nbytes), int(rows)
         return m
 
-    def copy_prepared(self, prepared: PreparedCopies, *, stream: Any = None) -> None:
+    def copy_prepared(self, prepared: PreparedCopies, *, stream: Any = None, capturable: bool = False) -> None:
         if not prepared.nbytes and not prepared.strided:
             return
         s = self.stream_int(stream)
         cu = self._cu
+        if capturable:  # inside a capture: neither cuMemcpyBatchAsync nor cuGraphLaunch (docs/design.md)
+            with self._guard:
+                for m in prepared.strided:
+                    check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, captured)")
+                for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
+                    check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank}, captured)")
+            return
         if self.copy_graphs != "off":
             graph = self._graph_of(prepared)
             if graph is not None:
@@ -324,8 +331,9 @@ class CopyEngine:
                 check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
             if not prepared.nbytes:
                 return
-            # Graph capture never reaches here: the collectives refuse it before any transport
-            # call (collectives._refuse_capture), so no per-call capture query on this path.
+            # Graph capture never reaches here: the eager collectives refuse it before any
+            # transport call (collectives._refuse_capture), and a captured prepared run asks
+            # for capturable copies -- so no per-call capture query on this path.
             if self.copy_path == "batch" and s not in (0, 1, 2):
                 check(cu.cuMemcpyBatchAsync(prepared.dst_ptrs, prepared.src_ptrs, prepared.nbytes,
                                             len(prepared.nbytes), self._attrs, [0], 1, s),
