@@ -131,7 +131,10 @@ class CallIdentity:
         if cuda and not hasattr(t, "wait_all_equal"):
             c.moving = True
             return  # a transport without exact waits: the identity is agreed by the exchange only
-        t.signal_all(peers, [slot] * len(peers), [key] * len(peers))
+        # On the host the check runs on the caller's thread (``host_compute``: ahead of a copy
+        # queue that runs behind it, TIDE_TRITON_HOST_COPY_QUEUE=async); on CUDA on the copy stream.
+        host = None if cuda else getattr(t, "host_compute", None)
+        t.signal_all(peers, [slot] * len(peers), [key] * len(peers), stream=host)
         if cuda:
             t.wait_all_equal([fm.call(c.seq % 2, p) for p in peers], [key] * len(peers), peers=peers,
                              timeout_s=self.options.timeout_s, what=f"rank {{peer}} to enter call #{c.seq} "
@@ -140,7 +143,7 @@ class CallIdentity:
             return
         for p in peers:
             ps = fm.call(c.seq % 2, p)
-            t.wait(ps, key & ~0xFFFFFFFF, peer=p, timeout_s=self.options.timeout_s,
+            t.wait(ps, key & ~0xFFFFFFFF, peer=p, timeout_s=self.options.timeout_s, stream=host,
                    what=f"rank {p} to enter call #{c.seq} ({c.name})")
             got = t.read_flag(ps)
             if got != key:
@@ -182,7 +185,8 @@ class CallIdentity:
                 continue  # CUDA: a stream write would queue behind the stuck waits; the store tells
             try:
                 peers = [r for r in range(t.local_size) if r != t.rank]
-                t.signal_all(peers, [self.flags.abort(self.rank)] * len(peers), [seq] * len(peers))
+                t.signal_all(peers, [self.flags.abort(self.rank)] * len(peers), [seq] * len(peers),
+                             stream=getattr(t, "host_compute", None))
             except Exception:  # noqa: BLE001 -- best effort on the way out of an error
                 pass
 

@@ -39,6 +39,14 @@ Variables of the package
     whatever ``GroupOptions.multicast`` says (``"on"`` then raises, saying so).  Any other
     value, or unset, leaves the decision to the option and the guard.  The benchmarks'
     environment sets it to ``0``.  (:mod:`tide_triton.transport.multicast`)
+``TIDE_TRITON_HOST_COPY_QUEUE``
+    Tests: ``async`` runs the host transport's copy queue behind the caller, on a worker
+    thread per rank, as a GPU's copy stream runs behind the caller's stream (default
+    ``sync``: every operation at once).  Read when a host transport is made.
+    (:mod:`tide_triton.transport.host`)
+``TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US``
+    Tests, with ``async``: each queued operation first waits a random time up to this many
+    microseconds (default 0), so runs explore other orders.  (:mod:`tide_triton.transport.host`)
 
 Variables of other software, as the package reads them
 =======================================================
@@ -90,6 +98,8 @@ __all__ = [
     "multicast_enabled",
     "nccl_nvls_enabled",
     "torch_symm_mem_multicast_disabled",
+    "host_copy_queue",
+    "host_copy_queue_jitter_s",
 ]
 
 log = logging.getLogger("tide_triton")
@@ -101,6 +111,7 @@ _NCCL_CLOSE = ("destroy", "abort", "none")
 _COPY_MODES = ("auto", "batch", "loop")
 _LAUNCH_MODES = ("direct", "jit")
 _COPY_GRAPHS = ("auto", "always", "off")
+_HOST_COPY_QUEUES = ("sync", "async")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -132,6 +143,24 @@ def copy_mode(env: Mapping[str, str] | None = None) -> str:
 def copy_graphs(env: Mapping[str, str] | None = None) -> str:
     """``$TIDE_TRITON_COPY_GRAPHS``: ``"auto"`` (default), ``"always"`` or ``"off"``."""
     return _choice("TIDE_TRITON_COPY_GRAPHS", "auto", _COPY_GRAPHS, env)
+
+
+def host_copy_queue(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_HOST_COPY_QUEUE``: ``"sync"`` (default) or ``"async"``."""
+    return _choice("TIDE_TRITON_HOST_COPY_QUEUE", "sync", _HOST_COPY_QUEUES, env)
+
+
+def host_copy_queue_jitter_s(env: Mapping[str, str] | None = None) -> float:
+    """``$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US`` in seconds (default 0)."""
+    raw = (os.environ if env is None else env).get("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "").strip()
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError("$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US must be a number of microseconds, "
+                         f"got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US must be >= 0, got {raw!r}")
+    return value * 1e-6
 
 
 def memop_batch(env: Mapping[str, str] | None = None) -> bool:

@@ -103,7 +103,12 @@ class Streams:
         self.cuda = device.type == "cuda"
         self.async_op = async_op
         self.t = t
-        self.user = self.compute = None
+        self.user = None
+        # the host transport's compute stream: the calling thread (None unless its copy queue
+        # runs behind it, $TIDE_TRITON_HOST_COPY_QUEUE=async)
+        self.compute = getattr(t, "host_compute", None)
+        if not self.cuda and whole_on_side and self.compute is not None:
+            self.t = _OnStream(t, self.compute)
         if self.cuda:
             self.user = stream if stream is not None else torch.cuda.current_stream(device)
             if async_op or whole_on_side:

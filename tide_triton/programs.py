@@ -355,9 +355,8 @@ class PreparedAllGather(_Prepared):
             # recorded outside it): the capture began with the device idle, and replays follow
             # joined runs on the caller's stream (:meth:`_joined`).
             if caster is not None:  # cast on SMs, then the copy queue goes on from there
-                free = self._block_free()
-                if free[0] is not None and not captured:
-                    cs.wait_event(free[0])
+                if not captured:
+                    t.wait_mark(self._block_free()[0], cs)
                 caster.launch(check_addresses=False, capturing=captured)
                 t.fence_from(cs)
             else:
@@ -375,8 +374,8 @@ class PreparedAllGather(_Prepared):
             t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
                              what="rank {peer} to finish reading my prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
-            if st.cuda and not captured:  # where the block is free again (the next run's cast waits for it)
-                self._block_free()[0] = t.copy_stream.record_event()
+            if not captured:  # where the block is free again (the next run's cast waits for it)
+                self._block_free()[0] = t.mark()
             if self._joined(captured):
                 t.fence_to(cs)
         return st.finish()

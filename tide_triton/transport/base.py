@@ -114,6 +114,12 @@ class Transport(Protocol):
     def fence_to(self, stream: Any) -> None:
         """``stream`` waits for work already enqueued on the copy queue."""
 
+    def mark(self) -> Any:
+        """A point on the copy queue, now (an event on a GPU); for :meth:`wait_mark`."""
+
+    def wait_mark(self, mark: Any, stream: Any = None) -> None:
+        """``stream`` waits until the copy queue has passed ``mark`` (None: nothing to wait for)."""
+
     def session(self) -> ContextManager[Any]:
         """A context that keeps the transport ready for many enqueues in a row (the CUDA
         context held current); a no-op where there is nothing to hold."""

@@ -778,6 +778,16 @@ class CudaTransport:
         dst = torch.cuda.current_stream(self.device) if stream is None else stream
         dst.wait_stream(self._sig.copy_stream)
 
+    def mark(self) -> torch.cuda.Event:
+        """An event recorded on the copy stream now (see :meth:`wait_mark`)."""
+        self._check_open()
+        return self._sig.copy_stream.record_event()
+
+    def wait_mark(self, mark: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
+        """``stream`` (default: the current stream) waits for ``mark`` (a :meth:`mark` event)."""
+        if mark is not None:
+            (torch.cuda.current_stream(self.device) if stream is None else stream).wait_event(mark)
+
     def session(self) -> CtxGuard:
         """``with t.session():`` -- hold this transport's context current across many
         enqueues (each one then skips its own push/pop)."""

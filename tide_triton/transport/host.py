@@ -8,24 +8,116 @@ for growth, and the files are unlinked as soon as every peer has opened them -- 
 left in ``/dev/shm`` even if a process dies.  Copies are ``memmove``; flags are 64-bit
 words at the start of every heap, written after the copies they announce (x86 stores are
 ordered, and every copy here completes before the call returns).
+
+The copy queue as a stream (tests): with ``$TIDE_TRITON_HOST_COPY_QUEUE=async`` the copies,
+signals and waits a collective puts on the copy queue (``stream=None``) run later, in order,
+on a worker thread of this rank (``$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US``: each waits a random
+time up to that first), while the compute stream's work (``stream=``
+:data:`HOST_COMPUTE`, the kernels, the host itself) runs at once -- the ordering a GPU has,
+where the copy queue lags the caller's stream.  :meth:`fence_to` blocks until the queue has
+reached it; :meth:`mark` / :meth:`wait_mark` do that for a point recorded earlier.  A wait
+on the queue that times out stops the queue; its error is raised by the next call that
+touches the queue (on a GPU: the next ``synchronize``).  :attr:`queue_delay`, when set, is
+called before each queued operation (a test's way of making one rank's queue slow).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
+import queue
+import random
+import threading
 import time
 import uuid
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import envs
 from ..heap import round_up
 from .base import PeerTimeoutError
 
-__all__ = ["HostTransport", "remove_stale_files"]
+__all__ = ["HostTransport", "remove_stale_files", "HOST_COMPUTE"]
+
+
+class _HostCompute:
+    """The compute stream of a collective on the host transport: the calling thread."""
+
+    def __repr__(self) -> str:
+        return "HOST_COMPUTE"
+
+
+HOST_COMPUTE = _HostCompute()
+"""``stream=`` value for work on a host collective's compute stream (runs at once, in the
+caller's order) -- as opposed to ``None``, the copy queue."""
+
+
+class _CopyQueue:
+    """A rank's copy queue as a worker thread running operations in order (see the module
+    docstring).  ``error``: the first operation that raised; the queue drops the rest."""
+
+    def __init__(self, rank: int) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.delay: Callable[[int, str], None] | None = None
+        jitter = envs.host_copy_queue_jitter_s()
+        if jitter > 0:  # each queued operation waits up to this long first (orders shaken)
+            rng = random.Random(rank * 7919 + os.getpid())
+            self.delay = lambda _rank, _name: time.sleep(rng.random() * jitter)
+        self._rank = rank
+        self._worker = threading.Thread(target=self._run, name=f"tide-host-copy-queue-{rank}", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            op = self._q.get()
+            if op is None:
+                return
+            fn, name = op
+            if self.error is not None:
+                if isinstance(fn, threading.Event):
+                    fn.set()
+                continue
+            try:
+                if isinstance(fn, threading.Event):
+                    fn.set()
+                    continue
+                if self.delay is not None:
+                    self.delay(self._rank, name)
+                fn()
+            except BaseException as e:  # noqa: BLE001 -- raised again on the caller's thread
+                self.error = e
+
+    def put(self, fn: Callable[[], None], name: str) -> None:
+        self.raise_error()
+        self._q.put((fn, name))
+
+    def mark(self) -> threading.Event:
+        ev = threading.Event()
+        self._q.put((ev, "mark"))
+        return ev
+
+    def wait(self, ev: threading.Event, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ev.wait(0.01):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the host copy queue of rank {self._rank} did not reach its mark in {timeout_s} s")
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        ev = self.mark()
+        ev.wait(timeout_s)
+        self._q.put(None)
+        self._worker.join(timeout_s)
+
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -107,6 +199,10 @@ class HostTransport:
         self.watch: Callable[[int], None] | None = None
         """Called with the peer's rank while a wait on it polls (the group's abort check: it
         raises when the peer has abandoned the call)."""
+        self._queue = _CopyQueue(rank) if envs.host_copy_queue() == "async" else None
+        self.host_compute = HOST_COMPUTE if self._queue is not None else None
+        """The compute stream a collective passes with its compute-stream work: None when the
+        copy queue is synchronous (every operation runs at once anyway)."""
         self._exchange = exchange
         self._closed = False
         self._bases: list[int] = []
@@ -195,7 +291,28 @@ class HostTransport:
         return torch.frombuffer(buf, dtype=dtype, count=numel)
 
     # ---- data and flags ---------------------------------------------------------------
+    @property
+    def queue_delay(self) -> Callable[[int, str], None] | None:
+        return None if self._queue is None else self._queue.delay
+
+    @queue_delay.setter
+    def queue_delay(self, fn: Callable[[int, str], None] | None) -> None:
+        if self._queue is None:
+            raise RuntimeError("queue_delay needs TIDE_TRITON_HOST_COPY_QUEUE=async")
+        self._queue.delay = fn
+
+    def _on(self, stream: object, name: str, fn: Callable[..., None], *args: Any, **kw: Any) -> None:
+        """Run ``fn`` now (a synchronous queue, or the compute stream), or queue it."""
+        if self._queue is None or stream is not None:
+            fn(*args, **kw)
+        else:
+            self._queue.put(functools.partial(fn, *args, **kw), name)
+
     def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *, stream: object = None) -> None:
+        self._on(stream, "copy", self._copy_now, list(dsts), list(srcs), list(nbytes))
+
+    @staticmethod
+    def _copy_now(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> None:
         for d, s, n in zip(dsts, srcs, nbytes):
             if n:
                 ctypes.memmove(d, s, n)
@@ -215,7 +332,7 @@ class HostTransport:
         return False
 
     def copy_prepared(self, prepared, *, stream: object = None, capturable: bool = False) -> None:
-        self.copy(*prepared)
+        self.copy(*prepared, stream=stream)
 
     def _flag(self, rank: int, slot: int) -> ctypes.c_int64:
         if not 0 <= slot < self.n_flags:
@@ -223,62 +340,85 @@ class HostTransport:
         return ctypes.c_int64.from_address(self._bases[rank] + 8 * slot)
 
     def signal(self, rank: int, slot: int, value: int, *, stream: object = None) -> None:
-        self._flag(rank, slot).value = value
+        flag = self._flag(rank, slot)
+        self._on(stream, "signal", setattr, flag, "value", value)
 
     def read_flag(self, slot: int) -> int:
         return self._flag(self.rank, slot).value
 
     def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: object = None,
              what: str = "") -> None:
-        self._poll(slot, value.__le__, peer, timeout_s, what or f"flag {slot} >= {value}")
+        self._flag(self.rank, slot)  # a bad slot raises here, on the caller's thread
+        self._on(stream, "wait", self._poll, slot, value.__le__, peer, timeout_s, what or f"flag {slot} >= {value}",
+                 watch=stream is not None or self._queue is None)
 
-    def _poll(self, slot: int, done: Callable[[int], bool], peer: int, timeout_s: float, what: str) -> None:
-        """Until ``done(flag value)``, with backoff; a peer's abort (``watch``) or the deadline
-        raises, the deadline as :class:`PeerTimeoutError` naming ``peer``."""
+    def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float, what: str = "") -> int:
+        """Block the calling thread until local flag ``slot`` >= ``value`` (never queued);
+        returns the value read."""
+        self._poll(slot, value.__le__, peer, timeout_s, what or f"flag {slot} >= {value}")
+        return self._flag(self.rank, slot).value
+
+    def _poll(self, slot: int, done: Callable[[int], bool], peer: int, timeout_s: float, what: str, *,
+              watch: bool = True) -> None:
+        """Until ``done(flag value)``, with backoff; a peer's abort (``watch``, on the caller's
+        thread only: the queue's worker has no call to abandon) or the deadline raises, the
+        deadline as :class:`PeerTimeoutError` naming ``peer``."""
         flag = self._flag(self.rank, slot)
         if done(flag.value):
             return
         deadline = time.monotonic() + timeout_s
         pause = 1e-6
         while not done(flag.value):
-            if self.watch is not None:
+            if watch and self.watch is not None:
                 self.watch(peer)
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(peer + self.rank_offset, f"{what}, saw {flag.value}", timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    host_wait_flag = wait
-
     def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
                  timeout_s: float, stream: object = None, what: str = "") -> None:
         """:meth:`wait` on each flag in turn (``what`` may hold ``{peer}``)."""
         for sl, v, p in zip(slots, values, peers, strict=True):
-            self.wait(sl, v, peer=p, timeout_s=timeout_s, what=what.format(peer=p + self.rank_offset))
+            self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream, what=what.format(peer=p + self.rank_offset))
 
     def signal_all(self, ranks: Sequence[int], slots: Sequence[int], values: Sequence[int], *,
                    stream: object = None) -> None:
         for r, sl, v in zip(ranks, slots, values, strict=True):
-            self.signal(r, sl, v)
+            self.signal(r, sl, v, stream=stream)
 
     def wait_all_equal(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
                        timeout_s: float, stream: object = None, what: str = "") -> None:
         """:meth:`wait_all` for exactly each value (a token, which neither a smaller nor a
         larger value satisfies)."""
         for sl, v, p in zip(slots, values, peers, strict=True):
-            self._poll(sl, v.__eq__, p, timeout_s, what.format(peer=p + self.rank_offset) or f"flag {sl} == {v}")
+            self._flag(self.rank, sl)
+            self._on(stream, "wait", self._poll, sl, v.__eq__, p, timeout_s,
+                     what.format(peer=p + self.rank_offset) or f"flag {sl} == {v}",
+                     watch=stream is not None or self._queue is None)
 
     def session(self):
         return contextlib.nullcontext()
 
     def host_wait_event(self, event: object, *, timeout_s: float) -> None:
-        return None  # host work is complete when it returns: there is never a backlog
+        return None  # the pacer's events: none on the host (its queue needs no pacing)
 
     def fence_from(self, stream: object) -> None:
-        return None  # host work is synchronous
+        return None  # the compute stream is the calling thread: its work is done already
 
     def fence_to(self, stream: object) -> None:
-        return None
+        """The compute stream (the calling thread) waits for what is on the copy queue."""
+        if self._queue is not None:
+            self._queue.wait(self._queue.mark())
+
+    def mark(self) -> threading.Event | None:
+        """A point on the copy queue, now (None: a synchronous queue is always there)."""
+        return None if self._queue is None else self._queue.mark()
+
+    def wait_mark(self, mark: threading.Event | None, stream: object = None) -> None:
+        """The compute stream waits until the copy queue has passed ``mark``."""
+        if mark is not None and self._queue is not None:
+            self._queue.wait(mark)
 
     # ---- lifetime -----------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -289,6 +429,8 @@ class HostTransport:
         if self._closed:
             return
         self._closed = True
+        if self._queue is not None:  # what is queued still runs (a peer may wait for it)
+            self._queue.stop()
         for base in self._bases:
             _libc.munmap(base, _RESERVE_BYTES)
         for fd in self._fds:

@@ -1,0 +1,161 @@
+"""The host transport with its copy queue behind the caller (``TIDE_TRITON_HOST_COPY_QUEUE=async``):
+the ordering a GPU has -- copies, signals and waits of the copy queue run later, in order, on
+a worker thread, while the compute stream's work (kernels, the host) runs at once.  A race
+between the two that the synchronous host transport hides shows here: the prepared
+all-gather's cast overwriting its block while a slow peer still read the previous run (found
+on the H200 in session 11) fails here deterministically without the fix and passes with it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+try:
+    from _dist import run_multiprocess, run_threads
+    from test_collectives_host import _scenarios
+except ImportError:  # pragma: no cover
+    from tests._dist import run_multiprocess, run_threads
+    from tests.test_collectives_host import _scenarios
+
+import tide_triton as tt
+from tide_triton.layout import ShardLayout
+
+ASYNC = {"TIDE_TRITON_HOST_COPY_QUEUE": "async"}
+SHAPES = [(37, 5), (3,), (53, 2), (64,)]
+RUNS = 4
+
+
+def test_the_queue_runs_behind_the_caller_and_fences_wait_for_it(monkeypatch) -> None:
+    """A queued copy has not happened when ``copy`` returns (the worker is held), ``fence_to``
+    waits until it has; a compute-stream operation (``stream=host_compute``) happens at once;
+    a queued wait that times out is raised by the next fence, naming the peer."""
+    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    groups = tt.local_groups(2, timeout_s=5)
+    try:
+        def make(r: int):
+            t = groups[r].transport(torch.device("cpu"))  # collective
+            t.ensure_heap(4096)
+            return t
+
+        t = run_threads(make, 2, timeout=60)[0]
+        assert t.host_compute is not None
+        src, dst = t.heap_tensor(0, 0, 4, torch.float32), t.heap_tensor(0, 64, 4, torch.float32)
+        src.copy_(torch.arange(4.0))
+        held = [True]
+
+        def hold(_rank, _name):
+            while held[0]:
+                time.sleep(0.001)
+
+        t.queue_delay = hold
+        t.copy([dst.data_ptr()], [src.data_ptr()], [16])
+        time.sleep(0.05)
+        assert torch.equal(dst, torch.zeros(4)), "the copy ran before its queue got to it"
+        t.signal(0, 3, 7, stream=t.host_compute)
+        assert t.read_flag(3) == 7, "a compute-stream signal waited for the queue"
+        held[0] = False
+        t.fence_to(t.host_compute)
+        assert torch.equal(dst, torch.arange(4.0))
+        t.queue_delay = None
+        t.wait(5, 1, peer=1, timeout_s=0.2, what="rank {peer}'s test flag")
+        with pytest.raises(tt.PeerTimeoutError, match="rank 1"):
+            t.fence_to(t.host_compute)
+    finally:
+        for g in groups:
+            g.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_contract_exact_with_the_copy_queue_behind(world_size: int) -> None:
+    """The eager collectives' contract scenarios (reduce-scatter: ops, padded shards,
+    accumulate, bf16 shards; all-gather: padded / unpadded, casts) with every rank's copy
+    queue behind its caller and each queued operation delayed up to 300 us at random."""
+    out = run_multiprocess(_scenarios, world_size, 13, timeout=400,
+                           env={**ASYNC, "TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US": "300"})
+    for r, res in enumerate(out):
+        assert all(res[i] == "ok" for i in range(3)), (r, res)
+
+
+def _slow_rank_one(rank: int, name: str) -> None:
+    if rank == 1 and name == "copy":
+        time.sleep(0.03)
+
+
+def _back_to_back(monkeypatch, prepared: bool) -> list:
+    """Two all-gathers of one block size (fp32 shards -> bf16 params: the cast writes the
+    block from the caller's side) run alternately with no synchronization, rank 1's copies
+    30 ms late; returns each run's params per rank."""
+    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    W = 2
+    layout = ShardLayout(SHAPES, W)
+    groups = tt.local_groups(W, timeout_s=30, ring_bytes=1024 * W)
+    try:
+        def rank(r: int) -> list:
+            g = groups[r]
+            g.transport(torch.device("cpu")).queue_delay = _slow_rank_one  # made here: collective
+            shards = [[torch.zeros(s) for s in layout.shard_shapes(r)] for _ in range(2)]
+            params = [[torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES] for _ in range(2)]
+            preps = ([tt.prepare_all_gather(shards[i], params[i], group=g) for i in range(2)]
+                     if prepared else None)
+            out = []
+            for k in range(RUNS):
+                for i in range(2):
+                    for x in shards[i]:
+                        x.fill_(float(k * 16 + i * 4 + r))
+                    if prepared:
+                        preps[i].run()
+                    else:
+                        tt.all_gather(shards[i], params[i], group=g)
+                    out.append([torch.unique(x).tolist() for x in params[i]])
+            g.transport(torch.device("cpu")).fence_to(None)
+            return out
+
+        return run_threads(rank, W, timeout=120)
+    finally:
+        for g in groups:
+            g.close()
+
+
+def _wrong_runs(out: list) -> list:
+    bad = []
+    for r, runs in enumerate(out):
+        for n, run in enumerate(runs):
+            k, i = divmod(n, 2)
+            want = [float(k * 16 + i * 4 + q) for q in range(2)]
+            if any(v != want for v in run):
+                bad.append((r, k, i, run))
+    return bad
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["eager", "prepared"])
+def test_all_gathers_back_to_back_with_a_slow_peer(monkeypatch, prepared: bool) -> None:
+    """Every run delivers that run's values: the block a rank casts into is not written
+    again before the slow peer has read it."""
+    assert _wrong_runs(_back_to_back(monkeypatch, prepared)) == []
+
+
+def test_the_queue_shows_the_race_the_block_free_wait_prevents(monkeypatch) -> None:
+    """The harness can fail: without the prepared all-gather's wait for its block's previous
+    run (what programs.py had before session 11), the slow peer reads the next run's values."""
+    import tide_triton.programs as programs
+
+    monkeypatch.setattr(programs.PreparedAllGather, "_block_free", lambda self: [None])
+    bad = _wrong_runs(_back_to_back(monkeypatch, prepared=True))
+    assert any(r == 1 for r, *_ in bad), bad
+
+
+@pytest.mark.parametrize("name", ["test_prepared_runs_are_exact_and_equal_the_eager_calls",
+                                  "test_prepared_collectives_alternate_and_accumulate",
+                                  "test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment"])
+def test_prepared_collectives_with_the_copy_queue_behind(monkeypatch, name: str) -> None:
+    """tests/test_programs.py's exactness scenarios again, every rank's copy queue behind its
+    caller and each queued operation delayed up to 200 us at random."""
+    try:
+        import test_programs
+    except ImportError:  # pragma: no cover
+        from tests import test_programs
+    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+    getattr(test_programs, name)()
