@@ -3,7 +3,9 @@ the ordering a GPU has -- copies, signals and waits of the copy queue run later,
 a worker thread, while the compute stream's work (kernels, the host) runs at once.  A race
 between the two that the synchronous host transport hides shows here: the prepared
 all-gather's cast overwriting its block while a slow peer still read the previous run (found
-on the H200 in session 11) fails here deterministically without the fix and passes with it."""
+on the H200 in session 11) fails here deterministically without the fix and passes with it.
+Also run this way: the contract scenarios, the prepared collectives' exactness tests and the
+FSDP2 drop-in (Slot-Reuse, prepared mode, declared nodes)."""
 from __future__ import annotations
 
 import time
@@ -159,3 +161,23 @@ def test_prepared_collectives_with_the_copy_queue_behind(monkeypatch, name: str)
     monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
     monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
     getattr(test_programs, name)()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("declared_nodes", [False, True], ids=["one-node", "2x2-nodes"])
+def test_fsdp_drop_in_with_the_copy_queue_behind(declared_nodes: bool) -> None:
+    """The FSDP2 drop-in against stock FSDP2 with every rank's copy queue behind its caller
+    (random delays up to 200 us): W=2 bf16 and fp32 steps, Slot-Reuse and prepared collectives;
+    4 ranks as 2 nodes of 2 (the cross-node executor, Slot-Reuse staging)."""
+    try:
+        from test_fsdp import _check, _child
+    except ImportError:  # pragma: no cover
+        from tests.test_fsdp import _check, _child
+    env = {**ASYNC, "TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US": "200"}
+    if declared_nodes:
+        world, plan = 4, ("fp32", "slot")
+        env["LOCAL_WORLD_SIZE"] = "2"
+    else:
+        world, plan = 2, ("bf16", "fp32", "slot", "prepared")
+    out = run_multiprocess(_child, world, "cpu", plan, timeout=400, env=env)
+    _check(out, world)

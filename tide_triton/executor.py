@@ -57,27 +57,36 @@ class _OnStream:
     def __getattr__(self, name: str) -> object:
         return getattr(self.t, name)
 
+    def _on(self, k: dict) -> dict:
+        """``k`` with this stream: a caller's own ``stream=`` may only name it (the host's
+        check_in passes its compute stream, which is this one)."""
+        s = k.pop("stream", None)
+        if s is not None and s is not self.stream:
+            raise RuntimeError(f"internal error: an operation on {s!r} through a transport bound to {self.stream!r}")
+        k["stream"] = self.stream
+        return k
+
     def copy(self, *a: object, **k: object) -> None:
-        self.t.copy(*a, stream=self.stream, **k)
+        self.t.copy(*a, **self._on(k))
 
     def copy_prepared(self, *a: object, **k: object) -> None:
-        self.t.copy_prepared(*a, stream=self.stream, **k)
+        self.t.copy_prepared(*a, **self._on(k))
 
     def signal(self, *a: object, **k: object) -> None:
-        self.t.signal(*a, stream=self.stream, **k)
+        self.t.signal(*a, **self._on(k))
 
     def signal_all(self, *a: object, **k: object) -> None:
-        self.t.signal_all(*a, stream=self.stream, **k)
+        self.t.signal_all(*a, **self._on(k))
 
     def wait(self, *a: object, **k: object) -> None:
-        self.t.wait(*a, stream=self.stream, **k)
+        self.t.wait(*a, **self._on(k))
 
     def wait_all(self, *a: object, **k: object) -> None:
-        self.t.wait_all(*a, stream=self.stream, **k)
+        self.t.wait_all(*a, **self._on(k))
 
     def wait_all_equal(self, *a: object, **k: object) -> None:
         # the call-identity check (Group.check_in) must precede this stream's data movement
-        self.t.wait_all_equal(*a, stream=self.stream, **k)
+        self.t.wait_all_equal(*a, **self._on(k))
 
 
 class Streams:

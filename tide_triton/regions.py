@@ -150,6 +150,8 @@ class HeapRegion:
         kw = {}
         if self.device.type == "cuda":
             kw["stream"] = stream if stream is not None else torch.cuda.current_stream(self.device)
+        elif getattr(t, "host_compute", None) is not None:  # the caller's thread, ahead of an async queue
+            kw["stream"] = t.host_compute
         with t.session():
             if self._read_epoch:  # nobody writes into my copy while a peer still reads my rows from it
                 t.wait_all([g.flags.ag_done(r) for r in peers], [self._read_epoch] * len(peers), peers=peers,

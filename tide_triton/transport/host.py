@@ -309,7 +309,7 @@ class HostTransport:
             self._queue.put(functools.partial(fn, *args, **kw), name)
 
     def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *, stream: object = None) -> None:
-        self._on(stream, "copy", self._copy_now, list(dsts), list(srcs), list(nbytes))
+        self._on(stream, "copy", self._copy_now, dsts, srcs, nbytes)
 
     @staticmethod
     def _copy_now(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]) -> None:
