@@ -66,13 +66,33 @@ LAYOUT_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "aten::
               "fsdp::chunk_cat", "aten::_chunk_cat")
 
 
-def _profile_step(step, device: torch.device) -> dict:
-    """Device microseconds of one step by category (CPU: host microseconds of the layout ops)."""
+def _host_profile(step, sync, path: str) -> None:
+    """cProfile of one step (the host's Python: where FSDP2's per-module time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    step()
+    sync()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(40)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
+def _profile_step(step, device: torch.device, trace: str | None = None) -> dict:
+    """Device microseconds of one step by category (CPU: host microseconds of the layout ops);
+    ``trace``: the profiler's Chrome trace of it into this file."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         step()
+    if trace:
+        prof.export_chrome_trace(trace)
     out = {"layout_copy_us": 0.0, "layout_copy_ops": {}, "nccl_us": 0.0, "tide_kernel_us": 0.0,
            "memcpy_us": 0.0, "kernel_us": 0.0, "fsdp_host_us": 0.0}
     for e in prof.events():  # FSDP2's host ranges, outermost only (they nest: pre_forward > all_gather)
@@ -136,6 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on cuda:0 (default: rank on cuda:LOCAL_RANK %% number of GPUs)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--host-profile", default=None, metavar="FILE",
+                    help="rank 0: cProfile of one more step, the 40 costliest functions by cumulative time into FILE")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="rank 0: the torch profiler's Chrome trace of the profiled step into FILE")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device is visible to torch: use --dry-run for the CPU check")
@@ -271,7 +295,12 @@ def main(argv=None) -> int:
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
     heap = max(h for marks in phases for _, h in marks.values())
     phase_peak = {name: max(m[name][0] + m[name][1] for m in phases) for name in phases[0]}
-    prof = _profile_step(step, device)
+    prof = _profile_step(step, device, args.trace if rank == 0 else None)
+    if args.host_profile and rank == 0:
+        _host_profile(step, sync, args.host_profile)
+    elif args.host_profile:
+        step()
+        sync()
     on_gpu = [None] * W
     dist.all_gather_object(on_gpu, (os.uname().nodename, device.index))
     sharing = on_gpu.count(on_gpu[rank])  # ranks whose memory mem_get_info also sees
