@@ -181,3 +181,43 @@ def test_fsdp_drop_in_with_the_copy_queue_behind(declared_nodes: bool) -> None:
         world, plan = 2, ("bf16", "fp32", "slot", "prepared")
     out = run_multiprocess(_child, world, "cpu", plan, timeout=400, env=env)
     _check(out, world)
+
+
+def test_captured_all_gathers_replayed_back_to_back_with_a_slow_peer(monkeypatch) -> None:
+    """Replays of a host graph holding two prepared all-gathers that share one block (a cast
+    each), back to back, rank 1's copies 30 ms late: every run delivers its own values -- a
+    captured run ends joined (the caller waits for its quiescent end), which is all that
+    orders the next cast into the block, within a replay and across replays."""
+    from tide_triton.host_capture import HostGraph, capture
+
+    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    W = 2
+    layout = ShardLayout(SHAPES, W)
+    groups = tt.local_groups(W, timeout_s=30, ring_bytes=1024 * W)
+
+    def rank(r: int) -> list:
+        g = groups[r]
+        shards = [[torch.zeros(s) for s in layout.shard_shapes(r)] for _ in range(2)]
+        params = [[torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES] for _ in range(2)]
+        preps = [tt.prepare_all_gather(shards[i], params[i], group=g) for i in range(2)]
+        for p in preps:
+            p.run()
+        graph = HostGraph()
+        with capture(graph):
+            for p in preps:
+                p.run()
+        g.transport(torch.device("cpu")).queue_delay = _slow_rank_one
+        out = []
+        for k in range(RUNS):
+            for i in range(2):
+                for x in shards[i]:
+                    x.fill_(float(k * 16 + i * 4 + r))
+            graph.replay()
+            out += [[torch.unique(x).tolist() for x in params[i]] for i in range(2)]
+        return out
+
+    try:
+        assert _wrong_runs(run_threads(rank, W, timeout=120)) == []
+    finally:
+        for g in groups:
+            g.close()

@@ -771,3 +771,73 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
         assert ends_joined([e for e in log if e[0] == 0]), log
     finally:
         _close(groups)
+
+
+@pytest.mark.parametrize("queue", ["sync", "async"])
+def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str) -> None:
+    """Issue 15's "replays exact" on the CPU: each rank captures its prepared reduce-scatter
+    (sum, padded shards) and all-gather (fp32 -> bf16, a cast) into a host graph
+    (:mod:`tide_triton.host_capture`: the copies, signals, waits, fences and kernel launches are
+    recorded, nothing moves), then replays it with new gradient values -- an eager run of the
+    same prepared collectives and an eager reduce-scatter between replays; every replay exact
+    and bit-identical to the eager reduce-scatter on the same values.  ``async``: the copy queue
+    behind the caller, random delays."""
+    from tide_triton.host_capture import HostGraph, capture
+
+    if queue == "async":
+        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(41)
+    vals = _grads(gen, SHAPES)
+    groups = _groups()
+    state: dict[int, dict] = {}
+
+    def prepare(r: int) -> int:
+        st = state[r] = {"grads": [v.clone() for v in vals[r]],
+                         "shards": [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)],
+                         "params": [torch.full(s, -3.0, dtype=torch.bfloat16) for s in SHAPES]}
+        st["rs"] = tt.prepare_reduce_scatter(st["grads"], st["shards"], group=groups[r], op="sum")
+        st["ag"] = tt.prepare_all_gather([x[:n] for x, n in zip(st["shards"], layout.shard_rows(r))],
+                                         st["params"], group=groups[r])
+        st["rs"].run()  # once outside the capture (what a CUDA capture needs too)
+        st["ag"].run()
+        for x in st["shards"]:
+            x.fill_(-7.0)
+        graph = st["graph"] = HostGraph()
+        with capture(graph):
+            st["rs"].run()
+            st["ag"].run()
+        assert all(bool((x == -7.0).all()) for x in st["shards"]), "a captured run moved data"
+        return len(graph)
+
+    def step(r: int, how: str):
+        st = state[r]
+        for x, v in zip(st["grads"], vals[r]):
+            x.copy_(v)
+        for x in st["shards"]:
+            x.fill_(-1.0)
+        if how == "replay":
+            st["graph"].replay()
+        else:
+            st["rs"].run()
+            st["ag"].run()
+        eager = [torch.empty(s) for s in layout.shard_shapes(r, padded=True)]
+        tt.reduce_scatter(st["grads"], eager, group=groups[r], op="sum")
+        return [x.clone() for x in st["shards"]], [x.clone() for x in st["params"]], eager
+
+    try:
+        assert all(n > 0 for n in run_threads(prepare, W, timeout=60))
+        for k, how in enumerate(["replay", "replay", "run", "replay"]):
+            _refill(vals, gen)
+            out = run_threads(lambda r, h=how: step(r, h), W, timeout=120)
+            for r, (shards, params, eager) in enumerate(out):
+                for p in range(len(SHAPES)):
+                    want = _want(vals, p)
+                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, how, r, p)
+                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, how, r, p)
+                    assert torch.equal(shards[p], eager[p]), (k, how, r, p)
+                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, how, r, p)
+    finally:
+        _close(groups)

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import node_prepare
+from . import host_capture, node_prepare
 from ._checks import check_gather_shards, check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
@@ -125,8 +125,11 @@ class _Prepared:
         raise NotImplementedError
 
     def _is_captured(self, stream: object) -> bool:
-        """Whether this run is being recorded into a CUDA graph (the caller's stream is capturing)."""
-        return self.device.type == "cuda" and capturing(stream, self.device)
+        """Whether this run is being recorded into a graph: a CUDA graph (the caller's stream is
+        capturing), or on the host a :class:`~tide_triton.host_capture.HostGraph` (tests)."""
+        if self.device.type == "cuda":
+            return capturing(stream, self.device)
+        return host_capture.recording() is not None
 
     def _begin(self, stream: object, async_op: bool) -> bool:
         """The run's preconditions, on this rank (before anything moves); returns whether the

@@ -22,7 +22,7 @@ import torch
 import triton.language as tl
 from triton import knobs as _knobs
 
-from .. import envs
+from .. import envs, host_capture
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
 
 __all__ = ["Span", "SegmentProgram", "Binding", "launch_config", "interpreting"]
@@ -318,12 +318,18 @@ class Binding:
         has_scale, accumulate, raw = key
         args = self._args(scale)
         if not self._cuda:
-            # The interpreter keeps global state per launch: one launch at a time (threads
-            # of the single-process multi-rank mode launch concurrently).
-            with _INTERPRETER_LOCK:
-                segmented_reduce_kernel[self._grid](
-                    *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
-                )
+            def run() -> None:
+                # The interpreter keeps global state per launch: one launch at a time (threads
+                # of the single-process multi-rank mode launch concurrently).
+                with _INTERPRETER_LOCK:
+                    segmented_reduce_kernel[self._grid](
+                        *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
+                    )
+            graph = host_capture.recording() if capturing else None
+            if graph is not None:  # the host's capture (tests): recorded, run at each replay
+                graph.record(run)
+            else:
+                run()
             return
         stream = torch.cuda.current_stream(self.dsts[0].device)
         if not capturing and stream != self._upload_stream and stream not in self._streams_seen:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import envs
+from .. import envs, host_capture
 from ..heap import round_up
 from .base import PeerTimeoutError
 
@@ -302,11 +302,20 @@ class HostTransport:
         self._queue.delay = fn
 
     def _on(self, stream: object, name: str, fn: Callable[..., None], *args: Any, **kw: Any) -> None:
-        """Run ``fn`` now (a synchronous queue, or the compute stream), or queue it."""
-        if self._queue is None or stream is not None:
+        """Run ``fn`` now (a synchronous queue, or the compute stream), or queue it -- or, while
+        this thread captures (:mod:`tide_triton.host_capture`), record where it would go."""
+        now = self._queue is None or stream is not None
+        graph = host_capture.recording()
+        if graph is not None:
+            op = functools.partial(fn, *args, **kw)
+            graph.record(op, None if now else functools.partial(self._put, name=name))
+        elif now:
             fn(*args, **kw)
         else:
             self._queue.put(functools.partial(fn, *args, **kw), name)
+
+    def _put(self, op: Callable[[], None], name: str) -> None:
+        self._queue.put(op, name)
 
     def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *, stream: object = None) -> None:
         self._on(stream, "copy", self._copy_now, dsts, srcs, nbytes)
@@ -408,11 +417,18 @@ class HostTransport:
 
     def fence_to(self, stream: object) -> None:
         """The compute stream (the calling thread) waits for what is on the copy queue."""
-        if self._queue is not None:
-            self._queue.wait(self._queue.mark())
+        if self._queue is None:
+            return
+        graph = host_capture.recording()
+        if graph is not None:
+            graph.record(functools.partial(self.fence_to, stream))
+            return
+        self._queue.wait(self._queue.mark())
 
     def mark(self) -> threading.Event | None:
         """A point on the copy queue, now (None: a synchronous queue is always there)."""
+        if self._queue is not None and host_capture.recording() is not None:
+            raise RuntimeError("internal error: a copy-queue mark while capturing (a graph cannot hold one)")
         return None if self._queue is None else self._queue.mark()
 
     def wait_mark(self, mark: threading.Event | None, stream: object = None) -> None:
