@@ -24,7 +24,9 @@ the calling thread over them (``time.thread_time``: the host's own work, without
 it sleeps through).  ``--host-profile FILE``: a cProfile of rank 0's calls.  Driver calls: CUDA driver
 calls one collective of rank 0 makes once prepared (counted on one extra call, on the
 transport's driver module: copies, stream memory operations, stream queries), the number
-that must not grow with the parameter count.
+that must not grow with the parameter count.  ``--prepared``: ``run()`` of prepared
+collectives; ``--captured``: ``replay()`` of prepared runs captured into a CUDA graph each
+(issue 15's device-time floor: the "of ceiling" column).
 """
 from __future__ import annotations
 
@@ -113,12 +115,28 @@ PREPARED = False
 (prepared once before the timed calls) instead of the eager calls."""
 
 
-def _calls(g, grads, shards, bshards, params, names):
-    """The two timed collectives of a rank, as ``(name, fn)``: eager, or prepared runs."""
-    if PREPARED:  # collective: every rank prepares both, in this order
+CAPTURED = False
+"""``--captured``: prepared runs captured into a CUDA graph each (after one run outside the
+capture); the timed call is ``graph.replay()``."""
+
+
+def _calls(g, grads, shards, bshards, params, names, thread_local: bool = False):
+    """The two timed collectives of a rank, as ``(name, fn)``: eager, prepared runs, or
+    replays of captured prepared runs (``thread_local``: the capture restricts this thread
+    only -- the single-process mode's other rank threads keep enqueueing)."""
+    if PREPARED or CAPTURED:  # collective: every rank prepares both, in this order
         rs = tt.prepare_reduce_scatter(grads, shards, group=g, op="avg")
         ag = tt.prepare_all_gather(bshards, params, group=g)
-        return [(names[0], rs.run), (names[1], ag.run)]
+        if not CAPTURED:
+            return [(names[0], rs.run), (names[1], ag.run)]
+        out = []
+        for name, p in ((names[0], rs), (names[1], ag)):
+            p.run()  # bound, its kernels loaded: what a capture needs first
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local" if thread_local else "global"):
+                p.run()
+            out.append((name, graph.replay))
+        return out
     return [(names[0], lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
             (names[1], lambda: tt.all_gather(bshards, params, group=g))]
 
@@ -167,7 +185,8 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
 
     def rank_body(r: int) -> None:
         g = groups[r]
-        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather")):
+        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather"),
+                               thread_local=True):
             fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
@@ -338,6 +357,8 @@ def main() -> None:
                     help="every rank on cuda:0 (default: rank r on cuda:r %% number of GPUs)")
     ap.add_argument("--prepared", action="store_true",
                     help="time run() of prepared collectives (tt.prepare_reduce_scatter / prepare_all_gather)")
+    ap.add_argument("--captured", action="store_true",
+                    help="time replays of prepared runs captured into CUDA graphs (torch.cuda.graph)")
     ap.add_argument("--apart", action="store_true",
                     help="tensors apart (no strided copies: a descriptor per parameter and rank)")
     ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
@@ -345,8 +366,8 @@ def main() -> None:
     ap.add_argument("--from", dest="from_rows", nargs="+", default=None, metavar="ROWS.jsonl",
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
-    global APART, PREPARED
-    APART, PREPARED = args.apart, args.prepared
+    global APART, PREPARED, CAPTURED
+    APART, PREPARED, CAPTURED = args.apart, args.prepared, args.captured
     if args.from_rows:
         from tide_triton._cli import recorded_rows
 
@@ -401,7 +422,8 @@ def main() -> None:
             first = False
             row["ceiling_gbps"] = ceiling
             row["tensors_apart"] = APART
-            row["prepared"] = PREPARED
+            row["prepared"] = PREPARED or CAPTURED
+            row["captured"] = CAPTURED
             row["copy_graphs"] = os.environ.get("TIDE_TRITON_COPY_GRAPHS", "auto")
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
