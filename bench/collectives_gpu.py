@@ -120,10 +120,9 @@ CAPTURED = False
 capture); the timed call is ``graph.replay()``."""
 
 
-def _calls(g, grads, shards, bshards, params, names, thread_local: bool = False):
+def _calls(g, grads, shards, bshards, params, names):
     """The two timed collectives of a rank, as ``(name, fn)``: eager, prepared runs, or
-    replays of captured prepared runs (``thread_local``: the capture restricts this thread
-    only -- the single-process mode's other rank threads keep enqueueing)."""
+    replays of captured prepared runs (one process per rank only)."""
     if PREPARED or CAPTURED:  # collective: every rank prepares both, in this order
         rs = tt.prepare_reduce_scatter(grads, shards, group=g, op="avg")
         ag = tt.prepare_all_gather(bshards, params, group=g)
@@ -133,7 +132,7 @@ def _calls(g, grads, shards, bshards, params, names, thread_local: bool = False)
         for name, p in ((names[0], rs), (names[1], ag)):
             p.run()  # bound, its kernels loaded: what a capture needs first
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local" if thread_local else "global"):
+            with torch.cuda.graph(graph):
                 p.run()
             out.append((name, graph.replay))
         return out
@@ -185,8 +184,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
 
     def rank_body(r: int) -> None:
         g = groups[r]
-        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather"),
-                               thread_local=True):
+        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather")):
             fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
@@ -383,6 +381,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         if args.profile:
             ap.error("--profile runs in the single-process mode only")
+    elif args.captured:  # torch.cuda.graph synchronizes the device: other rank threads may be capturing
+        ap.error("--captured runs one process per rank (torchrun), not in the single-process mode")
         args.world_sizes = [dist.get_world_size()]
         lead = dist.get_rank() == 0
     else:
