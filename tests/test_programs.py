@@ -37,6 +37,19 @@ def _want(grads, p: int) -> torch.Tensor:
     return sum(grads[q][p].float() for q in range(W))
 
 
+def _assert_exact(layout: ShardLayout, r: int, shards, params, want, where: tuple, eager=None) -> None:
+    """Rank ``r``'s shards hold its rows of each sum ``want[p]`` with zero padding rows, its
+    bf16 params the whole sum, and -- ``eager`` given -- the shards equal the eager call's bit
+    for bit."""
+    for p, w in enumerate(want):
+        c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+        assert torch.equal(shards[p][:rows], w[r * c: r * c + rows]), (*where, r, p)
+        assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (*where, r, p)
+        if eager is not None:
+            assert torch.equal(shards[p], eager[p]), (*where, r, p)  # bit for bit the eager call
+        assert torch.equal(params[p], w.to(torch.bfloat16)), (*where, r, p)
+
+
 def _groups(**options):
     return tt.local_groups(W, timeout_s=options.pop("timeout_s", 30), ring_bytes=options.pop("ring_bytes", 128 * W),
                            **options)
@@ -98,14 +111,10 @@ def test_prepared_runs_are_exact_and_equal_the_eager_calls() -> None:
                 _refill(grads, gen)
             out = run_threads(step, W, timeout=120)
             for r, (shards, params, bparams, eager, osh) in enumerate(out):
-                for p in range(len(SHAPES)):
-                    want = _want(grads, p)
-                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
-                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
-                    assert torch.equal(shards[p], eager[p]), (k, r, p)  # bit for bit the eager call
-                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
-                    assert torch.equal(bparams[p], want.to(torch.bfloat16)), (k, r, p)
+                want = [_want(grads, p) for p in range(len(SHAPES))]
+                _assert_exact(layout, r, shards, params, want, (k,), eager=eager)
+                for p, w in enumerate(want):
+                    assert torch.equal(bparams[p], w.to(torch.bfloat16)), (k, r, p)
                 for p in range(len(other_shapes)):
                     want = _want(other, p)
                     c, rows = other_layout.rows_per_rank[p], other_layout.shard_rows(r)[p]
@@ -348,15 +357,10 @@ def test_prepared_collectives_one_process_per_rank(device: str) -> None:
     for k in range(3):
         grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
                  for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
+        want = [sum(grads[q][p].float() for q in range(world)) for p in range(len(SHAPES))]
         for r in range(world):
             shards, params, eager = out[r][k]
-            for p in range(len(SHAPES)):
-                want = sum(grads[q][p].float() for q in range(world))
-                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
-                assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
-                assert torch.equal(shards[p], eager[p]), (k, r, p)
-                assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+            _assert_exact(layout, r, shards, params, want, (k,), eager=eager)
 
 
 def _captured_child(rank: int, world_size: int, device: str) -> list:
@@ -438,15 +442,10 @@ def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly() -> None:
     for n, k in enumerate((0, 1, 2, 7, 3)):
         grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
                  for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
+        want = [sum(grads[q][p].float() for q in range(world)) for p in range(len(SHAPES))]
         for r in range(world):
             shards, params, eager = out[r][n]
-            for p in range(len(SHAPES)):
-                want = sum(grads[q][p].float() for q in range(world))
-                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
-                assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
-                assert torch.equal(shards[p], eager[p]), (k, r, p)
-                assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+            _assert_exact(layout, r, shards, params, want, (k,), eager=eager)
 
 
 BACK_TO_BACK_SHAPES = [(1024, 512), (768, 1024), (2048, 256), (512, 512)]
@@ -562,12 +561,7 @@ def test_prepared_collectives_single_process_mode_cuda() -> None:
                 _refill(vals, gen)
             out = run_threads(step, W, timeout=120)
             for r, (shards, params) in enumerate(out):
-                for p in range(len(SHAPES)):
-                    want = _want(vals, p)
-                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
-                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
-                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+                _assert_exact(layout, r, shards, params, [_want(vals, p) for p in range(len(SHAPES))], (k,))
     finally:
         _close(groups)
 
@@ -624,12 +618,7 @@ def test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment() -> None:
             out = run_threads(lambda r, v=vals: step(r, v, kept), W, timeout=60)
             for r, (shards, params, nb) in enumerate(out):
                 assert nb <= kept_most, nb
-                for p in range(len(SHAPES)):
-                    want = _want(vals, p)
-                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, r, p)
-                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, r, p)
-                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, r, p)
+                _assert_exact(layout, r, shards, params, [_want(vals, p) for p in range(len(SHAPES))], (k,))
 
         def wrong(r: int):
             rs, _ = preps[r]
@@ -703,11 +692,7 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
 
     def check(out) -> None:
         for r, (shards, params) in enumerate(out):
-            for p in range(len(SHAPES)):
-                want = _want(vals, p)
-                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (r, p)
-                assert torch.equal(params[p], want.to(torch.bfloat16)), (r, p)
+            _assert_exact(layout, r, shards, params, [_want(vals, p) for p in range(len(SHAPES))], ())
 
     def runs(entries) -> list[list[str]]:  # rank 0's transport calls, run by run
         out: list[list[str]] = []
@@ -832,12 +817,7 @@ def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str) -> No
             _refill(vals, gen)
             out = run_threads(lambda r, h=how: step(r, h), W, timeout=120)
             for r, (shards, params, eager) in enumerate(out):
-                for p in range(len(SHAPES)):
-                    want = _want(vals, p)
-                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-                    assert torch.equal(shards[p][:rows], want[r * c: r * c + rows]), (k, how, r, p)
-                    assert torch.equal(shards[p][rows:], torch.zeros_like(shards[p][rows:])), (k, how, r, p)
-                    assert torch.equal(shards[p], eager[p]), (k, how, r, p)
-                    assert torch.equal(params[p], want.to(torch.bfloat16)), (k, how, r, p)
+                _assert_exact(layout, r, shards, params, [_want(vals, p) for p in range(len(SHAPES))], (k, how),
+                              eager=eager)
     finally:
         _close(groups)

@@ -134,8 +134,7 @@ class CallIdentity:
         # On the host the check runs on the caller's thread (``host_compute``: ahead of a copy
         # queue that runs behind it, TIDE_TRITON_HOST_COPY_QUEUE=async); on CUDA on the copy stream.
         host = None if cuda else getattr(t, "host_compute", None)
-        on = {} if host is None else {"stream": host}  # t may be bound to a stream already (_OnStream)
-        t.signal_all(peers, [slot] * len(peers), [key] * len(peers), **on)
+        t.signal_all(peers, [slot] * len(peers), [key] * len(peers), stream=host)
         if cuda:
             t.wait_all_equal([fm.call(c.seq % 2, p) for p in peers], [key] * len(peers), peers=peers,
                              timeout_s=self.options.timeout_s, what=f"rank {{peer}} to enter call #{c.seq} "
@@ -145,7 +144,7 @@ class CallIdentity:
         for p in peers:
             ps = fm.call(c.seq % 2, p)
             t.wait(ps, key & ~0xFFFFFFFF, peer=p, timeout_s=self.options.timeout_s,
-                   what=f"rank {p} to enter call #{c.seq} ({c.name})", **on)
+                   what=f"rank {p} to enter call #{c.seq} ({c.name})", stream=host)
             got = t.read_flag(ps)
             if got != key:
                 self._mismatch(p, got, c)

@@ -58,8 +58,8 @@ class _OnStream:
         return getattr(self.t, name)
 
     def _on(self, k: dict) -> dict:
-        """``k`` with this stream: a caller's own ``stream=`` may only name it (the host's
-        check_in passes its compute stream, which is this one)."""
+        """``k`` with this stream: a caller's own ``stream=`` may only be None or name it (the
+        host's check_in passes its compute stream, which is this one)."""
         s = k.pop("stream", None)
         if s is not None and s is not self.stream:
             raise RuntimeError(f"internal error: an operation on {s!r} through a transport bound to {self.stream!r}")
@@ -116,8 +116,6 @@ class Streams:
         # the host transport's compute stream: the calling thread (None unless its copy queue
         # runs behind it, $TIDE_TRITON_HOST_COPY_QUEUE=async)
         self.compute = getattr(t, "host_compute", None)
-        if not self.cuda and whole_on_side and self.compute is not None:
-            self.t = _OnStream(t, self.compute)
         if self.cuda:
             self.user = stream if stream is not None else torch.cuda.current_stream(device)
             if async_op or whole_on_side:
@@ -125,8 +123,8 @@ class Streams:
                 self.compute.wait_stream(self.user)
             else:
                 self.compute = self.user
-            if whole_on_side:
-                self.t = _OnStream(t, self.compute)
+        if whole_on_side and self.compute is not None:
+            self.t = _OnStream(t, self.compute)
 
     def kernels(self):
         """Context for SM work: on ``compute`` (GPU)."""

@@ -308,14 +308,11 @@ class HostTransport:
         graph = host_capture.recording()
         if graph is not None:
             op = functools.partial(fn, *args, **kw)
-            graph.record(op, None if now else functools.partial(self._put, name=name))
+            graph.record(op, None if now else functools.partial(self._queue.put, name=name))
         elif now:
             fn(*args, **kw)
         else:
             self._queue.put(functools.partial(fn, *args, **kw), name)
-
-    def _put(self, op: Callable[[], None], name: str) -> None:
-        self._queue.put(op, name)
 
     def copy(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *, stream: object = None) -> None:
         self._on(stream, "copy", self._copy_now, dsts, srcs, nbytes)
@@ -357,8 +354,14 @@ class HostTransport:
 
     def wait(self, slot: int, value: int, *, peer: int, timeout_s: float, stream: object = None,
              what: str = "") -> None:
-        self._flag(self.rank, slot)  # a bad slot raises here, on the caller's thread
-        self._on(stream, "wait", self._poll, slot, value.__le__, peer, timeout_s, what or f"flag {slot} >= {value}",
+        self._wait_on(stream, slot, value.__le__, peer, timeout_s, what or f"flag {slot} >= {value}")
+
+    def _wait_on(self, stream: object, slot: int, done: Callable[[int], bool], peer: int, timeout_s: float,
+                 what: str) -> None:
+        """:meth:`_poll` where ``stream`` says (:meth:`_on`); a bad slot raises at once, on the
+        caller's thread, and only the caller's thread watches for aborts."""
+        self._flag(self.rank, slot)
+        self._on(stream, "wait", self._poll, slot, done, peer, timeout_s, what,
                  watch=stream is not None or self._queue is None)
 
     def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float, what: str = "") -> int:
@@ -401,10 +404,8 @@ class HostTransport:
         """:meth:`wait_all` for exactly each value (a token, which neither a smaller nor a
         larger value satisfies)."""
         for sl, v, p in zip(slots, values, peers, strict=True):
-            self._flag(self.rank, sl)
-            self._on(stream, "wait", self._poll, sl, v.__eq__, p, timeout_s,
-                     what.format(peer=p + self.rank_offset) or f"flag {sl} == {v}",
-                     watch=stream is not None or self._queue is None)
+            self._wait_on(stream, sl, v.__eq__, p, timeout_s,
+                          what.format(peer=p + self.rank_offset) or f"flag {sl} == {v}")
 
     def session(self):
         return contextlib.nullcontext()

@@ -314,10 +314,7 @@ class CopyEngine:
         cu = self._cu
         if capturable:  # inside a capture: neither cuMemcpyBatchAsync nor cuGraphLaunch (docs/design.md)
             with self._guard:
-                for m in prepared.strided:
-                    check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, captured)")
-                for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
-                    check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank}, captured)")
+                self._one_by_one(prepared, s)
             return
         if self.copy_graphs != "off":
             graph = self._graph_of(prepared)
@@ -327,21 +324,28 @@ class CopyEngine:
                           f"cuGraphLaunch(rank={self.rank}, {prepared.descriptors} copies)")
                 return
         with self._guard:
-            for m in prepared.strided:
-                check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
-            if not prepared.nbytes:
-                return
             # Graph capture never reaches here: the eager collectives refuse it before any
             # transport call (collectives._refuse_capture), and a captured prepared run asks
             # for capturable copies -- so no per-call capture query on this path.
-            if self.copy_path == "batch" and s not in (0, 1, 2):
+            if prepared.nbytes and self.copy_path == "batch" and s not in (0, 1, 2):
+                self._one_by_one(prepared, s, plain=False)
                 check(cu.cuMemcpyBatchAsync(prepared.dst_ptrs, prepared.src_ptrs, prepared.nbytes,
                                             len(prepared.nbytes), self._attrs, [0], 1, s),
                       f"cuMemcpyBatchAsync(rank={self.rank}, {len(prepared.nbytes)} copies)")
                 return
-            if self.copy_path == "batch":
+            if prepared.nbytes and self.copy_path == "batch":
                 log_once("copy-legacy", logging.INFO, "copies on a default stream use a cuMemcpyAsync "
                          "loop (cuMemcpyBatchAsync refuses it)")
+            self._one_by_one(prepared, s)
+
+    def _one_by_one(self, prepared: PreparedCopies, s: int, *, plain: bool = True) -> None:
+        """``prepared`` on stream ``s`` as one ``cuMemcpy2DAsync`` per strided run and (``plain``)
+        one ``cuMemcpyAsync`` per piece -- the loop path, and what a stream capture records
+        (the batch call cannot be captured).  The caller holds the context."""
+        cu = self._cu
+        for m in prepared.strided:
+            check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
+        if plain:
             for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
 
@@ -396,10 +400,7 @@ class CopyEngine:
                 check(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
                       "cuStreamBeginCapture(copies)")
                 try:
-                    for m in prepared.strided:
-                        check(cu.cuMemcpy2DAsync(m, cs), "cuMemcpy2DAsync(captured)")
-                    for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
-                        check(cu.cuMemcpyAsync(d, x, b, cs), "cuMemcpyAsync(captured)")
+                    self._one_by_one(prepared, cs)
                 finally:
                     graph = check(cu.cuStreamEndCapture(cs), "cuStreamEndCapture(copies)")
                 try:
