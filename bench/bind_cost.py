@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import tide_triton as tt  # noqa: E402
 from tide_triton.collectives import prepared_all_gather_call, prepared_reduce_scatter_call  # noqa: E402
 from tide_triton.kernels import Binding  # noqa: E402
+from tide_triton.measure import env_info  # noqa: E402
 from tide_triton.transport import host  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
 
@@ -96,6 +97,9 @@ def main() -> None:
     a = ap.parse_args()
     host.HostTransport.copy = lambda self, *args, **kw: None  # the transport's data movement out
     Binding.launch = lambda self, **kw: None
+    info = env_info(torch.device("cpu"))
+    print(f"{info['gpu']}, {os.cpu_count()} cores | torch {info['torch']} | triton {info['triton']} | "
+          f"git {info['git_sha']} | {info['date']} | {a.sets} sets of new tensors per call kind, rank 0")
     print("| layer | parameters | call | new addresses (ms) | known addresses (ms) |")
     print("|---|---|---|---|---|")
     for model in a.models:
