@@ -381,10 +381,10 @@ def main() -> None:
         dist.init_process_group("gloo")
         if args.profile:
             ap.error("--profile runs in the single-process mode only")
-    elif args.captured:  # torch.cuda.graph synchronizes the device: other rank threads may be capturing
-        ap.error("--captured runs one process per rank (torchrun), not in the single-process mode")
         args.world_sizes = [dist.get_world_size()]
         lead = dist.get_rank() == 0
+    elif args.captured:  # torch.cuda.graph synchronizes the device: other rank threads may be capturing
+        ap.error("--captured runs one process per rank (torchrun), not in the single-process mode")
     else:
         lead = True
     dev = torch.device("cuda", 0)

@@ -23,7 +23,22 @@ int ncclGetUniqueId(ncclUniqueId* u) {
   for (int i = 0; i < 128; i++) u->internal[i] = (char)i; return 0; }
 const char* ncclGetErrorString(int r) { return r == 3 ? "internal error - please report this issue" : "no error"; }
 int ncclCommInitRank(void** c, int n, ncclUniqueId id, int r) { return 0; }
+#ifdef DESTROY_WAITS
+/* ncclCommDestroy as NCCL's own waits for the other member: returns once both members of
+   communicator c (its handle: 1, 2, ...) have called it */
+#include <pthread.h>
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int destroyed[16];
+int ncclCommDestroy(void* c) {
+  long i = (long)c;
+  pthread_mutex_lock(&mu); destroyed[i]++; pthread_cond_broadcast(&cv);
+  while (destroyed[i] < 2) pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu); return 0; }
+int stub_destroyed(long i) { pthread_mutex_lock(&mu); int n = destroyed[i]; pthread_mutex_unlock(&mu); return n; }
+#else
 int ncclCommDestroy(void* c) { return 0; }
+#endif
 int ncclCommAbort(void* c) { return 0; }
 #ifndef NO_SEND
 int ncclSend(const void* b, size_t n, int t, int p, void* c, void* s) { return 0; }
@@ -57,7 +72,7 @@ def stubs(tmp_path_factory) -> dict[str, Path]:
     src.write_text(STUB)
     out = {}
     for name, flags in {"plain": [], "one_sided": ["-DONE_SIDED", "-DMEM"], "one_sided_nomem": ["-DONE_SIDED"],
-                        "broken": ["-DNO_SEND"]}.items():
+                        "broken": ["-DNO_SEND"], "destroy_waits": ["-DDESTROY_WAITS", "-pthread"]}.items():
         lib = d / f"libnccl_{name}.so"
         subprocess.run([cc, "-shared", "-fPIC", "-O1", *flags, "-o", str(lib), str(src)], check=True)
         out[name] = lib
@@ -216,3 +231,91 @@ def test_placement_check_passes_one_rank_per_gpu_or_new_nccl() -> None:
     nccl.check_placement(_FakeLib((2, 30, 0)), shared, 0)
     with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] share a GPU .* NCCL is 2\.29\.7 from /x/libnccl\.so\.2"):
         nccl.check_placement(_FakeLib((2, 29, 7)), shared, 1)
+
+
+def _bare_comm(lib, handle: int, members: tuple, rank: int) -> "nccl.NcclComm":
+    """A communicator object around ``handle`` as ncclCommInitRank would leave it (no GPU)."""
+    import ctypes
+
+    comm = object.__new__(nccl.NcclComm)
+    comm.lib, comm.members, comm.index = lib, members, members.index(rank)
+    comm._comm, comm._closed, comm._windows, comm._memory = ctypes.c_void_p(handle), False, [], []
+    return comm
+
+
+@pytest.mark.parametrize("opposite", [False, True], ids=["same-order", "opposite-order"])
+def test_closing_communicators_in_another_order_ends_within_the_deadline(stubs, monkeypatch, caplog,
+                                                                          opposite) -> None:
+    # Two ranks, two communicators whose destroy waits for the other member (as NCCL's does).
+    # Closed in the same order: quick, nothing logged.  In opposite orders each waits for the
+    # other forever -- unless close has a deadline: then an error names the rank and the
+    # members, the process goes on, and the destroys left behind still end once both called.
+    import ctypes
+    import threading
+    import time
+
+    monkeypatch.setenv("STUB_NCCL_VERSION", "23203")
+    lib = nccl.NcclLibrary(stubs["destroy_waits"])
+    raw = ctypes.CDLL(str(stubs["destroy_waits"]))
+    base = 3 if opposite else 5  # handles not used by the other case (the stub counts per handle)
+    comms = {r: [_bare_comm(lib, base + k, (0, 1), r) for k in (0, 1)] for r in (0, 1)}
+    if opposite:
+        comms[1].reverse()
+    ended: dict[int, float] = {}
+    t0 = time.monotonic()
+
+    def close_all(rank: int) -> None:
+        for c in comms[rank]:
+            c.close(deadline_s=0.5)
+        ended[rank] = time.monotonic() - t0
+
+    with caplog.at_level("ERROR", logger="tide_triton"):
+        threads = [threading.Thread(target=close_all, args=(r,), daemon=True) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    assert sorted(ended) == [0, 1], "a rank's close did not return"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    if not opposite:
+        assert errors == [] and max(ended.values()) < 0.5, (errors, ended)
+        return
+    assert errors, "opposite orders must log an error"
+    assert all("did not end within 0.5 s" in m and "ranks [0, 1]" in m for m in errors), errors
+    assert {m.split(":", 1)[0] for m in errors} <= {"rank 0", "rank 1"}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(raw.stub_destroyed(base + k) == 2 for k in (0, 1)):
+        time.sleep(0.01)
+    assert [raw.stub_destroyed(base + k) for k in (0, 1)] == [2, 2], "a destroy left behind never ended"
+
+
+def test_groups_close_newest_first() -> None:
+    # Closing a group destroys its NCCL communicators, whose other members must destroy them
+    # in the same order: at exit and at destroy_process_group groups close in the reverse of
+    # their (collective, so rank-agreed) creation order, not in the address order of a set.
+    import weakref
+
+    import tide_triton as tt
+    from tide_triton import group as group_mod
+
+    first = tt.local_groups(2, timeout_s=30)
+    second = tt.local_groups(2, timeout_s=30)
+    closed: list = []
+    real_close = group_mod.Group.close
+
+    def recording_close(self) -> None:
+        closed.append(self)
+        real_close(self)
+
+    ours: weakref.WeakSet = weakref.WeakSet(first + second)
+    try:
+        import unittest.mock as mock
+
+        with mock.patch.object(group_mod, "_ALL", ours), mock.patch.object(group_mod.Group, "close", recording_close):
+            group_mod._close_all()
+    finally:
+        for g in first + second:
+            g.close()
+    assert len(closed) == 4
+    assert {id(g) for g in closed[:2]} == {id(g) for g in second}
+    assert {id(g) for g in closed[2:]} == {id(g) for g in first}

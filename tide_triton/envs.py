@@ -16,6 +16,10 @@ Variables of the package
 ``TIDE_TRITON_NCCL_CLOSE``
     Diagnostics: how a communicator ends -- ``destroy`` (default), ``abort``, ``none``
     (left to process exit).  (:mod:`tide_triton.transport.nccl`)
+``TIDE_TRITON_NCCL_CLOSE_DEADLINE_S``
+    Seconds a communicator's close (window deregistration and destroy, which wait for the
+    other members) may take before an error names the rank and the members and the
+    communicator is left to process exit; default 60.  (:mod:`tide_triton.transport.nccl`)
 ``TIDE_TRITON_COPY_MODE``
     Diagnostics: pins the CUDA transport's copy path when its ``copy_mode`` is ``"auto"``:
     ``auto`` (default), ``batch`` (``cuMemcpyBatchAsync``) or ``loop`` (one
@@ -152,15 +156,23 @@ def host_copy_queue(env: Mapping[str, str] | None = None) -> str:
 
 def host_copy_queue_jitter_s(env: Mapping[str, str] | None = None) -> float:
     """``$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US`` in seconds (default 0)."""
-    raw = (os.environ if env is None else env).get("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "").strip()
+    return _non_negative("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", 0.0, "microseconds", env) * 1e-6
+
+
+def nccl_close_deadline_s(env: Mapping[str, str] | None = None) -> float:
+    """``$TIDE_TRITON_NCCL_CLOSE_DEADLINE_S`` (default 60)."""
+    return _non_negative("TIDE_TRITON_NCCL_CLOSE_DEADLINE_S", 60.0, "seconds", env)
+
+
+def _non_negative(name: str, default: float, unit: str, env: Mapping[str, str] | None) -> float:
+    raw = (os.environ if env is None else env).get(name, "").strip()
     try:
-        value = float(raw) if raw else 0.0
+        value = float(raw) if raw else default
     except ValueError:
-        raise ValueError("$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US must be a number of microseconds, "
-                         f"got {raw!r}") from None
+        raise ValueError(f"${name} must be a number of {unit}, got {raw!r}") from None
     if value < 0:
-        raise ValueError(f"$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US must be >= 0, got {raw!r}")
-    return value * 1e-6
+        raise ValueError(f"${name} must be >= 0, got {raw!r}")
+    return value
 
 
 def memop_batch(env: Mapping[str, str] | None = None) -> bool:

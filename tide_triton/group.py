@@ -19,6 +19,7 @@ and ``regions``.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import threading
@@ -126,6 +127,7 @@ class Group(CallIdentity):
         self.heap_regions_end = 0
         """Heap bytes below which named regions lie (0: none); the all-gather block starts past it."""
         self._closed = False
+        self._opened = next(_OPENED)
         _ALL.add(self)
 
     # ---- topology -----------------------------------------------------------------------
@@ -659,6 +661,8 @@ _GROUPS: dict[int, Group] = {}
 _ALL: "weakref.WeakSet[Group]" = weakref.WeakSet()
 """Every open group of this process: closed at interpreter exit and when their process
 group is destroyed (a group left open there aborted the process in 3 of 27 exits)."""
+_OPENED = itertools.count()
+"""Creation order of this process's groups (``Group._opened``)."""
 _INSTANCES: dict[str, int] = {}
 
 
@@ -686,8 +690,18 @@ def _store_prefix(pg: Any) -> str:
     return f"tide_triton/{name}/{n}/"
 
 
+def _open_groups_newest_first() -> "list[Group]":
+    """The open groups in the reverse of their creation order.  Closing destroys NCCL
+    communicators, which their other members must destroy in the same order (a window
+    deregistration and the destroy wait for them): ``_ALL`` iterates by address, which
+    differs between processes -- two ranks closing two communicators in opposite orders
+    hung in ``ncclCommDestroy`` (session 12).  Groups are created collectively, so the
+    creation order is the same on every member."""
+    return sorted(_ALL, key=lambda g: g._opened, reverse=True)
+
+
 def _close_all() -> None:
-    for g in list(_ALL):
+    for g in _open_groups_newest_first():
         try:
             g.close()
         except Exception as e:  # noqa: BLE001 -- at exit: log, never raise
@@ -711,7 +725,7 @@ def _close_with_process_groups() -> None:
     orig = c10d.destroy_process_group
 
     def destroy_process_group(group: Any = None) -> Any:
-        for g in list(_ALL):
+        for g in _open_groups_newest_first():
             if g.pg is not None and (group is None or g.pg is group or group is dist.group.WORLD):
                 try:
                     g.close()

@@ -369,11 +369,37 @@ class NcclComm:
             self.lib.check(self.lib.fn("ncclGroupEnd")(), "ncclGroupEnd")
 
     # ---- lifetime ---------------------------------------------------------------------
-    def close(self) -> None:
-        """Deregister the windows and destroy the communicator (local; idempotent)."""
+    def close(self, deadline_s: float | None = None) -> None:
+        """Deregister the windows and destroy the communicator (idempotent).  Both wait for
+        the other members to do the same for this communicator (in the same order relative to
+        their other communicators: :mod:`tide_triton.group` closes groups newest first), so
+        they run on a helper thread with a deadline (``TIDE_TRITON_NCCL_CLOSE_DEADLINE_S``,
+        default 60 s): past it, an error names this rank and the members, and the
+        communicator is left to process exit instead of holding this process forever."""
         if self._closed:
             return
         self._closed = True
+        how = envs.nccl_close()  # diagnostic switch (bench/NOTES.md): destroy | abort | none
+        if how == "none":
+            log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
+            return
+        deadline_s = envs.nccl_close_deadline_s() if deadline_s is None else deadline_s
+        done = threading.Event()
+
+        def teardown() -> None:
+            try:
+                self._teardown(how)
+            finally:
+                done.set()
+
+        threading.Thread(target=teardown, name=f"tide-nccl-close-{self.members}", daemon=True).start()
+        if not done.wait(deadline_s):
+            rank = self.members[self.index]
+            log.error("rank %d: closing the NCCL communicator of ranks %s did not end within %g s: a member "
+                      "has not closed it (still running, or closing its groups in another order); it is left "
+                      "to process exit", rank, list(self.members), deadline_s)
+
+    def _teardown(self, how: str) -> None:
         dereg = self.lib._fn.get("ncclCommWindowDeregister")
         while self._windows:
             win = self._windows.pop()
@@ -385,11 +411,6 @@ class NcclComm:
             code = self.lib.fn("ncclMemFree")(self._memory.pop())
             if code:
                 log.warning("ncclMemFree failed (ncclResult %d)", code)
-        # Diagnostic switch (bench/NOTES.md): destroy (default) | abort | none (left to process exit).
-        how = envs.nccl_close()
-        if how == "none":
-            log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
-            return
         code = self.lib.fn("ncclCommAbort" if how == "abort" else "ncclCommDestroy")(self._comm)
         if code and how != "abort":
             log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)
