@@ -15,6 +15,7 @@ from .group import Group
 from .heap import Ring
 from .kernels import Binding, SegmentProgram, Span
 from .layout import ShardLayout
+from .ranges import in_host_range
 from .schedule import ring_plan
 
 __all__ = ["AG_BATCH", "chunk_program", "prepare_reduce_scatter", "push_plans", "prepare_all_gather",
@@ -36,6 +37,7 @@ def chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages:
     return SegmentProgram(runs, n_dst=len(layout), n_src=len(pieces))
 
 
+@in_host_range("tide_triton::prepare_reduce_scatter")
 def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gptrs: tuple[int, ...],
                             shard_ptrs: tuple[int, ...], snumels: tuple[int, ...], gdt: torch.dtype,
                             sdt: torch.dtype, device: torch.device, scale: float | None, acc: bool,
@@ -91,6 +93,7 @@ def push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], 
     return out
 
 
+@in_host_range("tide_triton::prepare_all_gather")
 def prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...], es: int,
                         source: tuple[int, tuple[int, ...]] | None, block_off: int) -> list:
     """The copy-engine descriptors of an all-gather into parameters at ``pptrs``: every
@@ -116,6 +119,7 @@ def prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...],
     return [prepare_planned(t, plan[i:i + AG_BATCH]) for i in range(0, len(plan), AG_BATCH)]
 
 
+@in_host_range("tide_triton::prepare_stage")
 def prepare_stage(g: Group, t, layout: ShardLayout, shards: list[torch.Tensor], sptrs: tuple[int, ...],
                    dsts: tuple[int, ...], sdt: torch.dtype, pdt: torch.dtype, device: torch.device,
                    into_block: bool):

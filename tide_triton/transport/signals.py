@@ -50,6 +50,7 @@ import torch
 from .. import envs
 from .._checks import is_int
 from ..errors import PeerTimeoutError
+from ..ranges import host_range, in_host_range
 from ._once import log_once, round_up
 from .driver import CtxGuard, CudaError, Transaction, check, driver_version
 
@@ -385,6 +386,7 @@ class CopyEngine:
             weakref.finalize(prepared, self._drop_graph, key).atexit = False  # exit: close() does it
         return graph
 
+    @in_host_range("tide_triton::copy_graph_capture")
     def _capture(self, prepared: PreparedCopies) -> Any:
         """Capture ``prepared``'s copies (``cuMemcpy2DAsync`` / ``cuMemcpyAsync``: the batch
         call cannot be captured) on a private stream, relaxed mode (other threads' CUDA calls
@@ -412,6 +414,7 @@ class CopyEngine:
                          "prepared copies are enqueued, not replayed as a CUDA graph: %s", exc)
                 return None
 
+    @in_host_range("tide_triton::copy_graph_destroy")
     def _drop_graph(self, key: int) -> None:
         """Its list is gone (a prepare-cache eviction): destroy the executable graph.  A
         launch still in flight completes first (the driver frees it asynchronously)."""
@@ -548,6 +551,7 @@ class CopyEngine:
         self.check_rank("rank", r)
         return self.read_words(self.flag_addr(r, slot), 1)[0]
 
+    @in_host_range("tide_triton::host_wait_flag")
     def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float, what: str = "") -> int:
         self.check_slot(slot)
         self.check_rank("peer", peer)
@@ -569,11 +573,14 @@ class CopyEngine:
             return
         deadline = time.monotonic() + timeout_s
         nap = 5e-6
-        while not event.query():
-            if time.monotonic() >= deadline:
-                self.raise_stuck(timeout_s, None)
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
+        with host_range("tide_triton::host_wait_event"):
+            while not event.query():
+                if time.monotonic() >= deadline:
+                    self.raise_stuck(timeout_s, None)
+                time.sleep(nap)
+                nap = min(nap * 2, 1e-3)
+
+    @in_host_range("tide_triton::synchronize")
 
     def synchronize(self, *, timeout_s: float, stream: Any = None) -> None:
         s = self.stream_int(stream)
