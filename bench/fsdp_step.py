@@ -94,10 +94,13 @@ def _profile_step(step, device: torch.device, trace: str | None = None) -> dict:
     if trace:
         prof.export_chrome_trace(trace)
     out = {"layout_copy_us": 0.0, "layout_copy_ops": {}, "nccl_us": 0.0, "tide_kernel_us": 0.0,
-           "memcpy_us": 0.0, "kernel_us": 0.0, "fsdp_host_us": 0.0}
+           "memcpy_us": 0.0, "kernel_us": 0.0, "fsdp_host_us": 0.0, "tide_ranges_us": {}}
+    ranges = out["tide_ranges_us"]
     for e in prof.events():  # FSDP2's host ranges, outermost only (they nest: pre_forward > all_gather)
         if e.name.startswith("FSDP::") and not _inside_fsdp_range(e):
             out["fsdp_host_us"] += e.cpu_time_total
+        elif e.name.startswith("tide_triton::"):  # tide_triton.ranges: preparation, host waits, copy graphs
+            ranges[e.name] = ranges.get(e.name, 0.0) + e.cpu_time_total
     for e in prof.key_averages():
         if e.key in LAYOUT_OPS:
             us = e.device_time_total if device.type == "cuda" else e.cpu_time_total
@@ -338,6 +341,11 @@ def main(argv=None) -> int:
         if args.mode != "stock":
             print(f"tide_triton collectives prepared per measured step (rank max; 0 in the steady state): "
                   f"{row['prepared_per_step']:g}", flush=True)
+            for r, rr in enumerate(rows):  # where the host spent the profiled step inside tide_triton
+                if rr.get("tide_ranges_us"):
+                    print(f"rank {r}: tide_triton host ranges in the profiled step (ms): " + ", ".join(
+                        f"{k.split('::', 1)[1]} {v / 1e3:.2f}" for k, v in sorted(rr["tide_ranges_us"].items())),
+                          flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")

@@ -289,6 +289,28 @@ def test_closing_communicators_in_another_order_ends_within_the_deadline(stubs, 
     assert [raw.stub_destroyed(base + k) for k in (0, 1)] == [2, 2], "a destroy left behind never ended"
 
 
+def test_a_close_where_no_thread_may_start_tears_down_here(stubs, monkeypatch) -> None:
+    # Python >= 3.12 refuses to start a thread in an atexit handler (where groups close at
+    # exit): the communicator is then destroyed in the calling thread, not leaked.
+    import ctypes
+    import threading
+
+    monkeypatch.setenv("STUB_NCCL_VERSION", "23203")
+    lib = nccl.NcclLibrary(stubs["destroy_waits"])
+    raw = ctypes.CDLL(str(stubs["destroy_waits"]))
+    comm = _bare_comm(lib, 9, (0, 1), 0)
+    other = threading.Thread(target=raw.ncclCommDestroy, args=(ctypes.c_void_p(9),), daemon=True)
+    other.start()  # the other member's destroy, waiting for this one
+
+    def refuse(self) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    comm.close(deadline_s=0.5)
+    other.join(10)
+    assert raw.stub_destroyed(9) == 2 and comm._closed and not other.is_alive()
+
+
 def test_groups_close_newest_first() -> None:
     # Closing a group destroys its NCCL communicators, whose other members must destroy them
     # in the same order: at exit and at destroy_process_group groups close in the reverse of
@@ -319,3 +341,33 @@ def test_groups_close_newest_first() -> None:
     assert len(closed) == 4
     assert {id(g) for g in closed[:2]} == {id(g) for g in second}
     assert {id(g) for g in closed[2:]} == {id(g) for g in first}
+
+
+def test_a_part_failing_to_close_leaves_the_heaps_closed_and_raises() -> None:
+    import tide_triton as tt
+
+    class Failing:
+        def close_extra(self) -> None:
+            raise RuntimeError("communicator refused to close")
+
+    groups = tt.local_groups(2, timeout_s=30)
+    try:
+        import torch
+
+        try:
+            from _dist import run_threads
+        except ImportError:  # pragma: no cover
+            from tests._dist import run_threads
+
+        run_threads(lambda r: groups[r].transport(torch.device("cpu")), 2, timeout=60)  # collective
+        for g in groups:
+            g._extras["failing"] = Failing()
+        transports = [g._transports.copy() for g in groups]
+        assert all(transports)
+        for g in groups:
+            with pytest.raises(RuntimeError, match="communicator refused to close"):
+                g.close()
+            assert g.closed and not g._transports
+    finally:
+        for g in groups:
+            g.close()

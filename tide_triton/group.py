@@ -445,14 +445,23 @@ class Group(CallIdentity):
             raise RuntimeError("this tide_triton group is closed")
 
     def close(self) -> None:
-        """Idempotent: closes every transport (unmaps heaps, closes handles)."""
+        """Idempotent: closes every transport (unmaps heaps, closes handles), then raises the
+        first error of a part that failed to close (the others are closed all the same).  A
+        group with communicators across nodes waits there for their other members: close
+        groups in the same order on every rank -- newest first, as exit and
+        ``destroy_process_group`` do."""
         if self._closed:
             return
         self._closed = True
+        failed: BaseException | None = None
         for x in list(self._extras.values()):  # e.g. the cross-node path's NCCL communicator
             close = getattr(x, "close_extra", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001 -- the heaps below are unmapped all the same
+                    log.error("rank %d: closing %s failed: %s", self.rank, type(x).__name__, e)
+                    failed = failed or e
         for t in self._transports.values():
             inner = getattr(t, "inner", t)  # a node's view (GlobalRanks) closes its transport
             if self._broken is not None and hasattr(inner, "synchronize"):
@@ -468,6 +477,8 @@ class Group(CallIdentity):
         if self.pg is not None and _GROUPS.get(id(self.pg)) is self:
             _GROUPS.pop(id(self.pg), None)
         _ALL.discard(self)
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "Group":
         return self

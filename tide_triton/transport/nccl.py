@@ -375,7 +375,8 @@ class NcclComm:
         their other communicators: :mod:`tide_triton.group` closes groups newest first), so
         they run on a helper thread with a deadline (``TIDE_TRITON_NCCL_CLOSE_DEADLINE_S``,
         default 60 s): past it, an error names this rank and the members, and the
-        communicator is left to process exit instead of holding this process forever."""
+        communicator is left to process exit instead of holding this process forever.  At
+        interpreter exit (no thread may start there) it runs here, without the deadline."""
         if self._closed:
             return
         self._closed = True
@@ -392,7 +393,11 @@ class NcclComm:
             finally:
                 done.set()
 
-        threading.Thread(target=teardown, name=f"tide-nccl-close-{self.members}", daemon=True).start()
+        try:
+            threading.Thread(target=teardown, name=f"tide-nccl-close-{self.members}", daemon=True).start()
+        except RuntimeError:  # Python >= 3.12 starts no thread in an atexit handler: close here, unbounded
+            self._teardown(how)
+            return
         if not done.wait(deadline_s):
             rank = self.members[self.index]
             log.error("rank %d: closing the NCCL communicator of ranks %s did not end within %g s: a member "
