@@ -26,7 +26,11 @@ calls one collective of rank 0 makes once prepared (counted on one extra call, o
 transport's driver module: copies, stream memory operations, stream queries), the number
 that must not grow with the parameter count.  ``--prepared``: ``run()`` of prepared
 collectives; ``--captured``: ``replay()`` of prepared runs captured into a CUDA graph each
-(issue 15's device-time floor: the "of ceiling" column).
+(issue 15's device-time floor: the "of ceiling" column).  ``--profile DIR`` under torchrun:
+one more call of each collective profiled on rank 0, and each collective printed against its
+device-time floor (its bytes at the copy ceiling plus its kernels' time):
+
+    torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py --share-gpu --captured --profile /tmp/prof
 """
 from __future__ import annotations
 
@@ -236,8 +240,11 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
 
 
 def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
-             host_profile: str | None = None) -> dict | None:
-    """One process per rank (under torchrun, gloo bootstrap): the row on rank 0, None elsewhere."""
+             host_profile: str | None = None, profile: str | None = None) -> dict | None:
+    """One process per rank (under torchrun, gloo bootstrap): the row on rank 0, None elsewhere.
+    ``profile`` (a folder): one more call of each collective under ``torch.profiler`` on rank 0
+    -- its kernels' and copies' device time (``<name>_kernel_ms``, ``<name>_copy_ms``, the
+    span) for the device-time floor, and the trace into the folder."""
     import torch.distributed as dist
 
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -263,6 +270,10 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
         row[name + "_driver_calls"] = driver_calls(g, fn)
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
+        if profile:
+            busy = _profiled_call(fn, g, rank == 0, os.path.join(profile, f"{model}-W{W}-{name}-trace.json"),
+                                  f"{model} W={W} {name} (rank 0)")
+            row.update({f"{name}_{k}": v for k, v in busy.items()})
     rows: list = [None] * W
     dist.all_gather_object(rows, row)
     g.close()
@@ -270,11 +281,29 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
         return None
     numel = sum(layout.numels)
     moved = collective_bytes(numel, W)
-    out = {k: max(r[k] for r in rows) for k in rows[0]}
+    out = {k: max(r[k] for r in rows) if all(k in r for r in rows) else rows[0][k] for k in rows[0]}
     return dict(model=model, world_size=W, **out, launch="torchrun", staging_bytes=ring_bytes,
                 fsdp_rs_input_bytes=4 * sum(layout.padded_numels), layer_numel=numel, rs_bytes=moved["rs"],
                 ag_bytes=moved["ag"], gpus_used=1 if share_gpu else min(W, torch.cuda.device_count()),
                 share_gpu=share_gpu)
+
+
+def _profiled_call(fn, g, lead: bool, trace: str, title: str) -> dict:
+    """One more call of ``fn`` on every rank, under ``torch.profiler`` (CUDA activity) on the
+    lead rank: its device busy times (:func:`_device_busy`; empty on the other ranks)."""
+    import torch.distributed as dist
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if lead else None
+    if prof is not None:
+        prof.__enter__()
+    dist.barrier()
+    fn()
+    tt.synchronize(g, timeout_s=120)
+    dist.barrier()
+    if prof is None:
+        return {}
+    prof.__exit__(None, None, None)
+    return _device_busy(prof, trace, title)
 
 
 @contextlib.contextmanager
@@ -303,9 +332,15 @@ def _host_profile(path: str | None, title: str):
 def _profile_summary(prof, path: str, title: str) -> None:
     """Busy time per kind of GPU activity in one reduce-scatter (all ranks): kernels, copies,
     and the span from the first activity to the last."""
+    _device_busy(prof, os.path.join(path, "rs_trace.json"), title)
+
+
+def _device_busy(prof, trace: str, title: str) -> dict:
+    """Busy time per kind of GPU activity the profiler saw (printed), written as a Chrome trace
+    to ``trace``: ``kernel_ms`` (every kernel), ``copy_ms`` (memcpy and memset), ``span_ms``
+    (first activity to last).  Busy times are summed, so overlapping activities add up."""
     import collections
 
-    trace = os.path.join(path, "rs_trace.json")
     prof.export_chrome_trace(trace)
     with open(trace) as f:
         events = json.load(f).get("traceEvents", [])
@@ -320,9 +355,28 @@ def _profile_summary(prof, path: str, title: str) -> None:
         busy[kind] += e["dur"]
         count[kind] += 1
         lo, hi = min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])
-    print(f"profile {title}: span {(hi - lo) / 1e3:.2f} ms")
+    print(f"profile {title}: span {(hi - lo) / 1e3 if busy else 0:.2f} ms")
     for kind, us in busy.most_common(12):
         print(f"  {kind}: {count[kind]} x, {us / 1e3:.3f} ms busy")
+    kernel = sum(us for k, us in busy.items() if k.startswith("kernel:"))
+    return {"kernel_ms": kernel / 1e3, "copy_ms": (sum(busy.values()) - kernel) / 1e3,
+            "span_ms": (hi - lo) / 1e3 if busy else 0.0}
+
+
+def _print_floor(row: dict, ceiling_gbps: float) -> None:
+    """Each collective against its device-time floor: the bytes it moves (read + written, all
+    ranks) at the copy ceiling of this run, plus its kernels' time (rank 0's, times the ranks
+    that share a GPU: their kernels take turns on it).  Adds ``<name>_floor_ms`` to ``row``."""
+    sharing = row["world_size"] if row.get("share_gpu") else 1
+    for name in ("rs", "ag"):
+        if f"{name}_kernel_ms" not in row:
+            continue
+        copy_floor = row[f"{name}_bytes"] / (ceiling_gbps * 1e9) * 1e3
+        floor = row[f"{name}_floor_ms"] = copy_floor + sharing * row[f"{name}_kernel_ms"]
+        print(f"floor {row['model']} W={row['world_size']} {name}: {floor:.2f} ms (copies at the ceiling "
+              f"{copy_floor:.2f} + kernels {sharing} x {row[f'{name}_kernel_ms']:.2f}); measured "
+              f"{row[f'{name}_ms']:.2f} ms = {row[f'{name}_ms'] / floor:.2f} x the floor; rank 0's profiled "
+              f"call: span {row[f'{name}_span_ms']:.2f} ms, copies busy {row[f'{name}_copy_ms']:.2f} ms", flush=True)
 
 
 def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
@@ -348,7 +402,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b", "synthetic-moe-256e"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ring-bytes", type=int, nargs="+", default=[256 << 20])
-    ap.add_argument("--profile", default=None, help="folder: profile one reduce-scatter of the first row")
+    ap.add_argument("--profile", default=None,
+                    help="folder: profile one reduce-scatter of the first row (single-process mode); under "
+                         "torchrun one more call of each collective per row on rank 0, printed against the "
+                         "device-time floor (bytes at the copy ceiling + kernel time)")
     ap.add_argument("--host-profile", default=None, metavar="FILE",
                     help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
     ap.add_argument("--share-gpu", action="store_true",
@@ -379,8 +436,8 @@ def main() -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-        if args.profile:
-            ap.error("--profile runs in the single-process mode only")
+        if args.profile and dist.get_rank() == 0:
+            os.makedirs(args.profile, exist_ok=True)
         args.world_sizes = [dist.get_world_size()]
         lead = dist.get_rank() == 0
     elif args.captured:  # torch.cuda.graph synchronizes the device: other rank threads may be capturing
@@ -410,7 +467,7 @@ def main() -> None:
                 progress.step(f"{model} W={W} ring {ring >> 20} MiB")
             try:
                 if torchrun:  # a failure here is every rank's (the group raises everywhere)
-                    row = run_dist(model, args.iters, ring, args.share_gpu, args.host_profile)
+                    row = run_dist(model, args.iters, ring, args.share_gpu, args.host_profile, args.profile)
                     if row is None:
                         continue
                 else:
@@ -432,6 +489,8 @@ def main() -> None:
                   f"{row['ag_ms']:.2f} | {ag_frac:.1%} | "
                   f"{row['ag_host_ms']:.2f} / {row['ag_host_cpu_ms']:.2f} | {row['ag_driver_calls']} | "
                   f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
+            if "rs_kernel_ms" in row:  # --profile under torchrun: issue 15's device-time floor
+                _print_floor(row, ceiling)
             rows.append({**row, **info})
             if args.json:
                 with open(args.json, "a") as f:
