@@ -821,3 +821,50 @@ def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str) -> No
                               eager=eager)
     finally:
         _close(groups)
+
+
+@pytest.mark.interpreter
+def test_ranks_replaying_different_captured_collectives_raise_naming_the_peer(monkeypatch) -> None:
+    """Rank 0 replays its captured reduce-scatter A while the others replay B (captured on other
+    shards): their tokens differ, so no rank takes the other's data -- every rank's replay ends
+    in PeerTimeoutError naming a peer whose token did not come, or PeerAbortedError naming the
+    peer that gave up first, within the group's deadline; the shards keep their old values."""
+    import time
+
+    from tide_triton.host_capture import HostGraph, capture
+
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(43)
+    grads = _grads(gen, SHAPES)
+    groups = _groups(timeout_s=3)
+
+    def body(r: int):
+        sa = [torch.empty(s) for s in layout.shard_shapes(r)]
+        sb = [torch.empty(s) for s in layout.shard_shapes(r)]
+        graphs = {}
+        for name, shards in (("a", sa), ("b", sb)):
+            p = tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+            p.run()  # once outside the capture
+            graphs[name] = HostGraph()
+            with capture(graphs[name]):
+                p.run()
+        for x in sa + sb:
+            x.fill_(-5.0)
+        t0 = time.monotonic()
+        try:
+            graphs["a" if r == 0 else "b"].replay()
+            tt.synchronize(groups[r], timeout_s=3)
+        except (PeerTimeoutError, PeerAbortedError) as e:
+            return e, time.monotonic() - t0, all(bool((x == -5.0).all()) for x in sa + sb)
+        return "no error", time.monotonic() - t0, None
+
+    try:
+        out = run_threads(body, W, timeout=120)
+    finally:
+        _close(groups)
+    for r, (e, seconds, untouched) in enumerate(out):
+        assert isinstance(e, (PeerTimeoutError, PeerAbortedError)), (r, e)
+        assert (e.peer if isinstance(e, PeerTimeoutError) else e.rank) != r, (r, str(e))
+        assert seconds < 20, (r, seconds)
+        assert untouched, f"rank {r}: a replay wrote shards while its peers ran another collective"
+    assert any(isinstance(e, PeerTimeoutError) for e, _, _ in out)
