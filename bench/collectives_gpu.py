@@ -26,7 +26,9 @@ calls one collective of rank 0 makes once prepared (counted on one extra call, o
 transport's driver module: copies, stream memory operations, stream queries), the number
 that must not grow with the parameter count.  ``--prepared``: ``run()`` of prepared
 collectives; ``--captured``: ``replay()`` of prepared runs captured into a CUDA graph each
-(issue 15's device-time floor: the "of ceiling" column).  ``--profile DIR`` under torchrun:
+(issue 15's device-time floor: the "of ceiling" column), and then ``run()`` of the same
+prepared collectives, which end joined once their group has a captured run (printed below
+the row).  ``--profile DIR`` under torchrun:
 one more call of each collective profiled on rank 0, and each collective printed against its
 device-time floor (its bytes at the copy ceiling plus its kernels' time):
 
@@ -139,7 +141,9 @@ def _calls(g, grads, shards, bshards, params, names):
             with torch.cuda.graph(graph):
                 p.run()
             out.append((name, graph.replay))
-        return out
+        # Once a group has a captured run, its eager-launched prepared runs end joined (the
+        # caller's stream waits for the peers' reads): timed too, the cost of that join.
+        return out + [(names[0] + "_joined", rs.run), (names[1] + "_joined", ag.run)]
     return [(names[0], lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
             (names[1], lambda: tt.all_gather(bshards, params, group=g))]
 
@@ -489,6 +493,10 @@ def main() -> None:
                   f"{row['ag_ms']:.2f} | {ag_frac:.1%} | "
                   f"{row['ag_host_ms']:.2f} / {row['ag_host_cpu_ms']:.2f} | {row['ag_driver_calls']} | "
                   f"{row['fsdp_rs_input_bytes'] / 2**20:.0f} MiB |", flush=True)
+            if "rs_joined_ms" in row:  # --captured: prepared runs of a group that has captured runs
+                print(f"prepared runs ending joined (the group has captured runs): reduce_scatter "
+                      f"{row['rs_joined_ms']:.2f} ms (host {row['rs_joined_host_ms']:.2f}), all_gather "
+                      f"{row['ag_joined_ms']:.2f} ms (host {row['ag_joined_host_ms']:.2f})", flush=True)
             if "rs_kernel_ms" in row:  # --profile under torchrun: issue 15's device-time floor
                 _print_floor(row, ceiling)
             rows.append({**row, **info})
