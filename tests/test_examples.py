@@ -174,3 +174,22 @@ def test_collectives_bench_times_each_call_and_counts_gc_passes(capsys: pytest.C
     assert re.search(r"\[host\] forced: enqueue median [\d.]+ / mean [\d.]+ ms, CPU median [\d.]+ / mean [\d.]+ ms "
                      r"per call; GC passes 3 \(full: 3\), [\d.]+ ms in all", out), out
     assert host > 0 and cpu >= 0
+
+
+def test_collectives_bench_prints_each_collective_against_its_device_time_floor(capsys) -> None:
+    """bench/collectives_gpu.py --profile under torchrun: the floor is the bytes moved at the
+    copy ceiling plus the kernels' time (rank 0's, times the ranks sharing the GPU)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("collectives_gpu_bench", BENCH / "collectives_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = {"model": "m", "world_size": 2, "share_gpu": True, "rs_bytes": 4e9, "rs_ms": 3.0, "rs_kernel_ms": 0.25,
+           "rs_copy_ms": 1.5, "rs_span_ms": 2.5, "ag_bytes": 2e9, "ag_ms": 1.0}
+    mod._print_floor(row, 2000.0)  # 4e9 bytes at 2000 GB/s: 2 ms of copies
+    assert row["rs_floor_ms"] == pytest.approx(2.0 + 2 * 0.25) and "ag_floor_ms" not in row
+    out = capsys.readouterr().out
+    assert "floor m W=2 rs: 2.50 ms (copies at the ceiling 2.00 + kernels 2 x 0.25); measured 3.00 ms = 1.20 x" in out
+    row.update(share_gpu=False)
+    mod._print_floor(row, 2000.0)
+    assert row["rs_floor_ms"] == pytest.approx(2.25)
