@@ -313,6 +313,21 @@ def test_a_close_where_no_thread_may_start_tears_down_here(stubs, monkeypatch) -
     assert raw.stub_destroyed(9) == 2 and comm._closed and not other.is_alive()
 
 
+def test_close_none_releases_the_windows_and_leaves_only_the_communicator(stubs, monkeypatch) -> None:
+    # TIDE_TRITON_NCCL_CLOSE=none (a diagnostic switch): the windows and memory go as always,
+    # only the communicator is left to process exit -- no destroy is called.
+    import ctypes
+
+    monkeypatch.setenv("STUB_NCCL_VERSION", "23203")
+    monkeypatch.setenv("TIDE_TRITON_NCCL_CLOSE", "none")
+    lib = nccl.NcclLibrary(stubs["destroy_waits"])
+    raw = ctypes.CDLL(str(stubs["destroy_waits"]))
+    comm = _bare_comm(lib, 11, (0, 1), 0)
+    comm._windows.append(ctypes.c_void_p(1))
+    comm.close(deadline_s=5)
+    assert comm._windows == [] and raw.stub_destroyed(11) == 0
+
+
 def test_groups_close_newest_first() -> None:
     # Closing a group destroys its NCCL communicators, whose other members must destroy them
     # in the same order: at exit and at destroy_process_group groups close in the reverse of

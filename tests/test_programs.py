@@ -298,44 +298,71 @@ def test_a_run_does_host_work_independent_of_the_parameter_count(monkeypatch) ->
     assert few == many, (few, many)
 
 
-def _prepared_child(rank: int, world_size: int, device: str) -> list:
-    """One process per rank: a prepared reduce-scatter (bf16 -> fp32, sum) and all-gather
-    (fp32 shards -> bf16 params) run three times with new gradient values each time, beside
-    the eager reduce-scatter on the same values; returns what every run produced (on the CPU)."""
-    import tide_triton as tt_
+class _RankPair:
+    """One process's prepared reduce-scatter (bf16 -> fp32, sum, padded shards) and all-gather
+    (fp32 shards -> bf16 params, a cast) over ``SHAPES``, with the helpers the children share:
+    new gradient values, and a snapshot of the shards, params and the eager reduce-scatter of the
+    same values (on other tensors), on the CPU."""
 
-    try:
-        from _dist import rank_device
-    except ImportError:  # pragma: no cover
-        from tests._dist import rank_device
-    dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
-    layout = ShardLayout(SHAPES, world_size)
-    grads = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
-    shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(rank, padded=True)]
-    params = [torch.full(s, -3.0, dtype=torch.bfloat16, device=dev) for s in SHAPES]
-    rs = tt_.prepare_reduce_scatter(grads, shards, group=g, op="sum")
-    ag = tt_.prepare_all_gather([x[:n] for x, n in zip(shards, layout.shard_rows(rank))], params, group=g)
+    def __init__(self, rank: int, world_size: int, device: str) -> None:
+        import tide_triton as tt_
+
+        try:
+            from _dist import rank_device
+        except ImportError:  # pragma: no cover
+            from tests._dist import rank_device
+        self.rank, self.tt = rank, tt_
+        dev = self.dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        self.g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
+        self.layout = layout = ShardLayout(SHAPES, world_size)
+        self.grads = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+        self.shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+        self.params = [torch.full(s, -3.0, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+        self.rs = tt_.prepare_reduce_scatter(self.grads, self.shards, group=self.g, op="sum")
+        self.ag = tt_.prepare_all_gather([x[:n] for x, n in zip(self.shards, layout.shard_rows(rank))],
+                                         self.params, group=self.g)
+
+    def values(self, k: int) -> None:
+        """Gradients of values set ``k`` (see :func:`_pair_want`); shards reset to -1."""
+        gen = torch.Generator().manual_seed(100 * k + self.rank)
+        for x in self.grads:
+            x.copy_(torch.randint(-8, 9, x.shape, generator=gen).to(torch.bfloat16))
+        for x in self.shards:
+            x.fill_(-1.0)
+
+    def run(self) -> None:
+        self.rs.run()
+        self.ag.run()
+
+    def snapshot(self) -> tuple:
+        eager = [torch.empty(s, device=self.dev) for s in self.layout.shard_shapes(self.rank, padded=True)]
+        self.tt.reduce_scatter(self.grads, eager, group=self.g, op="sum")
+        if self.dev.type == "cuda":
+            self.tt.synchronize(self.g, timeout_s=60)
+        return tuple([x.to("cpu", copy=True) for x in xs] for xs in (self.shards, self.params, eager))
+
+
+def _pair_want(k: int, world: int) -> list[torch.Tensor]:
+    """The exact sums of :meth:`_RankPair.values` set ``k`` over ``world`` ranks."""
+    grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
+             for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
+    return [sum(grads[q][p].float() for q in range(world)) for p in range(len(SHAPES))]
+
+
+def _prepared_child(rank: int, world_size: int, device: str) -> list:
+    """One process per rank: the prepared pair run three times with new gradient values each
+    time, beside the eager reduce-scatter on the same values; what every run produced."""
+    pair = _RankPair(rank, world_size, device)
     out = []
     try:
         for k in range(3):
-            gen = torch.Generator().manual_seed(100 * k + rank)
-            for x in grads:
-                x.copy_(torch.randint(-8, 9, x.shape, generator=gen).to(torch.bfloat16))
-            for x in shards:
-                x.fill_(-1.0)
-            rs.run()
-            ag.run()
-            eager = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
-            tt_.reduce_scatter(grads, eager, group=g, op="sum")
-            if dev.type == "cuda":
-                tt_.synchronize(g, timeout_s=60)
-            out.append(([x.to("cpu", copy=True) for x in shards], [x.to("cpu", copy=True) for x in params],
-                        [x.to("cpu", copy=True) for x in eager]))
+            pair.values(k)
+            pair.run()
+            out.append(pair.snapshot())
     finally:
-        g.close()
+        pair.g.close()
     return out
 
 
@@ -355,72 +382,35 @@ def test_prepared_collectives_one_process_per_rank(device: str) -> None:
                            env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     layout = ShardLayout(SHAPES, world)
     for k in range(3):
-        grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
-                 for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
-        want = [sum(grads[q][p].float() for q in range(world)) for p in range(len(SHAPES))]
+        want = _pair_want(k, world)
         for r in range(world):
             shards, params, eager = out[r][k]
             _assert_exact(layout, r, shards, params, want, (k,), eager=eager)
 
 
 def _captured_child(rank: int, world_size: int, device: str) -> list:
-    """One process per rank on CUDA: a prepared reduce-scatter (bf16 -> fp32, sum, padded
-    shards) and all-gather (fp32 shards -> bf16 params, a cast) run once eagerly, captured
-    together into one CUDA graph (``torch.cuda.graph``, its default global capture mode),
-    replayed with new gradient values copied in place, an eager run between replays; after
-    each replay or run: the shards, the params and the eager reduce-scatter of the same values
-    (on other tensors), on the CPU."""
-    import tide_triton as tt_
-
-    try:
-        from _dist import rank_device
-    except ImportError:  # pragma: no cover
-        from tests._dist import rank_device
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
-    g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
-    layout = ShardLayout(SHAPES, world_size)
-    grads = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
-    shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(rank, padded=True)]
-    params = [torch.full(s, -3.0, dtype=torch.bfloat16, device=dev) for s in SHAPES]
-    rs = tt_.prepare_reduce_scatter(grads, shards, group=g, op="sum")
-    ag = tt_.prepare_all_gather([x[:n] for x, n in zip(shards, layout.shard_rows(rank))], params, group=g)
+    """One process per rank on CUDA: the prepared pair run once eagerly, captured together into
+    one CUDA graph (``torch.cuda.graph``, its default global capture mode), replayed with new
+    gradient values copied in place, an eager run between replays; a snapshot after each."""
+    pair = _RankPair(rank, world_size, device)
     out = []
-
-    def values(k: int) -> None:
-        gen = torch.Generator().manual_seed(100 * k + rank)
-        for x in grads:
-            x.copy_(torch.randint(-8, 9, x.shape, generator=gen).to(torch.bfloat16))
-
-    def record() -> None:
-        eager = [torch.empty(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
-        tt_.reduce_scatter(grads, eager, group=g, op="sum")
-        tt_.synchronize(g, timeout_s=60)
-        torch.cuda.synchronize()
-        out.append(([x.cpu() for x in shards], [x.cpu() for x in params], [x.cpu() for x in eager]))
-
     try:
-        values(0)
-        rs.run()
-        ag.run()
-        record()
+        pair.values(0)
+        pair.run()
+        out.append(pair.snapshot())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            rs.run()
-            ag.run()
+            pair.run()
         for k in (1, 2, 3):
-            values(k)
-            for x in shards:
-                x.fill_(-1.0)
+            pair.values(k)
             graph.replay()
-            record()
+            out.append(pair.snapshot())
             if k == 2:  # an eager run between replays
-                values(7)
-                rs.run()
-                ag.run()
-                record()
+                pair.values(7)
+                pair.run()
+                out.append(pair.snapshot())
     finally:
-        g.close()
+        pair.g.close()
     return out
 
 
@@ -440,9 +430,7 @@ def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly() -> None:
                            env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     layout = ShardLayout(SHAPES, world)
     for n, k in enumerate((0, 1, 2, 7, 3)):
-        grads = [[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
-                 for gen in (torch.Generator().manual_seed(100 * k + q) for q in range(world))]
-        want = [sum(grads[q][p].float() for q in range(world)) for p in range(len(SHAPES))]
+        want = _pair_want(k, world)
         for r in range(world):
             shards, params, eager = out[r][n]
             _assert_exact(layout, r, shards, params, want, (k,), eager=eager)

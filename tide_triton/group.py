@@ -37,7 +37,6 @@ from .bootstrap import Exchange, LocalKeyValue, StoreKeyValue
 from .calls import Call, CallIdentity, check_same, describe, fingerprint, sig32_of
 from .errors import ArgumentMismatchError, PeerArgumentError
 from .options import GroupOptions
-from .ranges import host_range
 from .regions import heap_region
 from .envs import cuda_module_loading
 from .transport.driver import wait_with_deadline
@@ -510,10 +509,7 @@ class _Pacer:
 
     def before(self, j: int, transport: Any, timeout_s: float) -> None:
         if self.cuda and j >= self.depth:
-            event = self._events[j % self.depth]
-            if not event.query():  # the host is depth chunks ahead: a wait worth naming in a trace
-                with host_range("tide_triton::pace"):
-                    transport.host_wait_event(event, timeout_s=timeout_s)
+            transport.host_wait_event(self._events[j % self.depth], timeout_s=timeout_s)
 
     def after(self, j: int, stream: Any) -> None:
         if self.cuda and stream is not None:

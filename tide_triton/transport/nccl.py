@@ -380,31 +380,21 @@ class NcclComm:
         if self._closed:
             return
         self._closed = True
-        how = envs.nccl_close()  # diagnostic switch (bench/NOTES.md): destroy | abort | none
-        if how == "none":
-            log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
-            return
         deadline_s = envs.nccl_close_deadline_s() if deadline_s is None else deadline_s
-        done = threading.Event()
-
-        def teardown() -> None:
-            try:
-                self._teardown(how)
-            finally:
-                done.set()
-
+        worker = threading.Thread(target=self._teardown, name=f"tide-nccl-close-{self.members}", daemon=True)
         try:
-            threading.Thread(target=teardown, name=f"tide-nccl-close-{self.members}", daemon=True).start()
+            worker.start()
         except RuntimeError:  # Python >= 3.12 starts no thread in an atexit handler: close here, unbounded
-            self._teardown(how)
+            self._teardown()
             return
-        if not done.wait(deadline_s):
+        worker.join(deadline_s)
+        if worker.is_alive():
             rank = self.members[self.index]
             log.error("rank %d: closing the NCCL communicator of ranks %s did not end within %g s: a member "
                       "has not closed it (still running, or closing its groups in another order); it is left "
                       "to process exit", rank, list(self.members), deadline_s)
 
-    def _teardown(self, how: str) -> None:
+    def _teardown(self) -> None:
         dereg = self.lib._fn.get("ncclCommWindowDeregister")
         while self._windows:
             win = self._windows.pop()
@@ -416,6 +406,10 @@ class NcclComm:
             code = self.lib.fn("ncclMemFree")(self._memory.pop())
             if code:
                 log.warning("ncclMemFree failed (ncclResult %d)", code)
+        how = envs.nccl_close()  # diagnostic switch (bench/NOTES.md): destroy | abort | none
+        if how == "none":
+            log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
+            return
         code = self.lib.fn("ncclCommAbort" if how == "abort" else "ncclCommDestroy")(self._comm)
         if code and how != "abort":
             log.warning("ncclCommDestroy failed (ncclResult %d); aborting the communicator", code)

@@ -573,7 +573,7 @@ class CopyEngine:
             return
         deadline = time.monotonic() + timeout_s
         nap = 5e-6
-        with host_range("tide_triton::host_wait_event"):
+        with host_range("tide_triton::pace"):  # the pacer's wait (group._Pacer), its only use
             while not event.query():
                 if time.monotonic() >= deadline:
                     self.raise_stuck(timeout_s, None)
@@ -581,7 +581,6 @@ class CopyEngine:
                 nap = min(nap * 2, 1e-3)
 
     @in_host_range("tide_triton::synchronize")
-
     def synchronize(self, *, timeout_s: float, stream: Any = None) -> None:
         s = self.stream_int(stream)
         deadline = time.monotonic() + timeout_s
