@@ -28,11 +28,14 @@ that must not grow with the parameter count.  ``--prepared``: ``run()`` of prepa
 collectives; ``--captured``: ``replay()`` of prepared runs captured into a CUDA graph each
 (issue 15's device-time floor: the "of ceiling" column), and then ``run()`` of the same
 prepared collectives, which end joined once their group has a captured run (printed below
-the row).  ``--profile DIR`` under torchrun:
-one more call of each collective profiled on rank 0, and each collective printed against its
-device-time floor (its bytes at the copy ceiling plus its kernels' time):
+the row; the single-process mode's rank threads capture at once, see ``_captured``).
+``--profile DIR``: one more call of each collective profiled (every rank; traces into DIR),
+each collective printed against its device-time floor (its bytes at the copy ceiling plus
+its kernels' time), and under torchrun how the ranks' GPU work lies in time (processes
+sharing a GPU take turns: contexts time-slice):
 
     torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py --share-gpu --captured --profile /tmp/prof
+    python bench/collectives_gpu.py --share-gpu --world-sizes 2 --captured --profile /tmp/prof
 """
 from __future__ import annotations
 
@@ -126,9 +129,10 @@ CAPTURED = False
 capture); the timed call is ``graph.replay()``."""
 
 
-def _calls(g, grads, shards, bshards, params, names):
+def _calls(g, grads, shards, bshards, params, names, threads: bool = False):
     """The two timed collectives of a rank, as ``(name, fn)``: eager, prepared runs, or
-    replays of captured prepared runs (one process per rank only)."""
+    replays of captured prepared runs (``threads``: the single-process mode, whose rank threads
+    capture at the same time, see :func:`_captured`)."""
     if PREPARED or CAPTURED:  # collective: every rank prepares both, in this order
         rs = tt.prepare_reduce_scatter(grads, shards, group=g, op="avg")
         ag = tt.prepare_all_gather(bshards, params, group=g)
@@ -137,15 +141,35 @@ def _calls(g, grads, shards, bshards, params, names):
         out = []
         for name, p in ((names[0], rs), (names[1], ag)):
             p.run()  # bound, its kernels loaded: what a capture needs first
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                p.run()
-            out.append((name, graph.replay))
+            out.append((name, _captured(p.run, threads).replay))
         # Once a group has a captured run, its eager-launched prepared runs end joined (the
         # caller's stream waits for the peers' reads): timed too, the cost of that join.
         return out + [(names[0] + "_joined", rs.run), (names[1] + "_joined", ag.run)]
     return [(names[0], lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
             (names[1], lambda: tt.all_gather(bshards, params, group=g))]
+
+
+def _captured(run, threads: bool) -> "torch.cuda.CUDAGraph":
+    """``run()`` captured into a CUDA graph.  One process per rank: ``torch.cuda.graph``.  The
+    single-process mode's rank threads capture at the same time, each on a stream of its own:
+    ``torch.cuda.graph`` would synchronize the device (refused while another thread captures)
+    and its default capture mode refuses other threads' driver calls, so the capture is begun
+    and ended directly, in ``thread_local`` mode (each thread's own calls are checked)."""
+    graph = torch.cuda.CUDAGraph()
+    if not threads:
+        with torch.cuda.graph(graph):
+            run()
+        return graph
+    side, caller = torch.cuda.Stream(), torch.cuda.current_stream()
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            run()
+        finally:
+            graph.capture_end()
+    caller.wait_stream(side)
+    return graph
 
 
 def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
@@ -192,7 +216,8 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
 
     def rank_body(r: int) -> None:
         g = groups[r]
-        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather")):
+        for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather"),
+                               threads=True):
             fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
@@ -208,7 +233,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
             barrier.wait()
             if r == 0:
                 times[name + "_calls"] = calls
-            if profile and name == "reduce_scatter":
+            if profile:  # one more call, the process's GPU activity (every rank's) profiled
                 barrier.wait()
                 if r == 0:
                     prof_ctx[0] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -219,6 +244,9 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
                 barrier.wait()
                 if r == 0:
                     prof_ctx[0].__exit__(None, None, None)
+                    times[name + "_busy"] = _device_busy(
+                        prof_ctx[0], os.path.join(profile, f"{model}-W{W}-{name}-threads-trace.json"),
+                        f"{model} W={W} {name} (every rank: one process)")
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
     for t in threads:
@@ -232,9 +260,16 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     numel = sum(layout.numels)
     moved = collective_bytes(numel, W)  # read + written, all ranks together (see its docstring)
     rs_bytes, ag_bytes = moved["rs"], moved["ag"]
-    if prof_ctx[0] is not None:
-        _profile_summary(prof_ctx[0], profile, f"{model} W={W} ring={ring_bytes >> 20} MiB")
-    return dict(model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
+    extra: dict = {}
+    for short, name in (("rs", "reduce_scatter"), ("ag", "all_gather")):
+        if name + "_joined" in times:  # --captured: prepared runs of a group that has captured runs
+            extra[f"{short}_joined_ms"], extra[f"{short}_joined_host_ms"] = times[name + "_joined"], \
+                times[name + "_joined_host"]
+        busy = times.get(name + "_busy")
+        if busy is not None:  # every rank's activity: the floor's kernel term is already summed
+            busy.pop("intervals", None)
+            extra.update({f"{short}_{k}": v for k, v in busy.items()}, kernels_all_ranks=True)
+    return dict(**extra, model=model, world_size=W, rs_ms=times["reduce_scatter"], ag_ms=times["all_gather"],
                 rs_host_ms=times["reduce_scatter_host"], ag_host_ms=times["all_gather_host"],
                 rs_host_cpu_ms=times["reduce_scatter_cpu"], ag_host_cpu_ms=times["all_gather_cpu"],
                 rs_driver_calls=times["reduce_scatter_calls"], ag_driver_calls=times["all_gather_calls"],
@@ -275,7 +310,7 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
         if profile:
-            busy = _profiled_call(fn, g, rank == 0, os.path.join(profile, f"{model}-W{W}-{name}-trace.json"),
+            busy = _profiled_call(fn, g, rank, os.path.join(profile, f"{model}-W{W}-{name}-rank{{rank}}-trace.json"),
                                   f"{model} W={W} {name} (rank 0)")
             row.update({f"{name}_{k}": v for k, v in busy.items()})
     rows: list = [None] * W
@@ -292,22 +327,36 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
                 share_gpu=share_gpu)
 
 
-def _profiled_call(fn, g, lead: bool, trace: str, title: str) -> dict:
-    """One more call of ``fn`` on every rank, under ``torch.profiler`` (CUDA activity) on the
-    lead rank: its device busy times (:func:`_device_busy`; empty on the other ranks)."""
+def _profiled_call(fn, g, rank: int, trace: str, title: str) -> dict:
+    """One more call of ``fn`` on every rank, each under ``torch.profiler`` (CUDA activity), its
+    trace into ``trace`` (``{rank}`` filled in): rank 0's busy times (:func:`_device_busy`,
+    printed) and, on rank 0, how all ranks' activity lies in time (:func:`ranks_overlap`,
+    printed; ``all_*`` keys)."""
     import torch.distributed as dist
 
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if lead else None
-    if prof is not None:
-        prof.__enter__()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    prof.__enter__()
     dist.barrier()
     fn()
     tt.synchronize(g, timeout_s=120)
     dist.barrier()
-    if prof is None:
-        return {}
     prof.__exit__(None, None, None)
-    return _device_busy(prof, trace, title)
+    if rank == 0:
+        busy = _device_busy(prof, trace.format(rank=rank), title)
+    else:
+        prof.export_chrome_trace(trace.format(rank=rank))
+        with open(trace.format(rank=rank)) as f:
+            busy = busy_of_events(json.load(f).get("traceEvents", []))
+        busy.pop("kinds")
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, busy.pop("intervals"))
+    if rank:
+        return {}
+    both = ranks_overlap(every)
+    print(f"  all {len(every)} ranks: span {both['span_ms']:.2f} ms, busy {both['busy_ms']:.2f} ms (summed over "
+          f"ranks), some rank active {both['active_ms']:.2f} ms, two or more at once {both['concurrent_ms']:.2f} ms",
+          flush=True)
+    return {**busy, **{f"all_{k}": v for k, v in both.items()}}
 
 
 @contextlib.contextmanager
@@ -333,24 +382,37 @@ def _host_profile(path: str | None, title: str):
             f.write(f"==== {title}\n{buf.getvalue()}\n")
 
 
-def _profile_summary(prof, path: str, title: str) -> None:
-    """Busy time per kind of GPU activity in one reduce-scatter (all ranks): kernels, copies,
-    and the span from the first activity to the last."""
-    _device_busy(prof, os.path.join(path, "rs_trace.json"), title)
-
-
 def _device_busy(prof, trace: str, title: str) -> dict:
     """Busy time per kind of GPU activity the profiler saw (printed), written as a Chrome trace
-    to ``trace``: ``kernel_ms`` (every kernel), ``copy_ms`` (memcpy and memset), ``span_ms``
-    (first activity to last).  Busy times are summed, so overlapping activities add up."""
-    import collections
-
+    to ``trace``; the sums of :func:`busy_of_events`."""
     prof.export_chrome_trace(trace)
     with open(trace) as f:
         events = json.load(f).get("traceEvents", [])
-    busy = collections.Counter()
-    count = collections.Counter()
-    lo, hi = float("inf"), 0.0
+    busy = busy_of_events(events)
+    print(f"profile {title}: span {busy['span_ms']:.2f} ms", flush=True)
+    for kind, (n, ms) in busy.pop("kinds").items():
+        print(f"  {kind}: {n} x, {ms:.3f} ms busy")
+    return busy
+
+
+COPY_KERNELS = ("memcpy", "memset")
+"""Kernel names the CUDA driver runs copies as (a graph's memcpy nodes, e.g.
+``memcpy32_post``, ``memcpyDtoD2D_aligned_smalldiffpitch``): copies, not the collective's
+own kernels -- but they occupy SMs."""
+
+
+def busy_of_events(events: list) -> dict:
+    """A profiled call's GPU activity from its Chrome trace events: ``kernel_ms`` (the
+    collective's own kernels: accumulation, casts), ``copy_ms`` (memcpy / memset activities and
+    the copy kernels of :data:`COPY_KERNELS`), ``copy_kernel_ms`` (the part of ``copy_ms`` that
+    ran as kernels, on SMs), ``span_ms`` (first activity to last), ``intervals`` (start, end) in
+    the trace's microseconds, and ``kinds`` ({kind: (count, ms)}, largest first).  Busy times
+    are summed, so overlapping activities add up."""
+    import collections
+
+    busy: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    intervals = []
     for e in events:
         cat = e.get("cat", "")
         if cat not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
@@ -358,20 +420,57 @@ def _device_busy(prof, trace: str, title: str) -> dict:
         kind = cat if cat != "kernel" else ("kernel:" + e.get("name", "")[:40])
         busy[kind] += e["dur"]
         count[kind] += 1
-        lo, hi = min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])
-    print(f"profile {title}: span {(hi - lo) / 1e3 if busy else 0:.2f} ms")
-    for kind, us in busy.most_common(12):
-        print(f"  {kind}: {count[kind]} x, {us / 1e3:.3f} ms busy")
-    kernel = sum(us for k, us in busy.items() if k.startswith("kernel:"))
-    return {"kernel_ms": kernel / 1e3, "copy_ms": (sum(busy.values()) - kernel) / 1e3,
-            "span_ms": (hi - lo) / 1e3 if busy else 0.0}
+        intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    copy_kernels = sum(us for k, us in busy.items()
+                       if k.startswith("kernel:") and k[7:].lower().startswith(COPY_KERNELS))
+    kernels = sum(us for k, us in busy.items() if k.startswith("kernel:")) - copy_kernels
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
+    return {"kernel_ms": kernels / 1e3, "copy_ms": (sum(busy.values()) - kernels) / 1e3,
+            "copy_kernel_ms": copy_kernels / 1e3, "span_ms": span / 1e3, "intervals": intervals,
+            "kinds": {k: (count[k], us / 1e3) for k, us in busy.most_common(12)}}
+
+
+def ranks_overlap(per_rank: list[list[tuple[float, float]]]) -> dict:
+    """How the ranks' GPU activity in one profiled call lies in time (intervals in
+    microseconds of one clock): ``span_ms`` (first activity of any rank to the last),
+    ``busy_ms`` (each rank's active time, summed), ``active_ms`` (time some rank is active) and
+    ``concurrent_ms`` (time two ranks or more are active at once).  Ranks that share a GPU as
+    processes take turns (contexts time-slice): ``concurrent_ms`` near 0, and ``span_ms -
+    active_ms`` is the time no rank's work ran."""
+    points = []
+    busy = 0.0
+    for ivs in per_rank:
+        merged: list[list[float]] = []
+        for s, e in sorted(ivs):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        for s, e in merged:
+            busy += e - s
+            points += [(s, 1), (e, -1)]
+    if not points:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "active_ms": 0.0, "concurrent_ms": 0.0}
+    points.sort(key=lambda p: (p[0], p[1]))  # an end before a start at the same instant
+    active = concurrent = 0.0
+    depth, last = 0, points[0][0]
+    for t, d in points:
+        if depth >= 1:
+            active += t - last
+        if depth >= 2:
+            concurrent += t - last
+        depth, last = depth + d, t
+    return {"span_ms": (points[-1][0] - points[0][0]) / 1e3, "busy_ms": busy / 1e3, "active_ms": active / 1e3,
+            "concurrent_ms": concurrent / 1e3}
 
 
 def _print_floor(row: dict, ceiling_gbps: float) -> None:
     """Each collective against its device-time floor: the bytes it moves (read + written, all
     ranks) at the copy ceiling of this run, plus its kernels' time (rank 0's, times the ranks
-    that share a GPU: their kernels take turns on it).  Adds ``<name>_floor_ms`` to ``row``."""
-    sharing = row["world_size"] if row.get("share_gpu") else 1
+    that share a GPU: their kernels take turns on it; copy kernels count as copies).  Adds
+    ``<name>_floor_ms`` to ``row``.  With every rank profiled (``<name>_all_*``), also the
+    measured time against the ranks' summed GPU work in that call."""
+    sharing = row["world_size"] if row.get("share_gpu") and not row.get("kernels_all_ranks") else 1
     for name in ("rs", "ag"):
         if f"{name}_kernel_ms" not in row:
             continue
@@ -380,7 +479,13 @@ def _print_floor(row: dict, ceiling_gbps: float) -> None:
         print(f"floor {row['model']} W={row['world_size']} {name}: {floor:.2f} ms (copies at the ceiling "
               f"{copy_floor:.2f} + kernels {sharing} x {row[f'{name}_kernel_ms']:.2f}); measured "
               f"{row[f'{name}_ms']:.2f} ms = {row[f'{name}_ms'] / floor:.2f} x the floor; rank 0's profiled "
-              f"call: span {row[f'{name}_span_ms']:.2f} ms, copies busy {row[f'{name}_copy_ms']:.2f} ms", flush=True)
+              f"call: span {row[f'{name}_span_ms']:.2f} ms, copies busy {row[f'{name}_copy_ms']:.2f} ms "
+              f"({row.get(f'{name}_copy_kernel_ms', 0.0):.2f} ms of it as copy kernels on SMs)", flush=True)
+        if f"{name}_all_busy_ms" in row:  # every rank profiled: what the ranks' GPU work alone takes
+            busy = row[f"{name}_all_busy_ms"]
+            at_once, span = row[f"{name}_all_concurrent_ms"], row[f"{name}_all_span_ms"]
+            print(f"  {name}: all ranks' GPU work {busy:.2f} ms (summed; {at_once:.2f} ms of it at once) in a span "
+                  f"of {span:.2f} ms; measured = {row[f'{name}_ms'] / busy:.2f} x that work", flush=True)
 
 
 def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
@@ -407,9 +512,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ring-bytes", type=int, nargs="+", default=[256 << 20])
     ap.add_argument("--profile", default=None,
-                    help="folder: profile one reduce-scatter of the first row (single-process mode); under "
-                         "torchrun one more call of each collective per row on rank 0, printed against the "
-                         "device-time floor (bytes at the copy ceiling + kernel time)")
+                    help="folder: one more call of each collective per row under torch.profiler (every rank; "
+                         "traces into the folder), printed against the device-time floor (bytes at the copy "
+                         "ceiling + kernel time)")
     ap.add_argument("--host-profile", default=None, metavar="FILE",
                     help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
     ap.add_argument("--share-gpu", action="store_true",
@@ -444,10 +549,10 @@ def main() -> None:
             os.makedirs(args.profile, exist_ok=True)
         args.world_sizes = [dist.get_world_size()]
         lead = dist.get_rank() == 0
-    elif args.captured:  # torch.cuda.graph synchronizes the device: other rank threads may be capturing
-        ap.error("--captured runs one process per rank (torchrun), not in the single-process mode")
     else:
         lead = True
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
     dev = torch.device("cuda", 0)
     info = env_info(dev)
     ceiling = copy_ceiling(dev, 4 << 30).gbps() if lead else 0.0  # device copy, read + write, this run
@@ -462,7 +567,6 @@ def main() -> None:
     say("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue / CPU (ms) | driver calls | "
         "all_gather bf16 (ms) | of ceiling | host enqueue / CPU (ms) | driver calls | FSDP2 fp32 RS input / rank |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    first = True
     rows: list[dict] = []
     cases = list(itertools.product(args.models, args.world_sizes, args.ring_bytes))
     with Progress(len(cases) if lead else 0, "collectives") as progress:
@@ -475,12 +579,10 @@ def main() -> None:
                     if row is None:
                         continue
                 else:
-                    row = run(model, W, args.iters, ring, args.profile if first else None, args.share_gpu,
-                              args.host_profile)
+                    row = run(model, W, args.iters, ring, args.profile, args.share_gpu, args.host_profile)
             except Exception as e:  # noqa: BLE001 - one failed row must not lose the others
                 say(f"| {model} | {W} | {ring >> 20} MiB | failed: {type(e).__name__}: {e} |", flush=True)
                 continue
-            first = False
             row["ceiling_gbps"] = ceiling
             row["tensors_apart"] = APART
             row["prepared"] = PREPARED or CAPTURED
@@ -497,7 +599,7 @@ def main() -> None:
                 print(f"prepared runs ending joined (the group has captured runs): reduce_scatter "
                       f"{row['rs_joined_ms']:.2f} ms (host {row['rs_joined_host_ms']:.2f}), all_gather "
                       f"{row['ag_joined_ms']:.2f} ms (host {row['ag_joined_host_ms']:.2f})", flush=True)
-            if "rs_kernel_ms" in row:  # --profile under torchrun: issue 15's device-time floor
+            if "rs_kernel_ms" in row:  # --profile: issue 15's device-time floor
                 _print_floor(row, ceiling)
             rows.append({**row, **info})
             if args.json:

@@ -176,14 +176,48 @@ def test_collectives_bench_times_each_call_and_counts_gc_passes(capsys: pytest.C
     assert host > 0 and cpu >= 0
 
 
-def test_collectives_bench_prints_each_collective_against_its_device_time_floor(capsys) -> None:
-    """bench/collectives_gpu.py --profile under torchrun: the floor is the bytes moved at the
-    copy ceiling plus the kernels' time (rank 0's, times the ranks sharing the GPU)."""
+def _collectives_bench():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("collectives_gpu_bench", BENCH / "collectives_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_collectives_bench_counts_copy_kernels_as_copies() -> None:
+    """A graph's memcpy nodes may run as kernels (``memcpy32_post``): copies in the floor, not
+    the collective's own kernels; host-side events are not GPU activity."""
+    mod = _collectives_bench()
+    events = [{"cat": "kernel", "name": "memcpy32_post", "ts": 0, "dur": 10},
+              {"cat": "kernel", "name": "memcpyDtoD2D_aligned_smalldiffpitch", "ts": 10, "dur": 30},
+              {"cat": "kernel", "name": "segmented_reduce_kernel", "ts": 5, "dur": 20},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 50, "dur": 10},
+              {"cat": "gpu_memset", "name": "Memset", "ts": 60, "dur": 4},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 500}]
+    busy = mod.busy_of_events(events)
+    assert busy["kernel_ms"] == pytest.approx(0.020)
+    assert busy["copy_ms"] == pytest.approx(0.054) and busy["copy_kernel_ms"] == pytest.approx(0.040)
+    assert busy["span_ms"] == pytest.approx(0.064) and len(busy["intervals"]) == 5
+    assert busy["kinds"]["kernel:memcpy32_post"] == (1, pytest.approx(0.010))
+
+
+def test_collectives_bench_ranks_overlap() -> None:
+    """How ranks' GPU activity lies in time: each rank's own overlaps count once, time two
+    ranks run at once is reported apart, gaps where no rank runs are not active time."""
+    mod = _collectives_bench()
+    got = mod.ranks_overlap([[(0, 10), (5, 20)], [(15, 30), (40, 50)], []])
+    assert got == pytest.approx({"span_ms": 0.050, "busy_ms": 0.045, "active_ms": 0.040, "concurrent_ms": 0.005})
+    taking_turns = mod.ranks_overlap([[(0, 10), (20, 30)], [(10, 20)]])
+    assert taking_turns["concurrent_ms"] == 0 and taking_turns["active_ms"] == pytest.approx(0.030)
+    assert mod.ranks_overlap([[], []]) == {"span_ms": 0.0, "busy_ms": 0.0, "active_ms": 0.0, "concurrent_ms": 0.0}
+
+
+def test_collectives_bench_prints_each_collective_against_its_device_time_floor(capsys) -> None:
+    """bench/collectives_gpu.py --profile under torchrun: the floor is the bytes moved at the
+    copy ceiling plus the kernels' time (rank 0's, times the ranks sharing the GPU; already
+    every rank's when the single-process mode profiled them all)."""
+    mod = _collectives_bench()
     row = {"model": "m", "world_size": 2, "share_gpu": True, "rs_bytes": 4e9, "rs_ms": 3.0, "rs_kernel_ms": 0.25,
            "rs_copy_ms": 1.5, "rs_span_ms": 2.5, "ag_bytes": 2e9, "ag_ms": 1.0}
     mod._print_floor(row, 2000.0)  # 4e9 bytes at 2000 GB/s: 2 ms of copies
@@ -193,3 +227,9 @@ def test_collectives_bench_prints_each_collective_against_its_device_time_floor(
     row.update(share_gpu=False)
     mod._print_floor(row, 2000.0)
     assert row["rs_floor_ms"] == pytest.approx(2.25)
+    row.update(share_gpu=True, kernels_all_ranks=True, rs_all_busy_ms=2.4, rs_all_concurrent_ms=0.0,
+               rs_all_span_ms=2.9)
+    mod._print_floor(row, 2000.0)
+    assert row["rs_floor_ms"] == pytest.approx(2.25)
+    assert "rs: all ranks' GPU work 2.40 ms (summed; 0.00 ms of it at once) in a span of 2.90 ms; measured = 1.25 x" \
+        in capsys.readouterr().out
