@@ -35,7 +35,7 @@ its kernels' time), and under torchrun how the ranks' GPU work lies in time (pro
 sharing a GPU take turns: contexts time-slice):
 
     torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py --share-gpu --captured --profile /tmp/prof
-    python bench/collectives_gpu.py --share-gpu --world-sizes 2 --captured --profile /tmp/prof
+    python bench/collectives_gpu.py --share-gpu --world-sizes 2 --captured   # no --profile here
 """
 from __future__ import annotations
 
@@ -549,6 +549,11 @@ def main() -> None:
             os.makedirs(args.profile, exist_ok=True)
         args.world_sizes = [dist.get_world_size()]
         lead = dist.get_rank() == 0
+    elif args.profile and args.captured:
+        # Measured on the H200 (session 13): the profiler started in one rank thread while the
+        # others replayed their graphs left a rank's GPU work unfinished (a flag wait never met).
+        ap.error("--profile with --captured needs one process per rank (torchrun): profiling graph replays "
+                 "of the single-process mode's rank threads hung")
     else:
         lead = True
         if args.profile:
