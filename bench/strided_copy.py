@@ -1,0 +1,123 @@
+"""How fast one GPU moves a strided run of rows (equal rows at constant pitches: the expert
+matrices of a MoE layer, each rank's rows of them) in the ways the driver offers, against a
+contiguous copy of the same bytes in the same run.  Found behind issue 15's floor gap: the
+Qwen3 layer's all-gather rows went through ``cuMemcpy2DAsync`` at ~850 GB/s (the driver's
+``memcpyDtoD2D_aligned_smalldiffpitch`` kernel), where its contiguous copies ran at ~2100 GB/s.
+
+    python bench/strided_copy.py [--iters 20]
+
+Per geometry (name, rows, row bytes, destination / source pitch): contiguous (one
+``cuMemcpyAsync`` of all the bytes), ``2d`` (one ``cuMemcpy2DAsync``), ``3d/<sub>`` (one
+``cuMemcpy3DAsync``, each row cut into sub-rows of ``sub`` bytes: width ``sub``, height row
+bytes / sub, depth rows), ``rows`` (a ``cuMemcpyAsync`` per row), ``torch`` (``Tensor.copy_``
+of the strided view).  Times are CUDA-event means and medians of ``iters`` copies, GB/s counts
+bytes read + written.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from cuda.bindings import driver as cu
+
+# (name, rows, row bytes, dst pitch, src pitch): all-gather rows of one rank at W ranks
+GEOMETRIES = [
+    ("qwen3 W=2 (128 experts x 3 of [768, 2048] bf16)", 384, 384 * 2048 * 2, 768 * 2048 * 2, 384 * 2048 * 2),
+    ("qwen3 W=8", 384, 96 * 2048 * 2, 768 * 2048 * 2, 96 * 2048 * 2),
+    ("256 experts W=2 (256 x 3 of [512, 1024] bf16)", 768, 256 * 1024 * 2, 512 * 1024 * 2, 256 * 1024 * 2),
+    ("256 experts W=8", 768, 64 * 1024 * 2, 512 * 1024 * 2, 64 * 1024 * 2),
+]
+
+
+def check(res, what: str):
+    err = res[0] if isinstance(res, tuple) else res
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {err}")
+    return res
+
+
+def memcpy2d(dst: int, src: int, width: int, rows: int, dpitch: int, spitch: int):
+    m = cu.CUDA_MEMCPY2D()
+    dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    m.srcMemoryType, m.srcDevice, m.srcPitch = dev, cu.CUdeviceptr(src), spitch
+    m.dstMemoryType, m.dstDevice, m.dstPitch = dev, cu.CUdeviceptr(dst), dpitch
+    m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
+    m.WidthInBytes, m.Height = width, rows
+    return m
+
+
+def memcpy3d(dst: int, src: int, width: int, rows: int, dpitch: int, spitch: int, sub: int):
+    m = cu.CUDA_MEMCPY3D()
+    dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    m.srcMemoryType, m.srcDevice, m.srcPitch, m.srcHeight = dev, cu.CUdeviceptr(src), sub, spitch // sub
+    m.dstMemoryType, m.dstDevice, m.dstPitch, m.dstHeight = dev, cu.CUdeviceptr(dst), sub, dpitch // sub
+    m.srcXInBytes = m.srcY = m.srcZ = m.srcLOD = m.dstXInBytes = m.dstY = m.dstZ = m.dstLOD = 0
+    m.WidthInBytes, m.Height, m.Depth = sub, width // sub, rows
+    return m
+
+
+def timed(fn, iters: int) -> list[float]:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, src: torch.Tensor, s: int) -> dict:
+    """The ways to make ``dst``'s rows ``src``'s (see the module notes), as callables."""
+    d, x = dst.data_ptr(), src.data_ptr()
+    ways = {"contiguous": lambda: check(cu.cuMemcpyAsync(d, x, rows * width, s), "1d")}
+    m2 = memcpy2d(d, x, width, rows, dpitch, spitch)
+    ways["2d"] = lambda: check(cu.cuMemcpy2DAsync(m2, s), "2d")
+    for sub in (4096, 65536):
+        if width % sub == 0 and dpitch % sub == 0 and spitch % sub == 0:
+            m3 = memcpy3d(d, x, width, rows, dpitch, spitch, sub)
+            ways[f"3d/{sub >> 10}K"] = (lambda m: lambda: check(cu.cuMemcpy3DAsync(m, s), "3d"))(m3)
+
+    def per_row():
+        for i in range(rows):
+            check(cu.cuMemcpyAsync(d + i * dpitch, x + i * spitch, width, s), "row")
+
+    ways["rows"] = per_row
+    dview, sview = dst.view(rows, dpitch)[:, :width], src.view(rows, spitch)[:, :width]
+    ways["torch"] = lambda: dview.copy_(sview)
+    return ways
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    torch.cuda.init()
+    s = torch.cuda.current_stream().cuda_stream
+    version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")[1]
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA driver {version}")
+    print("| geometry | way | mean ms | median ms | GB/s (read + write) | of contiguous |")
+    print("|---|---|---|---|---|---|")
+    for name, rows, width, dpitch, spitch in GEOMETRIES:
+        src = torch.randint(0, 100, (rows * spitch,), dtype=torch.uint8, device="cuda")
+        dst = torch.zeros(rows * dpitch, dtype=torch.uint8, device="cuda")
+        want = src.view(rows, spitch)[:, :width]
+        base = None
+        for way, fn in ways_of(rows, width, dpitch, spitch, dst, src, s).items():
+            dst.zero_()
+            t = timed(fn, args.iters)
+            if way != "contiguous":
+                assert torch.equal(dst.view(rows, dpitch)[:, :width], want), (name, way)
+            gbps = 2 * rows * width / (statistics.mean(t) * 1e-3) / 1e9
+            base = base or gbps
+            print(f"| {name} | {way} | {statistics.mean(t):.3f} | {statistics.median(t):.3f} | {gbps:.0f} | "
+                  f"{gbps / base:.0%} |", flush=True)
+        del src, dst
+
+
+if __name__ == "__main__":
+    main()
