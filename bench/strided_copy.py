@@ -77,7 +77,7 @@ def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, 
     ways = {"contiguous": lambda: check(cu.cuMemcpyAsync(d, x, rows * width, s), "1d")}
     m2 = memcpy2d(d, x, width, rows, dpitch, spitch)
     ways["2d"] = lambda: check(cu.cuMemcpy2DAsync(m2, s), "2d")
-    for sub in (4096, 65536):
+    for sub in (4096, 65536, 131072, 262144, 524288):
         if width % sub == 0 and dpitch % sub == 0 and spitch % sub == 0:
             m3 = memcpy3d(d, x, width, rows, dpitch, spitch, sub)
             ways[f"3d/{sub >> 10}K"] = (lambda m: lambda: check(cu.cuMemcpy3DAsync(m, s), "3d"))(m3)

@@ -437,3 +437,63 @@ def test_prepared_padding_zero_fill_runs_every_call() -> None:
                 padded_somewhere |= pad.numel() > 0
                 assert bool((pad == (7.0 if acc else 0.0)).all()), (r, call, pad)
     assert padded_somewhere
+
+
+# ------------------------------------------------------------------------------ 3-D sub-rows
+def test_sub_row_bytes_rule() -> None:
+    """Same-GPU strided runs of wide rows are cut into the largest power-of-two sub-rows (64 to
+    512 KiB, at most half a row) dividing the row and both pitches; narrow rows stay 2-D."""
+    from tide_triton.transport.signals import sub_row_bytes
+
+    K = 1 << 10
+    assert sub_row_bytes(1536 * K, 3072 * K, 1536 * K) == 512 * K  # Qwen3's expert rows, W=2
+    assert sub_row_bytes(384 * K, 3072 * K, 384 * K) == 128 * K  # W=8: at most half a row
+    assert sub_row_bytes(256 * K, 1024 * K, 256 * K) == 128 * K
+    assert sub_row_bytes(256 * K, 1024 * K, 256 * K + 64 * K) == 64 * K  # the source pitch decides
+    assert sub_row_bytes(127 * K, 1024 * K, 127 * K) is None  # below 128 KiB rows
+    assert sub_row_bytes(192 * K + 2, 1024 * K, 192 * K + 2) is None  # no 64 KiB divisor
+
+
+def _emulate(buf: bytearray, m) -> None:
+    """What the driver does with a CUDA_MEMCPY2D / CUDA_MEMCPY3D struct (device pointers as
+    offsets into ``buf``)."""
+    from cuda.bindings import driver as cu
+
+    depth = m.Depth if isinstance(m, cu.CUDA_MEMCPY3D) else 1
+    src0, dst0 = int(m.srcDevice), int(m.dstDevice)
+    src = bytes(buf)
+    for z in range(depth):
+        zs = z * m.srcPitch * (m.srcHeight if depth > 1 else 0)
+        zd = z * m.dstPitch * (m.dstHeight if depth > 1 else 0)
+        for y in range(m.Height):
+            a, b = src0 + zs + y * m.srcPitch, dst0 + zd + y * m.dstPitch
+            buf[b:b + m.WidthInBytes] = src[a:a + m.WidthInBytes]
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_same_gpu_strided_run_moves_the_same_bytes_as_3d_sub_rows(on_gpu: bool) -> None:
+    """The 3-D struct of a same-GPU strided run moves exactly the 2-D run's bytes (checked on an
+    emulation of the driver's semantics); a run with an end on another GPU stays 2-D."""
+    import contextlib
+    import types
+
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver as cu
+
+    from tide_triton.transport.signals import CopyEngine
+
+    K = 1 << 10
+    rows, width, dpitch, spitch = 3, 256 * K, 512 * K, 384 * K
+    stub = types.SimpleNamespace(_cu=cu, _guard=contextlib.nullcontext(), _on_this_gpu=lambda a: on_gpu)
+    src0, dst0 = 0, rows * spitch
+    m = CopyEngine._memcpy2d(stub, dst0, src0, width, rows, dpitch, spitch)
+    assert isinstance(m, cu.CUDA_MEMCPY3D if on_gpu else cu.CUDA_MEMCPY2D)
+    if on_gpu:
+        assert (m.WidthInBytes, m.Height, m.Depth) == (128 * K, 2, rows)
+    rng = random.Random(3)
+    buf = bytearray(rng.randrange(256) for _ in range(dst0 + rows * dpitch))
+    want = bytearray(buf)
+    for r in range(rows):
+        want[dst0 + r * dpitch:dst0 + r * dpitch + width] = buf[src0 + r * spitch:src0 + r * spitch + width]
+    _emulate(buf, m)
+    assert buf == want

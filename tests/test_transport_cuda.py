@@ -515,3 +515,51 @@ def test_multiprocess_create_close_cycles_leak_nothing():
           f"{(free0 - settled) / _MIB:.1f} MiB after settling")
     if os.environ.get("PYTEST_XDIST_WORKER") is None:  # other tests' processes move the free memory
         assert free0 - settled < 32 * _MIB, (free0, raw, settled, info)
+
+
+def test_local_wide_strided_runs_exact_as_3d_sub_rows(group4):
+    """Strided runs of wide rows between ranks on this GPU go as cuMemcpy3DAsync of sub-rows
+    (tide_triton.transport.signals.sub_row_bytes), narrow ones as cuMemcpy2DAsync: both exact,
+    eagerly and replayed from a CUDA graph."""
+    from cuda.bindings import driver as cu
+
+    K = 1 << 10
+    runs = [(5, 256 * K, 512 * K, 384 * K), (4, 3 * K + 2, 8 * K, 5 * K)]  # (rows, width, dst / src pitch)
+    src_bytes = sum(r * sp for r, _w, _dp, sp in runs)
+    for t in group4:
+        t.ensure_heap(_DATA + src_bytes)
+    t, peer = group4[0], group4[1]
+    src = peer.heap_tensor(1, _DATA, src_bytes, torch.uint8)
+    src.copy_(torch.randint(0, 256, (src_bytes,), dtype=torch.int32, device="cuda").to(torch.uint8))
+    torch.cuda.synchronize()
+    outs, strided, off = [], [], 0
+    for rows, width, dp, sp in runs:
+        out = torch.zeros(rows * dp, dtype=torch.uint8, device="cuda")
+        outs.append(out)
+        strided.append((out.data_ptr(), t.address(1, _DATA + off), width, rows, dp, sp))
+        off += rows * sp
+    prep = t.prepare_copies([], [], [], strided=strided)
+    assert [type(m) for m in prep.strided] == [cu.CUDA_MEMCPY3D, cu.CUDA_MEMCPY2D]
+
+    def expected():
+        got, o = [], 0
+        for rows, width, dp, sp in runs:
+            want = torch.zeros(rows * dp, dtype=torch.uint8, device="cuda")
+            want.view(rows, dp)[:, :width] = src[o:o + rows * sp].view(rows, sp)[:, :width]
+            got.append(want)
+            o += rows * sp
+        return got
+
+    t.fence_from()
+    t.copy_prepared(prep)
+    t.fence_to()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, w) for o, w in zip(outs, expected()))
+    for o in outs:
+        o.zero_()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=side):
+        t.copy_prepared(prep, stream=side, capturable=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, w) for o, w in zip(outs, expected()))

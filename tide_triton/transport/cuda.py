@@ -688,20 +688,21 @@ class CudaTransport:
         return self._sig.copy_stream
 
     strided_copies = True
-    """:meth:`prepare_copies` takes strided runs (``cuMemcpy2DAsync``)."""
+    """:meth:`prepare_copies` takes strided runs (``cuMemcpy2DAsync``; on one GPU with wide rows
+    ``cuMemcpy3DAsync`` of sub-rows, :func:`~tide_triton.transport.signals.sub_row_bytes`)."""
 
     def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
                        strided: Sequence[Any] = ()) -> PreparedCopies:
         """Check and convert a list of copies once, for :meth:`copy_prepared` to enqueue many
         times (converting addresses to driver objects costs ~10x the enqueue itself).
         ``strided``: runs ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` of equal rows
-        (:class:`tide_triton.executor.Strided`), one ``cuMemcpy2DAsync`` each."""
+        (:class:`tide_triton.executor.Strided`), one ``cuMemcpy2DAsync`` / ``cuMemcpy3DAsync`` each."""
         return self._sig.prepare_copies(dsts, srcs, nbytes, strided=strided)
 
     def copy_prepared(self, prepared: PreparedCopies, *, stream: torch.cuda.Stream | None = None,
                       capturable: bool = False) -> None:
         """:meth:`copy` of a :meth:`prepare_copies` result (``capturable``: the copy stream is
-        being captured into a CUDA graph -- one ``cuMemcpy2DAsync`` / ``cuMemcpyAsync`` per
+        being captured into a CUDA graph -- one ``cuMemcpy2DAsync`` / ``3DAsync`` / ``cuMemcpyAsync`` per
         descriptor, which capture records, instead of the batch call or a graph launch)."""
         self._check_open()
         self._sig.copy_prepared(prepared, stream=stream, capturable=capturable)

@@ -6,7 +6,8 @@ Copies
     has it (CUDA >= 12.8), otherwise one ``cuMemcpyAsync`` per piece; the path is chosen at
     creation and logged once.  A stream being captured into a CUDA graph gets the loop
     (``cuMemcpyBatchAsync`` cannot be captured).  Strided runs (equal rows at constant
-    pitches, :class:`tide_triton.executor.Strided`) are one ``cuMemcpy2DAsync`` each.
+    pitches, :class:`tide_triton.executor.Strided`) are one ``cuMemcpy2DAsync`` each, or on
+    one GPU with wide rows one ``cuMemcpy3DAsync`` of sub-rows (:func:`sub_row_bytes`).
     A prepared list used again (FSDP2's steady state: the same addresses every step) is
     captured once into a CUDA graph of its copies and replayed with one ``cuGraphLaunch``:
     host time per call no longer grows with its descriptors (``$TIDE_TRITON_COPY_GRAPHS``).
@@ -67,6 +68,30 @@ _BATCH_MIN_DRIVER = 12080
 _DATA_ALIGN = 4096
 _MEMOPS_PER_CALL = 255
 GRAPH_MIN_DESCRIPTORS = 8
+SUB_ROWS_MIN_ROW_BYTES = 128 << 10
+SUB_ROWS_BYTES = (64 << 10, 512 << 10)
+"""A strided run whose both ends lie on this rank's GPU and whose rows span at least
+:data:`SUB_ROWS_MIN_ROW_BYTES` goes as a ``cuMemcpy3DAsync`` with each row cut into equal
+sub-rows (the largest power of two in :data:`SUB_ROWS_BYTES` dividing the row and both
+pitches, at most half a row): the driver runs a same-GPU ``cuMemcpy2DAsync`` of wide rows as a
+kernel at ~41% of a contiguous copy's bandwidth, the 3-D form at 59% (64 KiB sub-rows) to 73%
+(512 KiB) -- measured on the H200 for the MoE layers' expert rows (``bench/strided_copy.py``,
+docs/benchmarks.md).  Across GPUs (copy engines over NVLink) the 2-D form stays: the 3-D one
+is unmeasured there."""
+
+
+def sub_row_bytes(nbytes: int, dst_pitch: int, src_pitch: int) -> int | None:
+    """The sub-row size a same-GPU strided run of ``nbytes``-byte rows is cut into for
+    ``cuMemcpy3DAsync`` (see :data:`SUB_ROWS_BYTES`), or None where it stays 2-D."""
+    if nbytes < SUB_ROWS_MIN_ROW_BYTES:
+        return None
+    lo, hi = SUB_ROWS_BYTES
+    sub = hi
+    while sub >= lo:
+        if 2 * sub <= nbytes and nbytes % sub == 0 and dst_pitch % sub == 0 and src_pitch % sub == 0:
+            return sub
+        sub //= 2
+    return None
 """Under ``$TIDE_TRITON_COPY_GRAPHS=auto``, the smallest prepared list replayed as a graph:
 below it the descriptors cost less host time than a graph launch saves."""
 
@@ -96,7 +121,8 @@ class PreparedCopies:
     dst_ptrs: list[Any]
     src_ptrs: list[Any]
     strided: tuple[Any, ...] = ()
-    """``CUDA_MEMCPY2D`` structs, one ``cuMemcpy2DAsync`` each."""
+    """``CUDA_MEMCPY2D`` structs (one ``cuMemcpy2DAsync`` each) and ``CUDA_MEMCPY3D`` ones
+    (same-GPU runs cut into sub-rows, :func:`sub_row_bytes`; one ``cuMemcpy3DAsync`` each)."""
     replay: dict = field(default_factory=dict, compare=False, repr=False)
     """The graph replay's state (:meth:`CopyEngine.copy_prepared`): ``uses`` so far, and
     ``graph`` -- the executable graph of these copies, or None where capturing failed."""
@@ -296,17 +322,43 @@ class CopyEngine:
                               tuple(self._memcpy2d(*run) for run in strided))
 
     def _memcpy2d(self, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
+        """The driver struct of one strided run: ``CUDA_MEMCPY3D`` with sub-rows where both ends
+        are on this GPU and :func:`sub_row_bytes` finds a size, else ``CUDA_MEMCPY2D``."""
         if not (nbytes > 0 and rows > 0 and nbytes <= dst_pitch and nbytes <= src_pitch):
             raise ValueError(f"strided copy must have nbytes > 0, rows > 0 and pitches >= nbytes, got "
                              f"nbytes={nbytes}, rows={rows}, dst_pitch={dst_pitch}, src_pitch={src_pitch}")
         cu = self._cu
-        m = cu.CUDA_MEMCPY2D()
         dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        sub = sub_row_bytes(nbytes, dst_pitch, src_pitch)
+        if sub is not None and self._on_this_gpu(dst) and self._on_this_gpu(src):
+            m = cu.CUDA_MEMCPY3D()
+            m.srcMemoryType, m.srcDevice = dev, cu.CUdeviceptr(int(src))
+            m.srcPitch, m.srcHeight = sub, int(src_pitch) // sub  # a row's start every src_pitch bytes
+            m.dstMemoryType, m.dstDevice = dev, cu.CUdeviceptr(int(dst))
+            m.dstPitch, m.dstHeight = sub, int(dst_pitch) // sub
+            m.srcXInBytes = m.srcY = m.srcZ = m.srcLOD = m.dstXInBytes = m.dstY = m.dstZ = m.dstLOD = 0
+            m.WidthInBytes, m.Height, m.Depth = sub, int(nbytes) // sub, int(rows)
+            return m
+        m = cu.CUDA_MEMCPY2D()
         m.srcMemoryType, m.srcDevice, m.srcPitch = dev, cu.CUdeviceptr(int(src)), int(src_pitch)
         m.dstMemoryType, m.dstDevice, m.dstPitch = dev, cu.CUdeviceptr(int(dst)), int(dst_pitch)
         m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
         m.WidthInBytes, m.Height = int(nbytes), int(rows)
         return m
+
+    def _on_this_gpu(self, address: int) -> bool:
+        """Whether ``address``'s memory resides on this rank's GPU (the driver's pointer
+        attribute; False where the driver cannot tell)."""
+        cu = self._cu
+        if self.device.index is None:
+            return False
+        try:
+            with self._guard:
+                err, ordinal = cu.cuPointerGetAttribute(
+                    cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cu.CUdeviceptr(int(address)))
+        except Exception:  # noqa: BLE001 - an unknown answer keeps the 2-D form
+            return False
+        return err == cu.CUresult.CUDA_SUCCESS and int(ordinal) == self.device.index
 
     def copy_prepared(self, prepared: PreparedCopies, *, stream: Any = None, capturable: bool = False) -> None:
         if not prepared.nbytes and not prepared.strided:
@@ -340,12 +392,15 @@ class CopyEngine:
             self._one_by_one(prepared, s)
 
     def _one_by_one(self, prepared: PreparedCopies, s: int, *, plain: bool = True) -> None:
-        """``prepared`` on stream ``s`` as one ``cuMemcpy2DAsync`` per strided run and (``plain``)
+        """``prepared`` on stream ``s`` as one ``cuMemcpy2DAsync`` / ``cuMemcpy3DAsync`` per strided run and (``plain``)
         one ``cuMemcpyAsync`` per piece -- the loop path, and what a stream capture records
         (the batch call cannot be captured).  The caller holds the context."""
         cu = self._cu
         for m in prepared.strided:
-            check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
+            if isinstance(m, cu.CUDA_MEMCPY3D):
+                check(cu.cuMemcpy3DAsync(m, s), f"cuMemcpy3DAsync(rank={self.rank}, {m.Depth} rows)")
+            else:
+                check(cu.cuMemcpy2DAsync(m, s), f"cuMemcpy2DAsync(rank={self.rank}, {m.Height} rows)")
         if plain:
             for d, x, b in zip(prepared.dsts, prepared.srcs, prepared.nbytes):
                 check(cu.cuMemcpyAsync(d, x, b, s), f"cuMemcpyAsync(rank={self.rank})")
