@@ -29,7 +29,8 @@ collectives; ``--captured``: ``replay()`` of prepared runs captured into a CUDA 
 (issue 15's device-time floor: the "of ceiling" column), and then ``run()`` of the same
 prepared collectives, which end joined once their group has a captured run (printed below
 the row; the single-process mode's rank threads capture at once, see ``_captured``).
-``--profile DIR``: one more call of each collective profiled (every rank; traces into DIR),
+``--new-grads``: every reduce-scatter reads gradients at new addresses (FSDP2's
+reduce-scatter each step), timing the preparation a call then needs.  ``--profile DIR``: one more call of each collective profiled (every rank; traces into DIR),
 each collective printed against its device-time floor (its bytes at the copy ceiling plus
 its kernels' time), and under torchrun how the ranks' GPU work lies in time (processes
 sharing a GPU take turns: contexts time-slice):
@@ -103,20 +104,34 @@ pitch, so no strided copy: one descriptor per parameter and rank, as for tensors
 one by one)."""
 
 
-def back_to_back(shapes, dtype, device, fill=None) -> list[torch.Tensor]:
+def back_to_back(shapes, dtype, device, fill=None, shifts: int = 1) -> list[torch.Tensor]:
     """Tensors of ``shapes`` carved one after another out of one buffer, as FSDP2 allocates
     its padded all-gather outputs and a flat gradient buffer (runs of equal shapes then take
-    one strided copy per rank); with :data:`APART`, 64-192 elements apart."""
+    one strided copy per rank); with :data:`APART`, 64-192 elements apart.  ``shifts > 1``:
+    a list of that many such sets, set ``k`` shifted by ``k * SHIFT_ELEMS`` elements in one
+    buffer (:data:`NEW_GRADS`)."""
     numels = [int(torch.Size(s).numel()) for s in shapes]
     gaps = [64 * (1 + i % 3) if APART else 0 for i in range(len(shapes))]
-    total = sum(numels) + sum(gaps)
+    total = sum(numels) + sum(gaps) + (shifts - 1) * SHIFT_ELEMS
     flat = (torch.randn(total, device=device) if fill is None
             else torch.full((total,), fill, device=device)).to(dtype)
-    out, o = [], 0
-    for s, n, gap in zip(shapes, numels, gaps):
-        out.append(flat[o:o + n].view(s))
-        o += n + gap
-    return out
+    sets = []
+    for k in range(shifts):
+        out, o = [], k * SHIFT_ELEMS
+        for s, n, gap in zip(shapes, numels, gaps):
+            out.append(flat[o:o + n].view(s))
+            o += n + gap
+        sets.append(out)
+    return sets[0] if shifts == 1 else sets
+
+
+NEW_GRADS = False
+"""``--new-grads``: every reduce-scatter reads its gradients at new addresses, as FSDP2's
+reduce-scatter reads autograd's fresh gradients every step: each call takes the next of
+several sets of views shifted by :data:`SHIFT_ELEMS` elements in one buffer (made before the
+timing), so every call prepares its copies and reductions again -- the eager call's cache
+misses, a prepared collective binds the new set as the FSDP2 drop-in does (``_run_on``)."""
+SHIFT_ELEMS = 256  # 512 bytes of bf16: the 16-byte alignment stays
 
 
 PREPARED = False
@@ -130,6 +145,18 @@ capture); the timed call is ``graph.replay()``."""
 
 
 def _calls(g, grads, shards, bshards, params, names, threads: bool = False):
+    if NEW_GRADS:  # grads: a list of sets of views, one set per call (back_to_back's shifts)
+        sets = iter(grads[1:])
+        if PREPARED:
+            rs = tt.prepare_reduce_scatter(grads[0], shards, group=g, op="avg")
+            ag = tt.prepare_all_gather(bshards, params, group=g)
+            return [(names[0], lambda: rs._run_on(next(sets), shards)), (names[1], ag.run)]
+        return [(names[0], lambda: tt.reduce_scatter(next(sets), shards, group=g, op="avg")),
+                (names[1], lambda: tt.all_gather(bshards, params, group=g))]
+    return _fixed_calls(g, grads, shards, bshards, params, names, threads)
+
+
+def _fixed_calls(g, grads, shards, bshards, params, names, threads: bool = False):
     """The two timed collectives of a rank, as ``(name, fn)``: eager, prepared runs, or
     replays of captured prepared runs (``threads``: the single-process mode, whose rank threads
     capture at the same time, see :func:`_captured`)."""
@@ -172,6 +199,12 @@ def _captured(run, threads: bool) -> "torch.cuda.CUDAGraph":
     return graph
 
 
+def _shifts(iters: int) -> int:
+    """Sets of gradient views a row needs: one, or with :data:`NEW_GRADS` one per call of the
+    row (warm-up, timed calls, driver-call count, profiled call) and one to prepare with."""
+    return iters + 8 if NEW_GRADS else 1
+
+
 def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
     """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``):
     (start time, host ms per call -- the enqueue, pacing waits included -- and this thread's
@@ -196,7 +229,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes, devices=devs)
-    grads = [back_to_back(shapes, torch.bfloat16, devs[r]) for r in range(W)]
+    grads = [back_to_back(shapes, torch.bfloat16, devs[r], shifts=_shifts(iters)) for r in range(W)]
     shards = [back_to_back(layout.shard_shapes(r, padded=True), torch.float32, devs[r], 0.0) for r in range(W)]
     bshards = [back_to_back(layout.shard_shapes(r, padded=True), torch.bfloat16, devs[r], 0.0) for r in range(W)]
     params = [back_to_back(layout.padded_shapes, torch.bfloat16, devs[r], 0.0) for r in range(W)]
@@ -292,7 +325,7 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
     g = tt.init(timeout_s=120, ring_bytes=ring_bytes)
-    grads = back_to_back(shapes, torch.bfloat16, dev)
+    grads = back_to_back(shapes, torch.bfloat16, dev, shifts=_shifts(iters))
     shards = back_to_back(layout.shard_shapes(rank, padded=True), torch.float32, dev, 0.0)
     bshards = back_to_back(layout.shard_shapes(rank, padded=True), torch.bfloat16, dev, 0.0)
     params = back_to_back(layout.padded_shapes, torch.bfloat16, dev, 0.0)
@@ -523,6 +556,9 @@ def main() -> None:
                     help="time run() of prepared collectives (tt.prepare_reduce_scatter / prepare_all_gather)")
     ap.add_argument("--captured", action="store_true",
                     help="time replays of prepared runs captured into CUDA graphs (torch.cuda.graph)")
+    ap.add_argument("--new-grads", action="store_true",
+                    help="every reduce-scatter reads gradients at new addresses (FSDP2's reduce-scatter each step): "
+                         "the cost of preparing them each call")
     ap.add_argument("--apart", action="store_true",
                     help="tensors apart (no strided copies: a descriptor per parameter and rank)")
     ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
@@ -531,7 +567,10 @@ def main() -> None:
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
     global APART, PREPARED, CAPTURED
-    APART, PREPARED, CAPTURED = args.apart, args.prepared, args.captured
+    global NEW_GRADS
+    APART, PREPARED, CAPTURED, NEW_GRADS = args.apart, args.prepared, args.captured, args.new_grads
+    if NEW_GRADS and CAPTURED:
+        ap.error("--new-grads times calls on new addresses; a captured graph replays fixed ones (drop --captured)")
     if args.from_rows:
         from tide_triton._cli import recorded_rows
 
@@ -590,6 +629,7 @@ def main() -> None:
                 continue
             row["ceiling_gbps"] = ceiling
             row["tensors_apart"] = APART
+            row["new_grads"] = NEW_GRADS
             row["prepared"] = PREPARED or CAPTURED
             row["captured"] = CAPTURED
             row["copy_graphs"] = os.environ.get("TIDE_TRITON_COPY_GRAPHS", "auto")

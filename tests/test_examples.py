@@ -185,6 +185,21 @@ def _collectives_bench():
     return mod
 
 
+def test_collectives_bench_new_grads_are_shifted_views_of_one_buffer() -> None:
+    """--new-grads: each call's gradients are the same back-to-back layout at a new address
+    (one buffer, shifted by SHIFT_ELEMS elements per set), so runs of equal shapes stay strided."""
+    mod = _collectives_bench()
+    shapes = [(4, 8), (4, 8), (3,)]
+    sets = mod.back_to_back(shapes, torch.bfloat16, "cpu", shifts=3)
+    assert len(sets) == 3 and [tuple(t.shape) for t in sets[2]] == shapes
+    step = mod.SHIFT_ELEMS * 2
+    for k, views in enumerate(sets):
+        assert views[0].data_ptr() == sets[0][0].data_ptr() + k * step
+        assert views[1].data_ptr() == views[0].data_ptr() + 32 * 2  # still back to back
+        assert views[2].untyped_storage().data_ptr() == sets[0][0].untyped_storage().data_ptr()
+    assert mod.back_to_back(shapes, torch.bfloat16, "cpu")[0].shape == (4, 8)  # one set: a plain list
+
+
 def test_collectives_bench_counts_copy_kernels_as_copies() -> None:
     """A graph's memcpy nodes may run as kernels (``memcpy32_post``): copies in the floor, not
     the collective's own kernels; host-side events are not GPU activity."""
