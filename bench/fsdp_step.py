@@ -38,6 +38,8 @@ Per rank, after ``--warmup`` steps:
   profiled step (CPU time of the outermost ``FSDP::*`` ranges -- pre/post forward and backward,
   prefetches, the reduce-scatter; inflated by the profiler alike for every mode), where
   stock's and tide_triton's per-parameter work shows;
+* the garbage collector's passes per measured step and in the profiled step, and their time
+  (a pass over every object stops the host inside whatever hook allocates; no trace shows it);
 * one more step under ``torch.profiler``: device time of FSDP2's layout copies (the ops
   ``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``, ``fsdp::chunk_cat`` and their
   aten forms), of NCCL kernels, of tide_triton's kernels, and of copy-engine memcpys.
@@ -175,6 +177,7 @@ def main(argv=None) -> int:
 
     import tide_triton
     from tide_triton.bench import env_info
+    from tide_triton.measure import GcPasses
     from train_llama import Llama, LlamaConfig, batch, loss_fn, shard
     from train_moe import MoEConfig, MoEModel
 
@@ -287,18 +290,21 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
+    gc_steps = GcPasses().start()  # the garbage collector's passes in the measured steps (no trace shows them)
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()
         loss = step(record=True)
         sync()
         times.append(time.perf_counter() - t0)
+    gc_steps.stop()
     prepared_per_step = (preparations() - prep0) / args.steps  # 0 in the steady state
     peak = max(a for marks in phases for a, _ in marks.values())
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
     heap = max(h for marks in phases for _, h in marks.values())
     phase_peak = {name: max(m[name][0] + m[name][1] for m in phases) for name in phases[0]}
-    prof = _profile_step(step, device, args.trace if rank == 0 else None)
+    with GcPasses() as gc_prof:
+        prof = _profile_step(step, device, args.trace if rank == 0 else None)
     if args.host_profile and rank == 0:
         _host_profile(step, sync, args.host_profile)
     elif args.host_profile:
@@ -312,7 +318,10 @@ def main(argv=None) -> int:
             "prepared_per_step": prepared_per_step,
             "peak_allocated": peak, "peak_reserved": reserved, "tide_heap": heap,
             "peak_total": max(phase_peak.values()), "phase_peak_total": phase_peak,
-            "phases": phases, "loss": float(loss.detach()), **prof}
+            "phases": phases, "loss": float(loss.detach()),
+            "gc_per_step": {"passes": gc_steps.count / args.steps, "full": gc_steps.full / args.steps,
+                            "ms": 1e3 * gc_steps.seconds / args.steps},
+            "gc_profiled_step": {"passes": gc_prof.count, "full": gc_prof.full, "ms": 1e3 * gc_prof.seconds}, **prof}
     rows = [None] * W
     dist.all_gather_object(rows, mine)
     if rank == 0:
@@ -338,6 +347,11 @@ def main(argv=None) -> int:
               f"{row['layout_copy_us'] / 1e3:.2f} | {r0['nccl_us'] / 1e3:.2f} | "
               f"{r0['tide_kernel_us'] / 1e3:.2f} | {r0['memcpy_us'] / 1e3:.2f} | "
               f"{row['fsdp_host_us_per_module'] / 1e3:.2f} | {r0['loss']:.4f} |", flush=True)
+        for r, rr in enumerate(rows):  # a pass over every object stops the host where no trace sees it
+            a, b = rr["gc_per_step"], rr["gc_profiled_step"]
+            print(f"rank {r}: garbage collector per measured step {a['passes']:.1f} passes ({a['full']:.1f} full), "
+                  f"{a['ms']:.1f} ms; in the profiled step {b['passes']} ({b['full']} full), {b['ms']:.1f} ms",
+                  flush=True)
         if args.mode != "stock":
             print(f"tide_triton collectives prepared per measured step (rank max; 0 in the steady state): "
                   f"{row['prepared_per_step']:g}", flush=True)
