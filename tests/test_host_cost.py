@@ -497,3 +497,31 @@ def test_same_gpu_strided_run_moves_the_same_bytes_as_3d_sub_rows(on_gpu: bool) 
         want[dst0 + r * dpitch:dst0 + r * dpitch + width] = buf[src0 + r * spitch:src0 + r * spitch + width]
     _emulate(buf, m)
     assert buf == want
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_array_planner_equals_the_element_planner(seed: int) -> None:
+    """Long copy lists are planned with array operations: the same plan, entry for entry, as
+    the element-by-element planner (merges, strided runs, runs cut short, empty copies)."""
+    import numpy as np
+
+    from tide_triton.executor import plan_copy_arrays, _plan_lists
+
+    rng = random.Random(seed)
+    dsts, srcs, sizes = _random_copies(rng, rng.choice([600, 4096, 20000]))
+    for min_rows in (2, 3, STRIDED_MIN_ROWS):
+        want = _plan_lists(dsts, srcs, sizes, min_rows)
+        got = plan_copy_arrays(np.asarray(dsts, dtype=np.int64), np.asarray(srcs, dtype=np.int64),
+                           np.asarray(sizes, dtype=np.int64), min_rows)
+        assert got == want, (seed, min_rows)
+        assert all(type(v) is int for c in got for v in c)
+    # strided runs back to back with other runs, equal sizes whose pitch changes mid-run
+    d = [1000 + 40 * i for i in range(6)] + [2000 + 24 * i for i in range(5)]
+    x = [8 * i for i in range(11)]
+    assert plan_copy_arrays(*(np.asarray(v, dtype=np.int64) for v in (d, x, [8] * 11)), 4) == \
+        _plan_lists(d, x, [8] * 11, 4)
+
+
+def test_array_planner_refuses_negative_sizes() -> None:
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -3"):
+        plan_copies(list(range(0, 800, 8)), list(range(0, 800, 8)), [8] * 99 + [-3])

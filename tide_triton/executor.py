@@ -18,10 +18,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["Work", "Streams", "prepare_padding_zeros", "wait_vacated", "Strided", "plan_copies",
-           "expand_copies", "prepare_planned", "STRIDED_MIN_ROWS", "MAX_PITCH"]
+           "expand_copies", "prepare_planned", "STRIDED_MIN_ROWS", "MAX_PITCH", "plan_copy_arrays", "ARRAY_PLAN_MIN"]
 
 STRIDED_MIN_ROWS = 4
 """Shortest run of equal copies made one strided copy.  Below it the rows stay in the
@@ -199,10 +200,20 @@ def plan_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int],
     neighbours back to back on both sides merged, then runs of at least ``min_rows`` copies
     of one size at constant strides (each at least the size: rows never overlap) made one
     :class:`Strided`.  Exact for any copy list whose pieces may run in any order (the
-    transports' contract): every byte has the same source as before."""
+    transports' contract): every byte has the same source as before.  Lists longer than
+    :data:`ARRAY_PLAN_MIN` are planned with array operations (a reduce-scatter round of a MoE
+    layer on new gradient addresses: thousands of pieces), the result the same."""
     n = len(nbytes)
     if len(dsts) != n or len(srcs) != n:
         raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got {len(dsts)}, {len(srcs)} and {n}")
+    if n > ARRAY_PLAN_MIN:
+        return plan_copy_arrays(np.asarray(dsts, dtype=np.int64), np.asarray(srcs, dtype=np.int64),
+                            np.asarray(nbytes, dtype=np.int64), min_rows)
+    return _plan_lists(dsts, srcs, nbytes, min_rows)
+
+
+def _plan_lists(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], min_rows: int) -> list[Strided]:
+    """:func:`plan_copies` element by element (short lists)."""
     flat: list[list[int]] = []
     for d, x, b in zip(dsts, srcs, nbytes):
         if b < 0:
@@ -229,6 +240,55 @@ def plan_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int],
                     i = j
                     continue
         out.append(Strided(d, x, b))
+        i += 1
+    return out
+
+
+ARRAY_PLAN_MIN = 64
+"""Copy lists longer than this are planned by :func:`plan_copy_arrays`."""
+
+
+def plan_copy_arrays(d: np.ndarray, x: np.ndarray, b: np.ndarray, min_rows: int) -> list[Strided]:
+    """:func:`plan_copies` on int64 arrays: the merge of back-to-back neighbours (a copy joins
+    the one before when both its ends continue it -- pairwise, as the chained merge) and the
+    greedy strided runs, found from pairwise differences; a Python loop only over the runs."""
+    if (b < 0).any():
+        raise ValueError(f"nbytes must be >= 0, got {int(b.min())}")
+    keep = b > 0
+    d, x, b = d[keep], x[keep], b[keep]
+    if not len(b):
+        return []
+    joins = np.empty(len(b), dtype=bool)
+    joins[0] = False
+    joins[1:] = (d[1:] == d[:-1] + b[:-1]) & (x[1:] == x[:-1] + b[:-1])
+    starts = np.flatnonzero(~joins)
+    d, x, b = d[starts], x[starts], np.add.reduceat(b, starts)
+    m = len(b)
+    # pair k (k >= 1): copy k after copy k-1 -- same size and pitches (dp, sp) >= the size
+    dp, sp = np.diff(d), np.diff(x)
+    same_size = b[1:] == b[:-1]
+    opens = same_size & (dp >= b[:-1]) & (dp <= MAX_PITCH) & (sp >= b[:-1]) & (sp <= MAX_PITCH)
+    # pair k continues pair k-1's run: same size and the same pitches
+    cont = np.zeros(m, dtype=bool)  # indexed by the pair's later copy
+    cont[2:] = same_size[1:] & (dp[1:] == dp[:-1]) & (sp[1:] == sp[:-1])
+    # the first copy at or after k whose pair does not continue (m: none)
+    idx = np.where(cont, m, np.arange(m))
+    stop = np.minimum.accumulate(idx[::-1])[::-1]
+    dl, xl, bl = d.tolist(), x.tolist(), b.tolist()
+    if not opens.any():
+        return [Strided(*t) for t in zip(dl, xl, bl)]
+    opens_l, stop_l, dpl, spl = opens.tolist(), stop.tolist(), dp.tolist(), sp.tolist()
+    least = max(2, min_rows)
+    out: list[Strided] = []
+    i = 0
+    while i < m:
+        if i + 1 < m and opens_l[i]:
+            j = stop_l[i + 2] if i + 2 < m else m
+            if j - i >= least:
+                out.append(Strided(dl[i], xl[i], bl[i], j - i, dpl[i], spl[i]))
+                i = j
+                continue
+        out.append(Strided(dl[i], xl[i], bl[i]))
         i += 1
     return out
 

