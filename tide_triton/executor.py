@@ -208,7 +208,7 @@ def plan_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int],
         raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got {len(dsts)}, {len(srcs)} and {n}")
     if n > ARRAY_PLAN_MIN:
         return plan_copy_arrays(np.asarray(dsts, dtype=np.int64), np.asarray(srcs, dtype=np.int64),
-                            np.asarray(nbytes, dtype=np.int64), min_rows)
+                                np.asarray(nbytes, dtype=np.int64), min_rows)
     return _plan_lists(dsts, srcs, nbytes, min_rows)
 
 

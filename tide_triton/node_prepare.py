@@ -5,6 +5,7 @@ executor (:mod:`tide_triton.collectives`) and the prepared collectives
 (:mod:`tide_triton.programs`), which differ only in how their flags say "ready" and "free"."""
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from itertools import chain
 from typing import Sequence
@@ -28,10 +29,12 @@ AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
 
 
-_PUSH_TEMPLATES: dict = {}
+_TEMPLATES: dict = {}
 """Templates of :func:`_push_template` and :func:`_reduce_template` by (kind, plan id, ...),
-oldest first; each entry keeps its plan alive."""
+oldest first; each entry keeps its plan alive.  Rank threads of the single-process mode share
+it (:data:`_TEMPLATES_LOCK`)."""
 _TEMPLATES_KEPT = 128
+_TEMPLATES_LOCK = threading.Lock()
 
 
 @lru_cache(maxsize=256)
@@ -83,9 +86,9 @@ def _reduce_template(plan, me: int, es: int, Sp: tuple[int, ...]) -> list[tuple]
     the gradients (my rows of each) and in a slot -- what a chunk's source addresses are made
     of besides the addresses themselves (kept like :func:`_push_template`'s)."""
     key = ("reduce", id(plan), me, es, Sp)
-    hit = _PUSH_TEMPLATES.get(key)
-    if hit is not None and hit[0] is plan:
-        return hit[1]
+    hit = _kept(key, plan)
+    if hit is not None:
+        return hit
     chunks = []
     for pieces in plan.chunks[me]:
         chunks.append(_columns([pc.param for pc in pieces], [(me * Sp[pc.param] + pc.start) * es for pc in pieces],
@@ -102,10 +105,18 @@ def _columns(*cols: list[int]) -> tuple:
     return cols
 
 
+def _kept(key: tuple, plan):
+    """The template kept under ``key`` for this very ``plan``, or None."""
+    with _TEMPLATES_LOCK:
+        hit = _TEMPLATES.get(key)
+    return hit[1] if hit is not None and hit[0] is plan else None
+
+
 def _keep(key: tuple, plan, value: list) -> None:
-    if len(_PUSH_TEMPLATES) >= _TEMPLATES_KEPT:
-        _PUSH_TEMPLATES.pop(next(iter(_PUSH_TEMPLATES)))
-    _PUSH_TEMPLATES[key] = (plan, value)  # the plan kept alive: its id cannot be reused
+    with _TEMPLATES_LOCK:
+        while len(_TEMPLATES) >= _TEMPLATES_KEPT:
+            del _TEMPLATES[next(iter(_TEMPLATES))]
+        _TEMPLATES[key] = (plan, value)  # the plan kept alive: its id cannot be reused
 
 
 def push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
@@ -160,16 +171,14 @@ def _joined(parts: list) -> tuple[int, ...]:
     return tuple(chain.from_iterable(parts))
 
 
-
-
 def _push_template(plan, W: int, me: int, es: int, Sp: tuple[int, ...]) -> list[tuple]:
     """Per round of ``plan``: the peers rank ``me`` pushes to, and per piece (in push order)
     the peer's index among them, the gradient's parameter, the byte offset in the peer's
     slot, the byte offset in the gradient, and the size -- everything but the addresses."""
     key = ("push", id(plan), W, me, es, Sp)
-    hit = _PUSH_TEMPLATES.get(key)
-    if hit is not None and hit[0] is plan:
-        return hit[1]
+    hit = _kept(key, plan)
+    if hit is not None:
+        return hit
     rounds = []
     for j in range(plan.rounds):
         dests = [d for d in range(W) if d != me and j < len(plan.chunks[d])]

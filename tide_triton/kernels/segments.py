@@ -12,8 +12,8 @@ the device.
 from __future__ import annotations
 
 import math
-from array import array
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache

@@ -68,6 +68,9 @@ _BATCH_MIN_DRIVER = 12080
 _DATA_ALIGN = 4096
 _MEMOPS_PER_CALL = 255
 GRAPH_MIN_DESCRIPTORS = 8
+"""Under ``$TIDE_TRITON_COPY_GRAPHS=auto``, the smallest prepared list replayed as a graph:
+below it the descriptors cost less host time than a graph launch saves."""
+
 SUB_ROWS_MIN_ROW_BYTES = 128 << 10
 SUB_ROWS_BYTES = (64 << 10, 512 << 10)
 """A strided run whose both ends lie on this rank's GPU and whose rows span at least
@@ -92,8 +95,6 @@ def sub_row_bytes(nbytes: int, dst_pitch: int, src_pitch: int) -> int | None:
             return sub
         sub //= 2
     return None
-"""Under ``$TIDE_TRITON_COPY_GRAPHS=auto``, the smallest prepared list replayed as a graph:
-below it the descriptors cost less host time than a graph launch saves."""
 
 
 @dataclass(frozen=True)
