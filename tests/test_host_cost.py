@@ -210,8 +210,8 @@ def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> d
         counts.append((sum(1 for n in sizes if n), len(p)))
         return p
 
-    def unplanned(dsts, srcs, sizes, **k):
-        return [Strided(d, x, n) for d, x, n in zip(dsts, srcs, sizes) if n]
+    def unplanned(dsts, srcs, sizes, **k):  # lists, or arrays for long push rounds
+        return [Strided(int(d), int(x), int(n)) for d, x, n in zip(dsts, srcs, sizes) if n]
 
     def run(plan_fn):
         node_prepare.plan_copies = plan_fn
@@ -505,7 +505,10 @@ def test_array_planner_equals_the_element_planner(seed: int) -> None:
     the element-by-element planner (merges, strided runs, runs cut short, empty copies)."""
     import numpy as np
 
-    from tide_triton.executor import plan_copy_arrays, _plan_lists
+    from tide_triton.executor import _plan_lists, plan_copy_arrays
+
+    def _plan(d, x, b):
+        return plan_copy_arrays(*(np.asarray(v, dtype=np.int64) for v in (d, x, b)), 4)
 
     rng = random.Random(seed)
     dsts, srcs, sizes = _random_copies(rng, rng.choice([600, 4096, 20000]))
@@ -515,6 +518,10 @@ def test_array_planner_equals_the_element_planner(seed: int) -> None:
                            np.asarray(sizes, dtype=np.int64), min_rows)
         assert got == want, (seed, min_rows)
         assert all(type(v) is int for c in got for v in c)
+    # no run at all (every size different): every copy single, as Strided tuples
+    d, x, b = [10_000 * i for i in range(100)], [7_000 * i for i in range(100)], [8 + i for i in range(100)]
+    got = _plan(d, x, b)
+    assert got == _plan_lists(d, x, b, 4) and all(type(c) is Strided and c.rows == 1 for c in got)
     # strided runs back to back with other runs, equal sizes whose pitch changes mid-run
     d = [1000 + 40 * i for i in range(6)] + [2000 + 24 * i for i in range(5)]
     x = [8 * i for i in range(11)]

@@ -13,8 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .executor import (ARRAY_PLAN_MIN, STRIDED_MIN_ROWS, Strided, plan_copy_arrays, plan_copies, prepare_padding_zeros,
-                       prepare_planned)
+from .executor import ARRAY_PLAN_MIN, Strided, plan_copies, prepare_padding_zeros, prepare_planned
 from .group import Group
 from .heap import Ring
 from .kernels import Binding, SegmentProgram, Span
@@ -134,11 +133,7 @@ def push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], 
             continue
         s = j % plan.stages
         bases = _Addresses([address(d, reg.slot(s, me, d)) for d in dests])
-        dsts, srcs = bases.plus(dest_of, slot_off), gp.plus(param, const)
-        if isinstance(size, np.ndarray):
-            out.append(plan_copy_arrays(dsts, srcs, size, STRIDED_MIN_ROWS))
-        else:
-            out.append(plan_copies(dsts, srcs, size))
+        out.append(plan_copies(bases.plus(dest_of, slot_off), gp.plus(param, const), size))  # arrays or lists
     return out
 
 
