@@ -515,7 +515,7 @@ def test_array_planner_equals_the_element_planner(seed: int) -> None:
     for min_rows in (2, 3, STRIDED_MIN_ROWS):
         want = _plan_lists(dsts, srcs, sizes, min_rows)
         got = plan_copy_arrays(np.asarray(dsts, dtype=np.int64), np.asarray(srcs, dtype=np.int64),
-                           np.asarray(sizes, dtype=np.int64), min_rows)
+                               np.asarray(sizes, dtype=np.int64), min_rows)
         assert got == want, (seed, min_rows)
         assert all(type(v) is int for c in got for v in c)
     # no run at all (every size different): every copy single, as Strided tuples
