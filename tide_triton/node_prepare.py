@@ -29,9 +29,9 @@ AG_BATCH = 256
 
 
 _TEMPLATES: dict = {}
-"""Templates of :func:`_push_template` and :func:`_reduce_template` by (kind, plan id, ...),
-oldest first; each entry keeps its plan alive.  Rank threads of the single-process mode share
-it (:data:`_TEMPLATES_LOCK`)."""
+"""Templates of :func:`_push_template`, :func:`_reduce_template` and :func:`_gather_template`
+by (kind, owner id, ...), oldest first; each entry keeps its owner (plan, layout) alive.
+Rank threads of the single-process mode share it (:data:`_TEMPLATES_LOCK`)."""
 _TEMPLATES_KEPT = 128
 _TEMPLATES_LOCK = threading.Lock()
 
@@ -104,18 +104,18 @@ def _columns(*cols: list[int]) -> tuple:
     return cols
 
 
-def _kept(key: tuple, plan):
-    """The template kept under ``key`` for this very ``plan``, or None."""
+def _kept(key: tuple, owner):
+    """The template kept under ``key`` for this very ``owner`` (a ring plan, a layout), or None."""
     with _TEMPLATES_LOCK:
         hit = _TEMPLATES.get(key)
-    return hit[1] if hit is not None and hit[0] is plan else None
+    return hit[1] if hit is not None and hit[0] is owner else None
 
 
-def _keep(key: tuple, plan, value: list) -> None:
+def _keep(key: tuple, owner, value) -> None:
     with _TEMPLATES_LOCK:
         while len(_TEMPLATES) >= _TEMPLATES_KEPT:
             del _TEMPLATES[next(iter(_TEMPLATES))]
-        _TEMPLATES[key] = (plan, value)  # the plan kept alive: its id cannot be reused
+        _TEMPLATES[key] = (owner, value)  # the owner kept alive: its id cannot be reused
 
 
 def push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
@@ -201,19 +201,38 @@ def prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...],
     (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters allocated
     back to back is one strided copy per rank) and prepared for the transport in batches of
     :data:`AG_BATCH` descriptors."""
+    ranks, (rank_of, param, dst_off, src_off, size) = _gather_template(  # from blocks: every rank's is the same
+        layout, g.world_size, None if source is None else g.rank, es, None if source is None else source[1])
+    bases = _Addresses([t.address(r, block_off if source is None else source[0]) for r in ranks])
+    plan = plan_copies(_Addresses(pptrs).plus(param, dst_off), bases.plus(rank_of, src_off), size)
+    return [prepare_planned(t, plan[i:i + AG_BATCH]) for i in range(0, len(plan), AG_BATCH)]
+
+
+def _gather_template(layout: ShardLayout, W: int, me: int | None, es: int,
+                     region_offs: tuple[int, ...] | None) -> tuple:
+    """The ranks an all-gather reads from and, per copy (rank by rank, parameter by
+    parameter): the rank's index among them, the parameter, the byte offset in the
+    parameter, in the source (the rank's block, or its copy of the parameters' region at
+    ``region_offs``) and the size -- everything but the addresses (kept like
+    :func:`_push_template`'s)."""
+    key = ("gather", id(layout), W, me, es, region_offs)
+    hit = _kept(key, layout)
+    if hit is not None:
+        return hit
     offs, S = layout.flat_offsets, layout.padded_shard_numels
-    dsts, srcs, sizes = [], [], []
-    for r in range(g.world_size):
-        if source is not None and r == g.rank:
-            continue  # my rows are in place
-        base = t.address(r, block_off if source is None else source[0])
+    ranks = [r for r in range(W) if region_offs is None or r != me]  # with a region my rows are in place
+    cols: list[list[int]] = [[], [], [], [], []]
+    for k, r in enumerate(ranks):
         for p, n in enumerate(layout.shard_numels(r)):
             if n:
-                dsts.append(pptrs[p] + r * S[p] * es)
-                srcs.append(base + (offs[p] * es if source is None else source[1][p] + r * S[p] * es))
-                sizes.append(n * es)
-    plan = plan_copies(dsts, srcs, sizes)
-    return [prepare_planned(t, plan[i:i + AG_BATCH]) for i in range(0, len(plan), AG_BATCH)]
+                cols[0].append(k)
+                cols[1].append(p)
+                cols[2].append(r * S[p] * es)
+                cols[3].append(offs[p] * es if region_offs is None else region_offs[p] + r * S[p] * es)
+                cols[4].append(n * es)
+    value = (ranks, _columns(*cols))
+    _keep(key, layout, value)
+    return value
 
 
 @in_host_range("tide_triton::prepare_stage")
