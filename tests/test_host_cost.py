@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover
 
 import tide_triton.collectives as coll
 import tide_triton.node_prepare as node_prepare
-from tide_triton.executor import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies
+from tide_triton.executor import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies, prepare_planned
 from tide_triton.heap import ring as heap_ring
 from tide_triton.layout import ShardLayout
 from tide_triton.schedule import ring_plan
@@ -532,3 +532,77 @@ def test_array_planner_equals_the_element_planner(seed: int) -> None:
 def test_array_planner_refuses_negative_sizes() -> None:
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -3"):
         plan_copies(list(range(0, 800, 8)), list(range(0, 800, 8)), [8] * 99 + [-3])
+
+
+# ------------------------------------------------------------------------------ templates
+def _push_reference(W, me, plan, address, reg, gptrs, Sp, es):
+    """push_plans as it was before its templates: piece by piece."""
+    out = []
+    for j in range(plan.rounds):
+        s = j % plan.stages
+        dsts, srcs, sizes = [], [], []
+        for d in range(W):
+            if d == me or j >= len(plan.chunks[d]):
+                continue
+            dst0 = address(d, reg.slot(s, me, d))
+            for pc in plan.chunks[d][j]:
+                dsts.append(dst0 + pc.slot_off * es)
+                srcs.append(gptrs[pc.param] + (d * Sp[pc.param] + pc.start) * es)
+                sizes.append(pc.numel * es)
+        out.append(plan_copies(dsts, srcs, sizes))
+    return out
+
+
+def _gather_reference(W, me, t, layout, pptrs, es, source, block_off):
+    """prepare_all_gather's prepared batches as they were before its template: the copies rank
+    by rank, parameter by parameter."""
+    offs, S = layout.flat_offsets, layout.padded_shard_numels
+    dsts, srcs, sizes = [], [], []
+    for r in range(W):
+        if source is not None and r == me:
+            continue
+        base = t.address(r, block_off if source is None else source[0])
+        for p, n in enumerate(layout.shard_numels(r)):
+            if n:
+                dsts.append(pptrs[p] + r * S[p] * es)
+                srcs.append(base + (offs[p] * es if source is None else source[1][p] + r * S[p] * es))
+                sizes.append(n * es)
+    plan = plan_copies(dsts, srcs, sizes)
+    return [prepare_planned(t, plan[i:i + node_prepare.AG_BATCH]) for i in range(0, len(plan), node_prepare.AG_BATCH)]
+
+
+@pytest.mark.parametrize("W", [2, 3, 8])
+@pytest.mark.parametrize("model", MODELS)
+def test_templates_give_the_piece_by_piece_plans(model: str, W: int) -> None:
+    """The push, reduction and all-gather templates (made once per plan or layout, addresses
+    added per call on arrays or lists) give the same plans and pointer lists as building them
+    piece by piece -- on back-to-back and on scattered addresses, every rank, twice (the
+    second call from the kept templates), with a parameters' region too."""
+    import types
+
+    layout = ShardLayout(layer_shapes(model), W)
+    es, ring_bytes, stages = 2, 256 << 20, 2
+    reg = heap_ring(64, W, ring_bytes, stages, 0)
+    plan = ring_plan(layout, ring_bytes, es, stages)
+    t = _Counting(1 << 36)
+    Sp = layout.padded_shard_numels
+    rng = random.Random(W)
+    region = tuple(_contiguous(layout.padded_numels, es, 0))
+    for me in ([0, W - 1] if W > 2 else range(W)):
+        g = types.SimpleNamespace(world_size=W, rank=me)
+        for scattered in (False, True):
+            for call in range(2):
+                base = (1 << 40) + call * (1 << 34)
+                gptrs = tuple(p + (rng.randrange(1, 64) * 512 * i if scattered else 0)
+                              for i, p in enumerate(_contiguous(layout.padded_numels, es, base)))
+                got = node_prepare.push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)
+                assert got == _push_reference(W, me, plan, t.address, reg, gptrs, Sp, es), (me, scattered)
+                for source in (None, (reg.ag_off, region)):
+                    got = node_prepare.prepare_all_gather(g, t, layout, gptrs, es, source, reg.ag_off)
+                    want = _gather_reference(W, me, t, layout, gptrs, es, source, reg.ag_off)
+                    assert got == want, (me, scattered, source is None)
+                for j, (param, own_off, slot_off) in enumerate(node_prepare._reduce_template(plan, me, es, tuple(Sp))):
+                    pieces = plan.chunks[me][j]
+                    assert list(node_prepare._Addresses(gptrs).plus(param, own_off)) == \
+                        [gptrs[pc.param] + (me * Sp[pc.param] + pc.start) * es for pc in pieces]
+                    assert list(node_prepare._shifted(slot_off, 4096)) == [4096 + pc.slot_off * es for pc in pieces]
