@@ -30,10 +30,11 @@ collectives; ``--captured``: ``replay()`` of prepared runs captured into a CUDA 
 prepared collectives, which end joined once their group has a captured run (printed below
 the row; the single-process mode's rank threads capture at once, see ``_captured``).
 ``--new-grads``: every reduce-scatter reads gradients at new addresses (FSDP2's
-reduce-scatter each step), timing the preparation a call then needs.  ``--profile DIR``: one more call of each collective profiled (every rank; traces into DIR),
-each collective printed against its device-time floor (its bytes at the copy ceiling plus
-its kernels' time), and under torchrun how the ranks' GPU work lies in time (processes
-sharing a GPU take turns: contexts time-slice):
+reduce-scatter each step), timing the preparation a call then needs.  ``--profile DIR``: one
+more call of each collective profiled (every rank; traces into DIR), each collective printed
+against its device-time floor (its bytes at the copy ceiling plus its kernels' time), and
+under torchrun how the ranks' GPU work lies in time (processes sharing a GPU take turns:
+contexts time-slice):
 
     torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py --share-gpu --captured --profile /tmp/prof
     python bench/collectives_gpu.py --share-gpu --world-sizes 2 --captured   # no --profile here
@@ -145,26 +146,18 @@ capture); the timed call is ``graph.replay()``."""
 
 
 def _calls(g, grads, shards, bshards, params, names, threads: bool = False):
-    if NEW_GRADS:  # grads: a list of sets of views, one set per call (back_to_back's shifts)
-        sets = iter(grads[1:])
-        if PREPARED:
-            rs = tt.prepare_reduce_scatter(grads[0], shards, group=g, op="avg")
-            ag = tt.prepare_all_gather(bshards, params, group=g)
-            return [(names[0], lambda: rs._run_on(next(sets), shards)), (names[1], ag.run)]
-        return [(names[0], lambda: tt.reduce_scatter(next(sets), shards, group=g, op="avg")),
-                (names[1], lambda: tt.all_gather(bshards, params, group=g))]
-    return _fixed_calls(g, grads, shards, bshards, params, names, threads)
-
-
-def _fixed_calls(g, grads, shards, bshards, params, names, threads: bool = False):
     """The two timed collectives of a rank, as ``(name, fn)``: eager, prepared runs, or
     replays of captured prepared runs (``threads``: the single-process mode, whose rank threads
-    capture at the same time, see :func:`_captured`)."""
+    capture at the same time, see :func:`_captured`).  With :data:`NEW_GRADS` ``grads`` is a
+    list of sets of views (``back_to_back``'s shifts): the first to prepare with, then one set
+    per reduce-scatter call."""
+    first, sets = (grads[0], iter(grads[1:])) if NEW_GRADS else (grads, None)
     if PREPARED or CAPTURED:  # collective: every rank prepares both, in this order
-        rs = tt.prepare_reduce_scatter(grads, shards, group=g, op="avg")
+        rs = tt.prepare_reduce_scatter(first, shards, group=g, op="avg")
         ag = tt.prepare_all_gather(bshards, params, group=g)
-        if not CAPTURED:
-            return [(names[0], rs.run), (names[1], ag.run)]
+        if not CAPTURED:  # new addresses: bound as the FSDP2 drop-in binds them (_run_on)
+            return [(names[0], (lambda: rs._run_on(next(sets), shards)) if NEW_GRADS else rs.run),
+                    (names[1], ag.run)]
         out = []
         for name, p in ((names[0], rs), (names[1], ag)):
             p.run()  # bound, its kernels loaded: what a capture needs first
@@ -172,7 +165,7 @@ def _fixed_calls(g, grads, shards, bshards, params, names, threads: bool = False
         # Once a group has a captured run, its eager-launched prepared runs end joined (the
         # caller's stream waits for the peers' reads): timed too, the cost of that join.
         return out + [(names[0] + "_joined", rs.run), (names[1] + "_joined", ag.run)]
-    return [(names[0], lambda: tt.reduce_scatter(grads, shards, group=g, op="avg")),
+    return [(names[0], lambda: tt.reduce_scatter(next(sets) if NEW_GRADS else grads, shards, group=g, op="avg")),
             (names[1], lambda: tt.all_gather(bshards, params, group=g))]
 
 

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from tide_triton import node_prepare  # noqa: E402
 from tide_triton.heap import ring as heap_ring  # noqa: E402
 from tide_triton.layout import ShardLayout  # noqa: E402
+from tide_triton.measure import env_info  # noqa: E402
 from tide_triton.options import GroupOptions  # noqa: E402
 from tide_triton.schedule import ring_plan  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--apart", action="store_true", help="every tensor at its own address (no strided runs)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the bindings' CPU tables
+    info = env_info(torch.device("cpu"))
+    print(f"{info['gpu']}, {os.cpu_count()} cores | torch {info['torch']} | python {info['python']} | "
+          f"git {info['git_sha']} | {info['date']} | {'tensors apart' if args.apart else 'back to back'}")
     print("| layer | W | prepare_reduce_scatter median / mean (ms) | prepare_all_gather median / mean (ms) |")
     print("|---|---|---|---|")
     for model in args.models:

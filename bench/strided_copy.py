@@ -8,18 +8,25 @@ Qwen3 layer's all-gather rows went through ``cuMemcpy2DAsync`` at ~850 GB/s (the
 
 Per geometry (name, rows, row bytes, destination / source pitch): contiguous (one
 ``cuMemcpyAsync`` of all the bytes), ``2d`` (one ``cuMemcpy2DAsync``), ``3d/<sub>`` (one
-``cuMemcpy3DAsync``, each row cut into sub-rows of ``sub`` bytes: width ``sub``, height row
-bytes / sub, depth rows), ``rows`` (a ``cuMemcpyAsync`` per row), ``torch`` (``Tensor.copy_``
-of the strided view).  Times are CUDA-event means and medians of ``iters`` copies, GB/s counts
-bytes read + written.
+``cuMemcpy3DAsync``, each row cut into sub-rows of ``sub`` bytes, as the CUDA transport builds
+it: ``tide_triton.transport.signals.memcpy3d_struct``), ``rows`` (a ``cuMemcpyAsync`` per
+row), ``torch`` (``Tensor.copy_`` of the strided view).  Times are CUDA-event means and
+medians of ``iters`` copies, GB/s counts bytes read + written.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
-import torch
-from cuda.bindings import driver as cu
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from cuda.bindings import driver as cu  # noqa: E402
+
+from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.transport.signals import memcpy2d_struct, memcpy3d_struct  # noqa: E402
 
 # (name, rows, row bytes, dst pitch, src pitch): all-gather rows of one rank at W ranks
 GEOMETRIES = [
@@ -35,26 +42,6 @@ def check(res, what: str):
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what}: {err}")
     return res
-
-
-def memcpy2d(dst: int, src: int, width: int, rows: int, dpitch: int, spitch: int):
-    m = cu.CUDA_MEMCPY2D()
-    dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    m.srcMemoryType, m.srcDevice, m.srcPitch = dev, cu.CUdeviceptr(src), spitch
-    m.dstMemoryType, m.dstDevice, m.dstPitch = dev, cu.CUdeviceptr(dst), dpitch
-    m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
-    m.WidthInBytes, m.Height = width, rows
-    return m
-
-
-def memcpy3d(dst: int, src: int, width: int, rows: int, dpitch: int, spitch: int, sub: int):
-    m = cu.CUDA_MEMCPY3D()
-    dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    m.srcMemoryType, m.srcDevice, m.srcPitch, m.srcHeight = dev, cu.CUdeviceptr(src), sub, spitch // sub
-    m.dstMemoryType, m.dstDevice, m.dstPitch, m.dstHeight = dev, cu.CUdeviceptr(dst), sub, dpitch // sub
-    m.srcXInBytes = m.srcY = m.srcZ = m.srcLOD = m.dstXInBytes = m.dstY = m.dstZ = m.dstLOD = 0
-    m.WidthInBytes, m.Height, m.Depth = sub, width // sub, rows
-    return m
 
 
 def timed(fn, iters: int) -> list[float]:
@@ -75,11 +62,11 @@ def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, 
     """The ways to make ``dst``'s rows ``src``'s (see the module notes), as callables."""
     d, x = dst.data_ptr(), src.data_ptr()
     ways = {"contiguous": lambda: check(cu.cuMemcpyAsync(d, x, rows * width, s), "1d")}
-    m2 = memcpy2d(d, x, width, rows, dpitch, spitch)
+    m2 = memcpy2d_struct(cu, d, x, width, rows, dpitch, spitch)
     ways["2d"] = lambda: check(cu.cuMemcpy2DAsync(m2, s), "2d")
     for sub in (4096, 65536, 131072, 262144, 524288):
         if width % sub == 0 and dpitch % sub == 0 and spitch % sub == 0:
-            m3 = memcpy3d(d, x, width, rows, dpitch, spitch, sub)
+            m3 = memcpy3d_struct(cu, d, x, width, rows, dpitch, spitch, sub)
             ways[f"3d/{sub >> 10}K"] = (lambda m: lambda: check(cu.cuMemcpy3DAsync(m, s), "3d"))(m3)
 
     def per_row():
@@ -99,7 +86,9 @@ def main() -> None:
     torch.cuda.init()
     s = torch.cuda.current_stream().cuda_stream
     version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")[1]
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA driver {version}")
+    info = env_info(torch.device("cuda", torch.cuda.current_device()))
+    print(f"{info['gpu']} | torch {info['torch']} | CUDA {info['cuda']}, driver API {version} | "
+          f"git {info['git_sha']} | {info['date']} | each geometry's contiguous row: this run's ceiling for it")
     print("| geometry | way | mean ms | median ms | GB/s (read + write) | of contiguous |")
     print("|---|---|---|---|---|---|")
     for name, rows, width, dpitch, spitch in GEOMETRIES:

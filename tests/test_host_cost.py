@@ -164,7 +164,7 @@ def test_reduce_scatter_push_descriptors_are_o_of_w(model: str, W: int) -> None:
     plan = ring_plan(layout, ring_bytes, es, stages)
     t = _Counting(1 << 36)
     for me in range(W):
-        rounds = node_prepare.push_plans(W, me, plan, t.address, reg, gptrs, layout.padded_shard_numels, es)
+        rounds = node_prepare.push_plans(me, plan, t.address, reg, gptrs, es)
         for j, p in enumerate(rounds):
             pieces = [[layout.padded_shard_numels[pc.param] for pc in plan.chunks[d][j]]
                       for d in range(W) if d != me and j < len(plan.chunks[d])]
@@ -486,7 +486,7 @@ def test_same_gpu_strided_run_moves_the_same_bytes_as_3d_sub_rows(on_gpu: bool) 
     rows, width, dpitch, spitch = 3, 256 * K, 512 * K, 384 * K
     stub = types.SimpleNamespace(_cu=cu, _guard=contextlib.nullcontext(), _on_this_gpu=lambda a: on_gpu)
     src0, dst0 = 0, rows * spitch
-    m = CopyEngine._memcpy2d(stub, dst0, src0, width, rows, dpitch, spitch)
+    m = CopyEngine._strided_struct(stub, dst0, src0, width, rows, dpitch, spitch)
     assert isinstance(m, cu.CUDA_MEMCPY3D if on_gpu else cu.CUDA_MEMCPY2D)
     if on_gpu:
         assert (m.WidthInBytes, m.Height, m.Depth) == (128 * K, 2, rows)
@@ -595,13 +595,13 @@ def test_templates_give_the_piece_by_piece_plans(model: str, W: int) -> None:
                 base = (1 << 40) + call * (1 << 34)
                 gptrs = tuple(p + (rng.randrange(1, 64) * 512 * i if scattered else 0)
                               for i, p in enumerate(_contiguous(layout.padded_numels, es, base)))
-                got = node_prepare.push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)
+                got = node_prepare.push_plans(me, plan, t.address, reg, gptrs, es)
                 assert got == _push_reference(W, me, plan, t.address, reg, gptrs, Sp, es), (me, scattered)
                 for source in (None, (reg.ag_off, region)):
                     got = node_prepare.prepare_all_gather(g, t, layout, gptrs, es, source, reg.ag_off)
                     want = _gather_reference(W, me, t, layout, gptrs, es, source, reg.ag_off)
                     assert got == want, (me, scattered, source is None)
-                for j, (param, own_off, slot_off) in enumerate(node_prepare._reduce_template(plan, me, es, tuple(Sp))):
+                for j, (param, own_off, slot_off) in enumerate(node_prepare._reduce_template(plan, me, es)):
                     pieces = plan.chunks[me][j]
                     assert list(node_prepare._Addresses(gptrs).plus(param, own_off)) == \
                         [gptrs[pc.param] + (me * Sp[pc.param] + pc.start) * es for pc in pieces]

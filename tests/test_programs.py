@@ -169,14 +169,10 @@ def test_ranks_running_different_prepared_collectives_time_out_naming_the_peer()
     rank takes the other's data; every rank raises -- PeerTimeoutError naming the peer whose
     token did not come, or PeerAbortedError naming the peer that gave up first -- and the
     group is broken afterwards (its flags hold a half-done run)."""
-    layout = ShardLayout(SHAPES, W)
-    gen = torch.Generator().manual_seed(2)
-    grads = _grads(gen, SHAPES)
-    groups = _groups(timeout_s=3)
+    layout, grads, groups = _mismatch_setup(2)
 
     def body(r: int):
-        sa = [torch.empty(s) for s in layout.shard_shapes(r)]
-        sb = [torch.empty(s) for s in layout.shard_shapes(r)]
+        sa, sb = _two_shard_sets(layout, r)
         a = tt.prepare_reduce_scatter(grads[r], sa, group=groups[r], op="sum")
         b = tt.prepare_reduce_scatter(grads[r], sb, group=groups[r], op="sum")
         try:
@@ -193,11 +189,28 @@ def test_ranks_running_different_prepared_collectives_time_out_naming_the_peer()
         out = run_threads(body, W, timeout=60)
     finally:
         _close(groups)
+    _assert_each_rank_names_another(out)
     for r, e in enumerate(out):
-        assert isinstance(e, (PeerTimeoutError, PeerAbortedError)), (r, e)
         assert "prepared reduce-scatter" in str(e), (r, str(e))
+
+
+def _mismatch_setup(seed: int):
+    """Layout, gradients and groups (3 s deadline) for the tests where rank 0 runs one
+    collective and the others another."""
+    return ShardLayout(SHAPES, W), _grads(torch.Generator().manual_seed(seed), SHAPES), _groups(timeout_s=3)
+
+
+def _two_shard_sets(layout: ShardLayout, r: int):
+    return ([torch.empty(s) for s in layout.shard_shapes(r)] for _ in range(2))
+
+
+def _assert_each_rank_names_another(errors) -> None:
+    """Every rank raised PeerTimeoutError naming a peer whose token did not come, or
+    PeerAbortedError naming the peer that gave up first; someone saw the wrong token."""
+    for r, e in enumerate(errors):
+        assert isinstance(e, (PeerTimeoutError, PeerAbortedError)), (r, e)
         assert (e.peer if isinstance(e, PeerTimeoutError) else e.rank) != r, (r, str(e))
-    assert any(isinstance(e, PeerTimeoutError) for e in out)  # someone saw the wrong token
+    assert any(isinstance(e, PeerTimeoutError) for e in errors)
 
 
 def test_prepared_collective_refuses_moved_storage_and_bad_arguments() -> None:
@@ -821,14 +834,10 @@ def test_ranks_replaying_different_captured_collectives_raise_naming_the_peer(mo
 
     from tide_triton.host_capture import HostGraph, capture
 
-    layout = ShardLayout(SHAPES, W)
-    gen = torch.Generator().manual_seed(43)
-    grads = _grads(gen, SHAPES)
-    groups = _groups(timeout_s=3)
+    layout, grads, groups = _mismatch_setup(43)
 
     def body(r: int):
-        sa = [torch.empty(s) for s in layout.shard_shapes(r)]
-        sb = [torch.empty(s) for s in layout.shard_shapes(r)]
+        sa, sb = _two_shard_sets(layout, r)
         graphs = {}
         for name, shards in (("a", sa), ("b", sb)):
             p = tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum")
@@ -850,9 +859,7 @@ def test_ranks_replaying_different_captured_collectives_raise_naming_the_peer(mo
         out = run_threads(body, W, timeout=120)
     finally:
         _close(groups)
-    for r, (e, seconds, untouched) in enumerate(out):
-        assert isinstance(e, (PeerTimeoutError, PeerAbortedError)), (r, e)
-        assert (e.peer if isinstance(e, PeerTimeoutError) else e.rank) != r, (r, str(e))
+    _assert_each_rank_names_another([e for e, _, _ in out])
+    for r, (_, seconds, untouched) in enumerate(out):
         assert seconds < 20, (r, seconds)
         assert untouched, f"rank {r}: a replay wrote shards while its peers ran another collective"
-    assert any(isinstance(e, PeerTimeoutError) for e, _, _ in out)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["ShardLayout"]
 
@@ -123,6 +123,17 @@ class ShardLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return rank
+
+    def derived(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per ``key`` for this layout and kept as long as the layout:
+        what other modules derive from the layout alone (e.g. the collectives' copy
+        templates, ``tide_triton.node_prepare``).  Keys are tuples led by the deriving
+        module's name for the value.  Two threads asking at once may both make it (the same
+        value); the layout's own derived sizes work the same way."""
+        hit = self._derived.get(key)
+        if hit is None:
+            hit = self._derived[key] = make()
+        return hit
 
     def shard_rows(self, rank: int) -> tuple[int, ...]:
         """Real rows rank ``rank`` holds of each parameter:

@@ -5,7 +5,6 @@ executor (:mod:`tide_triton.collectives`) and the prepared collectives
 (:mod:`tide_triton.programs`), which differ only in how their flags say "ready" and "free"."""
 from __future__ import annotations
 
-import threading
 from functools import lru_cache
 from itertools import chain
 from typing import Sequence
@@ -26,14 +25,6 @@ __all__ = ["AG_BATCH", "chunk_program", "prepare_reduce_scatter", "push_plans", 
 
 AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
-
-
-_TEMPLATES: dict = {}
-"""Templates of :func:`_push_template`, :func:`_reduce_template` and :func:`_gather_template`
-by (kind, owner id, ...), oldest first; each entry keeps its owner (plan, layout) alive.
-Rank threads of the single-process mode share it (:data:`_TEMPLATES_LOCK`)."""
-_TEMPLATES_KEPT = 128
-_TEMPLATES_LOCK = threading.Lock()
 
 
 @lru_cache(maxsize=256)
@@ -60,12 +51,11 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     bindings hold stand-in tensors, not the caller's: a cached entry keeps no gradient alive."""
     W, me, S = g.world_size, g.rank, plan.stages
     es = gdt.itemsize
-    Sp = layout.padded_shard_numels
     src_stub = torch.empty(0, dtype=gdt, device=device)
     dst_stub = (torch.empty(0, dtype=sdt, device=device),) * len(layout)
     reducers = []
     gp = _Addresses(gptrs)
-    for j, (param, own_off, slot_off) in enumerate(_reduce_template(plan, me, es, tuple(Sp))):
+    for j, (param, own_off, slot_off) in enumerate(_reduce_template(plan, me, es)):
         s = j % S
         own = gp.plus(param, own_off)
         # contributors in rank order (the sum's fixed order): a peer's slot, or my own gradients
@@ -74,26 +64,23 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
                     (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs))
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
-    pushes = [(prepare_planned(t, p), len(p)) for p in push_plans(W, me, plan, t.address, reg, gptrs, Sp, es)]
+    pushes = [(prepare_planned(t, p), len(p)) for p in push_plans(me, plan, t.address, reg, gptrs, es)]
     padding = None if acc else prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                      sdt.itemsize, device)
     return reducers, pushes, padding
 
 
-def _reduce_template(plan, me: int, es: int, Sp: tuple[int, ...]) -> list[tuple]:
+def _reduce_template(plan, me: int, es: int) -> list[tuple]:
     """Per chunk of rank ``me`` in ``plan``: its pieces' parameters, their byte offsets in
     the gradients (my rows of each) and in a slot -- what a chunk's source addresses are made
-    of besides the addresses themselves (kept like :func:`_push_template`'s)."""
-    key = ("reduce", id(plan), me, es, Sp)
-    hit = _kept(key, plan)
-    if hit is not None:
-        return hit
-    chunks = []
-    for pieces in plan.chunks[me]:
-        chunks.append(_columns([pc.param for pc in pieces], [(me * Sp[pc.param] + pc.start) * es for pc in pieces],
-                               [pc.slot_off * es for pc in pieces]))
-    _keep(key, plan, chunks)
-    return chunks
+    of besides the addresses themselves; made once per plan, kept by its layout."""
+    Sp = plan.layout.padded_shard_numels
+
+    def make() -> list[tuple]:
+        return [_columns([pc.param for pc in pieces], [(me * Sp[pc.param] + pc.start) * es for pc in pieces],
+                         [pc.slot_off * es for pc in pieces]) for pieces in plan.chunks[me]]
+
+    return plan.layout.derived(("node_prepare.reduce", plan.chunk_elems, plan.stages, me, es), make)
 
 
 def _columns(*cols: list[int]) -> tuple:
@@ -104,30 +91,15 @@ def _columns(*cols: list[int]) -> tuple:
     return cols
 
 
-def _kept(key: tuple, owner):
-    """The template kept under ``key`` for this very ``owner`` (a ring plan, a layout), or None."""
-    with _TEMPLATES_LOCK:
-        hit = _TEMPLATES.get(key)
-    return hit[1] if hit is not None and hit[0] is owner else None
-
-
-def _keep(key: tuple, owner, value) -> None:
-    with _TEMPLATES_LOCK:
-        while len(_TEMPLATES) >= _TEMPLATES_KEPT:
-            del _TEMPLATES[next(iter(_TEMPLATES))]
-        _TEMPLATES[key] = (owner, value)  # the owner kept alive: its id cannot be reused
-
-
-def push_plans(W: int, me: int, plan, address, reg: Ring, gptrs: Sequence[int], Sp: Sequence[int],
-                es: int) -> list[list[Strided]]:
+def push_plans(me: int, plan, address, reg: Ring, gptrs: Sequence[int], es: int) -> list[list[Strided]]:
     """Per round, the copies pushing rank ``me``'s slices of its gradients (at ``gptrs``)
     into its peers' slots, planned: equal-shaped gradients allocated back to back (experts)
     are one strided copy per peer and round.  The pieces' parameters and offsets come from
     a template made once per plan (:func:`_push_template`); per call only the addresses are
-    added, as arrays."""
+    added (on arrays for long rounds)."""
     gp = _Addresses(gptrs)
     out = []
-    for j, (dests, (dest_of, param, slot_off, const, size)) in enumerate(_push_template(plan, W, me, es, tuple(Sp))):
+    for j, (dests, (dest_of, param, slot_off, const, size)) in enumerate(_push_template(plan, me, es)):
         if not dests:
             out.append([])
             continue
@@ -166,28 +138,30 @@ def _joined(parts: list) -> tuple[int, ...]:
     return tuple(chain.from_iterable(parts))
 
 
-def _push_template(plan, W: int, me: int, es: int, Sp: tuple[int, ...]) -> list[tuple]:
+def _push_template(plan, me: int, es: int) -> list[tuple]:
     """Per round of ``plan``: the peers rank ``me`` pushes to, and per piece (in push order)
     the peer's index among them, the gradient's parameter, the byte offset in the peer's
-    slot, the byte offset in the gradient, and the size -- everything but the addresses."""
-    key = ("push", id(plan), W, me, es, Sp)
-    hit = _kept(key, plan)
-    if hit is not None:
-        return hit
-    rounds = []
-    for j in range(plan.rounds):
-        dests = [d for d in range(W) if d != me and j < len(plan.chunks[d])]
-        cols: list[list[int]] = [[], [], [], [], []]
-        for k, d in enumerate(dests):
-            for pc in plan.chunks[d][j]:
-                cols[0].append(k)
-                cols[1].append(pc.param)
-                cols[2].append(pc.slot_off * es)
-                cols[3].append((d * Sp[pc.param] + pc.start) * es)
-                cols[4].append(pc.numel * es)
-        rounds.append((dests, _columns(*cols)))
-    _keep(key, plan, rounds)
-    return rounds
+    slot, the byte offset in the gradient, and the size -- everything but the addresses;
+    made once per plan, kept by its layout."""
+    layout = plan.layout
+    W, Sp = layout.world_size, layout.padded_shard_numels
+
+    def make() -> list[tuple]:
+        rounds = []
+        for j in range(plan.rounds):
+            dests = [d for d in range(W) if d != me and j < len(plan.chunks[d])]
+            cols: list[list[int]] = [[], [], [], [], []]
+            for k, d in enumerate(dests):
+                for pc in plan.chunks[d][j]:
+                    cols[0].append(k)
+                    cols[1].append(pc.param)
+                    cols[2].append(pc.slot_off * es)
+                    cols[3].append((d * Sp[pc.param] + pc.start) * es)
+                    cols[4].append(pc.numel * es)
+            rounds.append((dests, _columns(*cols)))
+        return rounds
+
+    return layout.derived(("node_prepare.push", plan.chunk_elems, plan.stages, me, es), make)
 
 
 @in_host_range("tide_triton::prepare_all_gather")
@@ -202,37 +176,33 @@ def prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...],
     back to back is one strided copy per rank) and prepared for the transport in batches of
     :data:`AG_BATCH` descriptors."""
     ranks, (rank_of, param, dst_off, src_off, size) = _gather_template(  # from blocks: every rank's is the same
-        layout, g.world_size, None if source is None else g.rank, es, None if source is None else source[1])
+        layout, None if source is None else g.rank, es, None if source is None else source[1])
     bases = _Addresses([t.address(r, block_off if source is None else source[0]) for r in ranks])
     plan = plan_copies(_Addresses(pptrs).plus(param, dst_off), bases.plus(rank_of, src_off), size)
     return [prepare_planned(t, plan[i:i + AG_BATCH]) for i in range(0, len(plan), AG_BATCH)]
 
 
-def _gather_template(layout: ShardLayout, W: int, me: int | None, es: int,
-                     region_offs: tuple[int, ...] | None) -> tuple:
+def _gather_template(layout: ShardLayout, me: int | None, es: int, region_offs: tuple[int, ...] | None) -> tuple:
     """The ranks an all-gather reads from and, per copy (rank by rank, parameter by
     parameter): the rank's index among them, the parameter, the byte offset in the
     parameter, in the source (the rank's block, or its copy of the parameters' region at
-    ``region_offs``) and the size -- everything but the addresses (kept like
-    :func:`_push_template`'s)."""
-    key = ("gather", id(layout), W, me, es, region_offs)
-    hit = _kept(key, layout)
-    if hit is not None:
-        return hit
+    ``region_offs``) and the size -- everything but the addresses; kept by the layout."""
     offs, S = layout.flat_offsets, layout.padded_shard_numels
-    ranks = [r for r in range(W) if region_offs is None or r != me]  # with a region my rows are in place
-    cols: list[list[int]] = [[], [], [], [], []]
-    for k, r in enumerate(ranks):
-        for p, n in enumerate(layout.shard_numels(r)):
-            if n:
-                cols[0].append(k)
-                cols[1].append(p)
-                cols[2].append(r * S[p] * es)
-                cols[3].append(offs[p] * es if region_offs is None else region_offs[p] + r * S[p] * es)
-                cols[4].append(n * es)
-    value = (ranks, _columns(*cols))
-    _keep(key, layout, value)
-    return value
+
+    def make() -> tuple:
+        ranks = [r for r in range(layout.world_size) if region_offs is None or r != me]  # a region: mine in place
+        cols: list[list[int]] = [[], [], [], [], []]
+        for k, r in enumerate(ranks):
+            for p, n in enumerate(layout.shard_numels(r)):
+                if n:
+                    cols[0].append(k)
+                    cols[1].append(p)
+                    cols[2].append(r * S[p] * es)
+                    cols[3].append(offs[p] * es if region_offs is None else region_offs[p] + r * S[p] * es)
+                    cols[4].append(n * es)
+        return ranks, _columns(*cols)
+
+    return layout.derived(("node_prepare.gather", me, es, region_offs), make)
 
 
 @in_host_range("tide_triton::prepare_stage")

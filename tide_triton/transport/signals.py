@@ -83,6 +83,31 @@ docs/benchmarks.md).  Across GPUs (copy engines over NVLink) the 2-D form stays:
 is unmeasured there."""
 
 
+def memcpy2d_struct(cu: Any, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
+    """``CUDA_MEMCPY2D`` of ``rows`` device rows of ``nbytes``, at the given pitches."""
+    m = cu.CUDA_MEMCPY2D()
+    dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    m.srcMemoryType, m.srcDevice, m.srcPitch = dev, cu.CUdeviceptr(int(src)), int(src_pitch)
+    m.dstMemoryType, m.dstDevice, m.dstPitch = dev, cu.CUdeviceptr(int(dst)), int(dst_pitch)
+    m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
+    m.WidthInBytes, m.Height = int(nbytes), int(rows)
+    return m
+
+
+def memcpy3d_struct(cu: Any, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int,
+                    sub: int) -> Any:
+    """The same rows as a ``CUDA_MEMCPY3D`` with each row cut into sub-rows of ``sub`` bytes
+    (``sub`` divides ``nbytes`` and both pitches): width ``sub``, height ``nbytes // sub``,
+    depth ``rows``; a row starts every pitch bytes (pitch ``sub`` x height ``pitch // sub``)."""
+    m = cu.CUDA_MEMCPY3D()
+    dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    m.srcMemoryType, m.srcDevice, m.srcPitch, m.srcHeight = dev, cu.CUdeviceptr(int(src)), sub, int(src_pitch) // sub
+    m.dstMemoryType, m.dstDevice, m.dstPitch, m.dstHeight = dev, cu.CUdeviceptr(int(dst)), sub, int(dst_pitch) // sub
+    m.srcXInBytes = m.srcY = m.srcZ = m.srcLOD = m.dstXInBytes = m.dstY = m.dstZ = m.dstLOD = 0
+    m.WidthInBytes, m.Height, m.Depth = sub, int(nbytes) // sub, int(rows)
+    return m
+
+
 def sub_row_bytes(nbytes: int, dst_pitch: int, src_pitch: int) -> int | None:
     """The sub-row size a same-GPU strided run of ``nbytes``-byte rows is cut into for
     ``cuMemcpy3DAsync`` (see :data:`SUB_ROWS_BYTES`), or None where it stays 2-D."""
@@ -320,32 +345,18 @@ class CopyEngine:
         b = [int(nbytes[i]) for i in keep]
         dp = self._cu.CUdeviceptr
         return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x],
-                              tuple(self._memcpy2d(*run) for run in strided))
+                              tuple(self._strided_struct(*run) for run in strided))
 
-    def _memcpy2d(self, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
-        """The driver struct of one strided run: ``CUDA_MEMCPY3D`` with sub-rows where both ends
-        are on this GPU and :func:`sub_row_bytes` finds a size, else ``CUDA_MEMCPY2D``."""
+    def _strided_struct(self, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
+        """The driver struct of one strided run: :func:`memcpy3d_struct` of sub-rows where both
+        ends are on this GPU and :func:`sub_row_bytes` finds a size, else :func:`memcpy2d_struct`."""
         if not (nbytes > 0 and rows > 0 and nbytes <= dst_pitch and nbytes <= src_pitch):
             raise ValueError(f"strided copy must have nbytes > 0, rows > 0 and pitches >= nbytes, got "
                              f"nbytes={nbytes}, rows={rows}, dst_pitch={dst_pitch}, src_pitch={src_pitch}")
-        cu = self._cu
-        dev = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
         sub = sub_row_bytes(nbytes, dst_pitch, src_pitch)
         if sub is not None and self._on_this_gpu(dst) and self._on_this_gpu(src):
-            m = cu.CUDA_MEMCPY3D()
-            m.srcMemoryType, m.srcDevice = dev, cu.CUdeviceptr(int(src))
-            m.srcPitch, m.srcHeight = sub, int(src_pitch) // sub  # a row's start every src_pitch bytes
-            m.dstMemoryType, m.dstDevice = dev, cu.CUdeviceptr(int(dst))
-            m.dstPitch, m.dstHeight = sub, int(dst_pitch) // sub
-            m.srcXInBytes = m.srcY = m.srcZ = m.srcLOD = m.dstXInBytes = m.dstY = m.dstZ = m.dstLOD = 0
-            m.WidthInBytes, m.Height, m.Depth = sub, int(nbytes) // sub, int(rows)
-            return m
-        m = cu.CUDA_MEMCPY2D()
-        m.srcMemoryType, m.srcDevice, m.srcPitch = dev, cu.CUdeviceptr(int(src)), int(src_pitch)
-        m.dstMemoryType, m.dstDevice, m.dstPitch = dev, cu.CUdeviceptr(int(dst)), int(dst_pitch)
-        m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
-        m.WidthInBytes, m.Height = int(nbytes), int(rows)
-        return m
+            return memcpy3d_struct(self._cu, dst, src, nbytes, rows, dst_pitch, src_pitch, sub)
+        return memcpy2d_struct(self._cu, dst, src, nbytes, rows, dst_pitch, src_pitch)
 
     def _on_this_gpu(self, address: int) -> bool:
         """Whether ``address``'s memory resides on this rank's GPU (the driver's pointer
