@@ -60,6 +60,7 @@ if "RANK" not in os.environ:
 import torch  # noqa: E402
 
 import tide_triton as tt
+from tide_triton import run_graph
 from tide_triton.measure import GcPasses, copy_ceiling, env_info
 from tide_triton.report import collective_bytes
 from tide_triton.workloads import layer_shapes
@@ -89,13 +90,22 @@ class _CountCalls:
 
 
 def driver_calls(g, fn) -> int:
-    """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call)."""
+    """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call); a
+    prepared run replayed from its recording (``tide_triton.run_graph``) counts one, its graph
+    launch (made through torch, not the transport's driver module)."""
     sig = g.transport(torch.device("cuda", torch.cuda.current_device()))._sig
     counter = sig._cu = _CountCalls(sig._cu)
+    replay = run_graph.RunGraph.replay
+
+    def counted_replay(self, *a, **k):
+        counter.calls += 1
+        return replay(self, *a, **k)
+    run_graph.RunGraph.replay = counted_replay
     try:
         fn()
     finally:
         sig._cu = counter._cu
+        run_graph.RunGraph.replay = replay
     return counter.calls
 
 

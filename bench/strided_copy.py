@@ -10,7 +10,8 @@ Per geometry (name, rows, row bytes, destination / source pitch): contiguous (on
 ``cuMemcpyAsync`` of all the bytes), ``2d`` (one ``cuMemcpy2DAsync``), ``3d/<sub>`` (one
 ``cuMemcpy3DAsync``, each row cut into sub-rows of ``sub`` bytes, as the CUDA transport builds
 it: ``tide_triton.transport.signals.memcpy3d_struct``), ``rows`` (a ``cuMemcpyAsync`` per
-row), ``torch`` (``Tensor.copy_`` of the strided view).  Times are CUDA-event means and
+row), ``torch`` (``Tensor.copy_`` of the strided view), ``triton/<tile>`` (one launch of a
+Triton kernel, a CTA per ``tile`` bytes of a row: what a same-GPU copy on SMs could do).  Times are CUDA-event means and
 medians of ``iters`` copies, GB/s counts bytes read + written.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
 from tide_triton.measure import env_info  # noqa: E402
@@ -58,6 +61,15 @@ def timed(fn, iters: int) -> list[float]:
     return out
 
 
+@triton.jit
+def _rows_copy(dst, src, width, dpitch, spitch, BLOCK: tl.constexpr):
+    """Row ``program_id(0)``, elements ``[program_id(1) * BLOCK, +BLOCK)`` of it (int64 words)."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = col < width
+    tl.store(dst + row * dpitch + col, tl.load(src + row * spitch + col, mask=m), mask=m)
+
+
 def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, src: torch.Tensor, s: int) -> dict:
     """The ways to make ``dst``'s rows ``src``'s (see the module notes), as callables."""
     d, x = dst.data_ptr(), src.data_ptr()
@@ -76,6 +88,12 @@ def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, 
     ways["rows"] = per_row
     dview, sview = dst.view(rows, dpitch)[:, :width], src.view(rows, spitch)[:, :width]
     ways["torch"] = lambda: dview.copy_(sview)
+    if width % 8 == 0 and dpitch % 8 == 0 and spitch % 8 == 0:
+        d8, x8 = dst.view(torch.int64), src.view(torch.int64)
+        for block, warps in ((1024, 4), (4096, 8), (8192, 8)):
+            grid = (rows, triton.cdiv(width // 8, block))
+            ways[f"triton/{block * 8 >> 10}K"] = (lambda g, b, nw: lambda: _rows_copy[g](
+                d8, x8, width // 8, dpitch // 8, spitch // 8, BLOCK=b, num_warps=nw))(grid, block, warps)
     return ways
 
 

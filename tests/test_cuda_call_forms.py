@@ -47,6 +47,7 @@ from tide_triton.transport.driver import Transaction
 t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
 t._cu, t._guard, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), 0, 4, 64
 t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
+t._waits_into = None
 t.copy_graphs, t._graphs, t._capture_handle = "off", {}, None
 t.words = HiddenWords(0, 32, 4096)
 t.own_va = 0x7f0000000000
@@ -120,6 +121,31 @@ for sig in ("direct", "copy"):
         t.wait(3, 1 << 40, peer=1, timeout_s=1.0)
 t._memops(t.copy_stream_int, [(t._WRITE_OP, base, 7, t.WRITE)] * 300, "write")  # > 255: two calls
 assert set(t._pending) == {1, 2, 3}, t._pending
+# A run recorded into a graph (tide_triton.run_graph): its waits go into the recording, not
+# into the pending waits (nothing waits until a replay); each replay notes them as pending on
+# the stream it was launched on -- what a stuck synchronize names.
+before = dict(t._pending)
+with t.recording_waits() as rec:
+    t.memop_batch = True
+    t.wait_all([7, 8], [3, 3], peers=[1, 2], timeout_s=1.0, what="rank {peer}'s block")
+    t.memop_batch = False
+    t.wait(9, 4, peer=3, timeout_s=1.0, what="rank 3's slot")
+assert t._pending == before and t._waits_into is None, t._pending
+assert rec == {7: (3, 1, 0x5000, "rank 1's block"), 8: (3, 2, 0x5000, "rank 2's block"),
+               9: (4, 3, 0x5000, "rank 3's slot")}, rec
+try:
+    with t.recording_waits():
+        with t.recording_waits():
+            raise AssertionError("recording twice at once must raise")
+except RuntimeError as e:
+    assert "records waits already" in str(e), e
+assert t._waits_into is None
+t.copy_stream_int = 0x5100                  # the replay's stream (None: the copy stream)
+t.note_waits(rec, None)
+assert {k: t._pending[k] for k in (7, 8, 9)} == {k: (v, p, 0x5100, w) for k, (v, p, _s, w) in rec.items()}
+t.copy_stream_int = 0x5000
+for k in (7, 8, 9):
+    del t._pending[k]
 
 # A close whose streams did not drain releases this rank's own pending flag waits: the short
 # ones only (a GEQ counter below its value, an EQ identity word holding another value), with

@@ -31,6 +31,12 @@ Variables of the package
     a reused list is FSDP2's steady state; a one-off list never pays the capture),
     ``always`` (from the first use, any list: the tests' setting), ``off``.
     (:mod:`tide_triton.transport.signals`)
+``TIDE_TRITON_RUN_GRAPHS``
+    When a prepared collective's eager-launched run is replayed as one recorded graph
+    (a CUDA graph on a GPU, a host graph on the host transport): ``auto`` (default: from
+    the second run on a set of addresses -- a one-off set never pays the recording),
+    ``off`` (every run enqueues its operations).  Read when a collective is prepared.
+    (:mod:`tide_triton.run_graph`)
 ``TIDE_TRITON_MEMOP_BATCH``
     Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
     ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
@@ -116,6 +122,7 @@ _COPY_MODES = ("auto", "batch", "loop")
 _LAUNCH_MODES = ("direct", "jit")
 _COPY_GRAPHS = ("auto", "always", "off")
 _HOST_COPY_QUEUES = ("sync", "async")
+_RUN_GRAPHS = ("auto", "off")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -147,6 +154,11 @@ def copy_mode(env: Mapping[str, str] | None = None) -> str:
 def copy_graphs(env: Mapping[str, str] | None = None) -> str:
     """``$TIDE_TRITON_COPY_GRAPHS``: ``"auto"`` (default), ``"always"`` or ``"off"``."""
     return _choice("TIDE_TRITON_COPY_GRAPHS", "auto", _COPY_GRAPHS, env)
+
+
+def run_graphs(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_RUN_GRAPHS``: ``"auto"`` (default) or ``"off"``."""
+    return _choice("TIDE_TRITON_RUN_GRAPHS", "auto", _RUN_GRAPHS, env)
 
 
 def host_copy_queue(env: Mapping[str, str] | None = None) -> str:

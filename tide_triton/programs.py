@@ -2,8 +2,9 @@
 prepared once for fixed tensors (:func:`tide_triton.prepare_reduce_scatter`,
 :func:`tide_triton.prepare_all_gather`), then run any number of times.  A run does no argument
 checks, no agreement with the peers and no cache lookups: its host work does not grow with the
-parameter count, only with the rounds of the ring (one ``copy_prepared`` per round, replayed as
-a CUDA graph from the second run, and a few flag operations).
+parameter count, only with the rounds of the ring (one ``copy_prepared`` per round and a few flag
+operations) -- and from the second run on a set of addresses the whole run is recorded once and
+replayed by one graph launch (:mod:`tide_triton.run_graph`).
 
 Flags: tokens, not counters (docs/design.md, "CUDA graph capture").  Each prepared collective
 has a token ``T`` (the call number of the call that prepared it: the same on every rank,
@@ -34,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import host_capture, node_prepare
+from . import envs, host_capture, node_prepare, run_graph
 from ._checks import check_gather_shards, check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
@@ -95,6 +96,11 @@ class _Prepared:
         self._held = (tuple(first), tuple(second), key) if hold else None
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
+        self._graphs_on = envs.run_graphs() == "auto"
+        self._graphs: dict[tuple, run_graph.RunGraph | None] = {}
+        """Eager runs recorded once per binding (:mod:`tide_triton.run_graph`); None: refused."""
+        self._uses: dict[tuple, int] = {}
+        """Eager runs made per binding not recorded yet."""
 
     @staticmethod
     def _key(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> tuple:
@@ -190,7 +196,7 @@ class _Prepared:
             if captured:
                 self._keep_for_graph(key, binding)
             c.moving = True
-            return self._run(g, binding, stream, async_op, captured)
+            return self._launch(key, binding, stream, async_op, captured)
 
     def _run_on(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], *, stream: object = None,
                 async_op: bool = False) -> Work:
@@ -217,12 +223,54 @@ class _Prepared:
                 while len(self._bindings) > _BINDINGS_KEPT:
                     old = next(k for k in self._bindings if k != held)
                     del self._bindings[old]
+                    self._graphs.pop(old, None)  # an in-flight replay ends first (the driver frees it then)
+                    self._uses.pop(old, None)
             elif key in self._bindings:
                 self._bindings.move_to_end(key)
             if captured:
                 self._keep_for_graph(key, binding)
             c.moving = True
+            return self._launch(key, binding, stream, async_op, captured)
+
+    def _launch(self, key: tuple, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
+        """The run of ``binding``: recorded into the caller's capture, or -- eager-launched --
+        enqueued op by op the first time, recorded at the second and replayed from then on
+        (:mod:`tide_triton.run_graph`, ``$TIDE_TRITON_RUN_GRAPHS``)."""
+        g = self.g
+        if captured or not self._graphs_on:
             return self._run(g, binding, stream, async_op, captured)
+        if key not in self._graphs:
+            uses = self._uses[key] = self._uses.get(key, 0) + 1
+            if uses < 2:
+                return self._run(g, binding, stream, async_op, captured)
+            t = g.transport(self.device)
+            self._graphs[key] = run_graph.record(t, self.device, lambda s: self._run(g, binding, s, False, True))
+            del self._uses[key]
+        rg = self._graphs[key]
+        if rg is None:  # the driver refused to record it (logged): eager
+            return self._run(g, binding, stream, async_op, captured)
+        return self._replay(rg, stream, async_op)
+
+    def _replay(self, rg: run_graph.RunGraph, stream: object, async_op: bool) -> Work:
+        """Launch a recorded run on the caller's stream.  It starts after this rank's earlier
+        runs' quiescent ends (an eager run leaves that on the copy queue: the caller's stream
+        waits for it first) and, being recorded joined, ends with its own; the copy queue's
+        later work comes after it (:meth:`_after_replay`)."""
+        g = self.g
+        t = g.transport(self.device)
+        st = Streams(g, t, self.device, stream, async_op)
+        cs = st.compute
+        t.fence_to(cs)
+        self._before_replay(t, cs)
+        rg.replay(t, cs)
+        self._after_replay(t, cs)
+        return st.finish()
+
+    def _before_replay(self, t: Any, cs: object) -> None:
+        """What a recorded run cannot hold and a replay needs first (the all-gather's block)."""
+
+    def _after_replay(self, t: Any, cs: object) -> None:
+        """What a replay leaves for later runs (the all-gather's block-free point)."""
 
 
 class PreparedReduceScatter(_Prepared):
@@ -382,6 +430,13 @@ class PreparedAllGather(_Prepared):
             if self._joined(captured):
                 t.fence_to(cs)
         return st.finish()
+
+    def _before_replay(self, t: Any, cs: object) -> None:
+        t.wait_mark(self._block_free()[0], cs)  # another all-gather of this block may end elsewhere
+
+    def _after_replay(self, t: Any, cs: object) -> None:
+        t.fence_from(cs)  # the replay ended quiescent: its end is where the block is free again
+        self._block_free()[0] = t.mark()
 
     def _block_free(self) -> list:
         """The event after the last run's quiescent end on this rank's block (shared by the

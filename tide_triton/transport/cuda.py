@@ -765,6 +765,17 @@ class CudaTransport:
         self._check_open()
         self._sig.wait_all(slots, values, peers=peers, timeout_s=timeout_s, stream=stream, what=what, equal=True)
 
+    def recording_waits(self):
+        """``with t.recording_waits() as waits:`` the flag waits enqueued meanwhile -- a run
+        being recorded into a graph -- go into ``waits``, not into this rank's pending waits
+        (nothing waits until a replay: :meth:`note_waits`)."""
+        return self._sig.recording_waits()
+
+    def note_waits(self, waits: dict, stream: torch.cuda.Stream) -> None:
+        """A replay of a graph holding ``waits`` (:meth:`recording_waits`) was launched on
+        ``stream``: its waits are pending there (what :meth:`synchronize` names when stuck)."""
+        self._sig.note_waits(waits, stream)
+
     def fence_from(self, stream: torch.cuda.Stream | None = None) -> None:
         """The copy stream waits for work already enqueued on ``stream`` (default: the
         current stream of this device)."""

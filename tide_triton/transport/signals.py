@@ -43,8 +43,9 @@ import logging
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -191,6 +192,7 @@ class CopyEngine:
         self.memop_batch = False
         self._attrs: list[Any] = []
         self._pending: dict[int, tuple[int, int, int, str]] = {}  # slot -> value, peer, stream, what
+        self._waits_into: dict[int, tuple[int, int, int, str]] | None = None  # see recording_waits
         # Handles of the caller's streams that got waits/signals (drained at close).  Handles,
         # not weak references: torch <= 2.12's Stream/Event deallocs leave weak references
         # dangling (pytorch/pytorch#183403), which corrupted the heap and crashed the cyclic
@@ -545,7 +547,7 @@ class CopyEngine:
             check(self._cu.cuStreamWaitValue64(s, self.flag_addr(self.rank, slot), value,
                                                self.EQ if equal else self.GEQ),
                   f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
-        self._pending[slot] = (value, peer + self.rank_offset, s, what)
+        self._waits()[slot] = (value, peer + self.rank_offset, s, what)
         (self._eq_slots().add if equal else self._eq_slots().discard)(slot)
 
     def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
@@ -570,9 +572,32 @@ class CopyEngine:
         mode = self.EQ if equal else self.GEQ
         self._memops(s, [(self._WAIT_OP, self.flag_addr(self.rank, sl), v, mode)
                          for sl, v in zip(slots, values)], "wait")
+        pending = self._waits()
         for sl, v, p in zip(slots, values, peers):
-            self._pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
+            pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
             (self._eq_slots().add if equal else self._eq_slots().discard)(sl)
+
+    def _waits(self) -> dict[int, tuple[int, int, int, str]]:
+        """Where a wait being enqueued is noted: the pending waits, or a recording's."""
+        return self._pending if self._waits_into is None else self._waits_into
+
+    @contextmanager
+    def recording_waits(self) -> Iterator[dict[int, tuple[int, int, int, str]]]:
+        """While a run is recorded into a graph (nothing runs), its waits go into the dict
+        yielded instead of the pending waits -- :meth:`note_waits` notes them at each replay."""
+        if self._waits_into is not None:
+            raise RuntimeError("internal error: this transport records waits already")
+        self._waits_into = into = {}
+        try:
+            yield into
+        finally:
+            self._waits_into = None
+
+    def note_waits(self, waits: dict[int, tuple[int, int, int, str]], stream: Any) -> None:
+        """A replayed graph's waits (:meth:`recording_waits`), pending on ``stream``."""
+        s = self.stream_int(stream)
+        for slot, (value, peer, _s, what) in waits.items():
+            self._pending[slot] = (value, peer, s, what)
 
     def _eq_slots(self) -> set[int]:
         return self.__dict__.setdefault("_equal", set())

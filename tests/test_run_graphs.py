@@ -1,0 +1,339 @@
+"""Eager-launched prepared runs recorded once and replayed (:mod:`tide_triton.run_graph`), on
+the host transport with the ranks as threads (a host graph stands where a GPU has a CUDA
+graph; the package takes the same path): the first run on a set of addresses enqueues its
+operations, the second records them and every later run replays the recording -- each run
+exact and bit-identical to the eager call, beside eager calls and other prepared collectives
+sharing the all-gather block; ranks replaying different collectives raise naming a peer; a
+refused recording leaves the runs eager; ``$TIDE_TRITON_RUN_GRAPHS=off`` never records."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+try:
+    from _dist import run_threads
+    from test_programs import (SHAPES, W, _assert_each_rank_names_another, _assert_exact, _close, _grads, _groups,
+                               _refill, _want)
+except ImportError:  # pragma: no cover
+    from tests._dist import run_threads
+    from tests.test_programs import (SHAPES, W, _assert_each_rank_names_another, _assert_exact, _close, _grads,
+                                     _groups, _refill, _want)
+
+import tide_triton as tt
+import tide_triton.programs as programs
+import tide_triton.run_graph as run_graph
+from tide_triton.errors import GroupBrokenError
+from tide_triton.layout import ShardLayout
+
+RUNS = 5
+
+
+def _count_runs(monkeypatch) -> dict[str, int]:
+    """How often each rank's prepared collectives enqueue their operations one by one
+    (``_run``: an eager run or a recording), by rank."""
+    counts: dict[str, int] = {}
+    for cls in (programs.PreparedReduceScatter, programs.PreparedAllGather):
+        def counted(self, g, *a, _real=cls._run, **k):
+            key = f"{g.rank}:{self.name}"
+            counts[key] = counts.get(key, 0) + 1
+            return _real(self, g, *a, **k)
+        monkeypatch.setattr(cls, "_run", counted)
+    return counts
+
+
+@pytest.mark.parametrize("queue", ["sync", "async"])
+def test_runs_replay_one_recording_from_the_second_run(monkeypatch, queue: str) -> None:
+    """Per rank a prepared reduce-scatter and two prepared all-gathers sharing one block, run
+    ``RUNS`` times with new gradient values, an eager reduce-scatter after each: every run
+    exact and equal to the eager call bit for bit, both all-gathers' params equal; each
+    prepared collective enqueued its operations twice (the first run, the recording) and
+    replayed after that.  ``async``: the copy queue behind the caller, random delays."""
+    if queue == "async":
+        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+    counts = _count_runs(monkeypatch)
+    replays = {"n": 0}
+    real_replay = run_graph.RunGraph.replay
+
+    def replay(self, *a, **k):
+        replays["n"] += 1
+        return real_replay(self, *a, **k)
+
+    monkeypatch.setattr(run_graph.RunGraph, "replay", replay)
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(51)
+    vals = _grads(gen, SHAPES)
+    groups = _groups()
+    state: dict[int, dict] = {}
+
+    def prepare(r: int) -> None:
+        st = state[r] = {"grads": [v.clone() for v in vals[r]],
+                         "shards": [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)],
+                         "params": [[torch.full(s, -3.0, dtype=torch.bfloat16) for s in SHAPES] for _ in range(2)]}
+        st["rs"] = tt.prepare_reduce_scatter(st["grads"], st["shards"], group=groups[r], op="sum")
+        real = [x[:n] for x, n in zip(st["shards"], layout.shard_rows(r))]
+        st["ag"] = [tt.prepare_all_gather(real, ps, group=groups[r]) for ps in st["params"]]
+
+    def step(r: int):
+        st = state[r]
+        for x, v in zip(st["grads"], vals[r]):
+            x.copy_(v)
+        for x in st["shards"]:
+            x.fill_(-1.0)
+        for ps in st["params"]:
+            for x in ps:
+                x.fill_(-3.0)
+        st["rs"].run()
+        st["ag"][0].run()
+        st["ag"][1].run()
+        eager = [torch.empty(s) for s in layout.shard_shapes(r, padded=True)]
+        tt.reduce_scatter(st["grads"], eager, group=groups[r], op="sum")
+        return ([x.clone() for x in st["shards"]], [[x.clone() for x in ps] for ps in st["params"]], eager)
+
+    try:
+        run_threads(prepare, W, timeout=60)
+        for k in range(RUNS):
+            _refill(vals, gen)
+            for r, (shards, params, eager) in enumerate(run_threads(step, W, timeout=120)):
+                want = [_want(vals, p) for p in range(len(SHAPES))]
+                for which, ps in enumerate(params):
+                    _assert_exact(layout, r, shards, ps, want, (k, which), eager=eager)
+    finally:
+        _close(groups)
+    assert counts == {f"{r}:{name}": n for r in range(W) for name, n in
+                      (("reduce_scatter (prepared)", 2), ("all_gather (prepared)", 4))}, counts
+    assert replays["n"] == W * 3 * (RUNS - 1), replays  # the recording's run is a replay too
+
+
+def test_runs_on_the_tensors_of_the_moment_record_per_set_of_addresses(monkeypatch) -> None:
+    """The drop-in's runs (``_run_on``) on two sets of tensors in turn: each set is recorded at
+    its second run and replayed after that, every run exact; past the bindings kept, the
+    evicted sets' recordings go with them."""
+    counts = _count_runs(monkeypatch)
+    monkeypatch.setattr(programs, "_BINDINGS_KEPT", 2)
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(52)
+    groups = _groups()
+    preps: dict[int, dict] = {}
+
+    def tensors(r: int, vals):
+        return {"grads": [v.clone() for v in vals[r]],
+                "shards": [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]}
+
+    def prepare(r: int) -> None:
+        sets = preps[r] = {"sets": [tensors(r, _grads(gen, SHAPES)) for _ in range(2)]}
+        sets["rs"] = tt.collectives.prepared_reduce_scatter_call(groups[r], sets["sets"][0]["grads"],
+                                                                 sets["sets"][0]["shards"], "sum", False, hold=False)
+
+    def step(r: int, k: int, vals):
+        st = preps[r]
+        if k == 6:  # a third set: the oldest one is evicted, with its recording
+            st["sets"][0] = tensors(r, vals)
+        ts = st["sets"][k % 2]
+        for x, v in zip(ts["grads"], vals[r]):
+            x.copy_(v)
+        for x in ts["shards"]:
+            x.fill_(-1.0)
+        st["rs"]._run_on(ts["grads"], ts["shards"])
+        return [x.clone() for x in ts["shards"]], len(st["rs"]._graphs), len(st["rs"]._bindings)
+
+    try:
+        run_threads(prepare, W, timeout=60)
+        for k in range(8):
+            vals = _grads(gen, SHAPES)
+            for r, (shards, graphs, bindings) in enumerate(run_threads(lambda r, k=k, v=vals: step(r, k, v), W,
+                                                                       timeout=60)):
+                for p in range(len(SHAPES)):
+                    c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                    assert torch.equal(shards[p][:rows], _want(vals, p)[r * c: r * c + rows]), (k, r, p)
+                assert (graphs, bindings) == RECORDED[k], (k, r, graphs, bindings)
+    finally:
+        _close(groups)
+    # set 0: runs 0 (eager), 2 (recorded), 4 (replay); set 1: 1, 3, 5 likewise; run 6 on a new
+    # set evicts set 0 (the least recently run) with its recording and runs eagerly; run 7 on
+    # set 1 replays its recording
+    assert counts == {f"{r}:reduce_scatter (prepared)": 5 for r in range(W)}, counts
+
+
+RECORDED = [(0, 1), (0, 2), (1, 2), (2, 2), (2, 2), (2, 2), (1, 2), (1, 2)]
+"""(recordings, bindings) a rank holds after each run of the test above."""
+
+
+def test_ranks_replaying_different_recorded_runs_raise_naming_the_peer() -> None:
+    """Every rank records prepared reduce-scatters A and B (two runs each), then rank 0 runs A
+    while the others run B -- replays of their recordings: no rank takes the other's data,
+    every rank raises naming a peer whose token did not come (or the peer that gave up first)
+    within the deadline, the shards keep their values, and the group is broken afterwards."""
+    layout = ShardLayout(SHAPES, W)
+    grads = _grads(torch.Generator().manual_seed(53), SHAPES)
+    groups = _groups(timeout_s=3)
+
+    def body(r: int):
+        sa, sb = ([torch.empty(s) for s in layout.shard_shapes(r)] for _ in range(2))
+        a = tt.prepare_reduce_scatter(grads[r], sa, group=groups[r], op="sum")
+        b = tt.prepare_reduce_scatter(grads[r], sb, group=groups[r], op="sum")
+        for p in (a, a, b, b):
+            p.run()
+        assert len(a._graphs) == len(b._graphs) == 1
+        for x in sa + sb:
+            x.fill_(-5.0)
+        t0 = time.monotonic()
+        try:
+            (a if r == 0 else b).run()
+        except Exception as e:  # noqa: BLE001 - checked below
+            first = e
+        else:
+            return "no error", 0.0, None
+        seconds = time.monotonic() - t0
+        with pytest.raises(GroupBrokenError):
+            a.run()
+        return first, seconds, all(bool((x == -5.0).all()) for x in sa + sb)
+
+    try:
+        out = run_threads(body, W, timeout=120)
+    finally:
+        _close(groups)
+    _assert_each_rank_names_another([e for e, _, _ in out])
+    for r, (e, seconds, untouched) in enumerate(out):
+        assert "prepared reduce-scatter" in str(e), (r, str(e))
+        assert seconds < 20, (r, seconds)
+        assert untouched, f"rank {r}: a replay wrote shards while its peers ran another collective"
+
+
+def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
+    """Where the driver refuses to record a run (here: the capture raises), nothing was
+    enqueued by the attempt: that run and every later one on the addresses run eagerly,
+    exact, and the recording is not tried again; the reason is logged once."""
+    counts = _count_runs(monkeypatch)
+    tries = {"n": 0}
+
+    def refusing(t, device, run):  # what record() does where the capture raises
+        tries["n"] += 1
+        run_graph._log_refused(RuntimeError("operation not permitted when stream is capturing\nmore"))
+        return None
+
+    monkeypatch.setattr(run_graph, "record", refusing)
+    monkeypatch.setattr(run_graph, "_refused", set())
+    layout = ShardLayout(SHAPES, W)
+    gen = torch.Generator().manual_seed(54)
+    vals = _grads(gen, SHAPES)
+    groups = _groups()
+    state: dict[int, dict] = {}
+
+    def prepare(r: int) -> None:
+        st = state[r] = {"grads": [v.clone() for v in vals[r]],
+                         "shards": [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]}
+        st["rs"] = tt.prepare_reduce_scatter(st["grads"], st["shards"], group=groups[r], op="sum")
+
+    def step(r: int):
+        st = state[r]
+        for x, v in zip(st["grads"], vals[r]):
+            x.copy_(v)
+        st["rs"].run()
+        return [x.clone() for x in st["shards"]]
+
+    try:
+        run_threads(prepare, W, timeout=60)
+        with caplog.at_level(logging.WARNING, logger="tide_triton.run_graph"):
+            for k in range(4):
+                _refill(vals, gen)
+                for r, shards in enumerate(run_threads(step, W, timeout=60)):
+                    for p in range(len(SHAPES)):
+                        c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                        assert torch.equal(shards[p][:rows], _want(vals, p)[r * c: r * c + rows]), (k, r, p)
+    finally:
+        _close(groups)
+    assert tries["n"] == W, tries  # once per rank, at the second run
+    assert counts == {f"{r}:reduce_scatter (prepared)": 4 for r in range(W)}, counts
+    refused = [m for m in caplog.messages if "could not be recorded" in m]
+    assert len(refused) == 1 and "stream is capturing" in refused[0], caplog.messages
+
+
+def test_run_graphs_off_keeps_every_run_eager(monkeypatch) -> None:
+    """``$TIDE_TRITON_RUN_GRAPHS=off``: every run enqueues its operations; a bad value is
+    refused naming the variable."""
+    monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "off")
+    counts = _count_runs(monkeypatch)
+    layout = ShardLayout(SHAPES, W)
+    grads = _grads(torch.Generator().manual_seed(55), SHAPES)
+    groups = _groups()
+
+    def body(r: int) -> None:
+        shards = [torch.empty(s) for s in layout.shard_shapes(r)]
+        rs = tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+        for _ in range(3):
+            rs.run()
+        assert rs._graphs == {}
+
+    try:
+        run_threads(body, W, timeout=60)
+    finally:
+        _close(groups)
+    assert counts == {f"{r}:reduce_scatter (prepared)": 3 for r in range(W)}, counts
+    from tide_triton import envs
+    with pytest.raises(ValueError, match="TIDE_TRITON_RUN_GRAPHS"):
+        envs.run_graphs({"TIDE_TRITON_RUN_GRAPHS": "always"})
+
+
+def _mismatch_child(rank: int, world_size: int, device: str) -> tuple:
+    """One process per rank on CUDA: prepared reduce-scatters A and B, each run twice (the
+    second run records it), then rank 0 replays A while the others replay B; whether both
+    were recorded, what :func:`tide_triton.synchronize` raised and after how long (the close
+    must then end: the test's own deadline)."""
+    import tide_triton as tt_
+    from tide_triton.errors import PeerTimeoutError as Timeout
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    g = tt_.init(timeout_s=5, ring_bytes=4096 * world_size)
+    layout = ShardLayout(SHAPES, world_size)
+    grads = [torch.ones(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    sa, sb = ([torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)] for _ in range(2))
+    a = tt_.prepare_reduce_scatter(grads, sa, group=g, op="sum")
+    b = tt_.prepare_reduce_scatter(grads, sb, group=g, op="sum")
+    for p in (a, a, b, b):
+        p.run()
+    tt_.synchronize(g, timeout_s=60)
+    recorded = len(a._graphs) == len(b._graphs) == 1 and all(v is not None for v in a._graphs.values())
+    t0 = time.monotonic()
+    (a if rank == 0 else b).run()
+    try:
+        tt_.synchronize(g)
+    except Timeout as e:
+        err = ("timeout", e.peer, str(e))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = (type(e).__name__, None, str(e))
+    else:
+        err = ("no error", None, "")
+    seconds = time.monotonic() - t0
+    g.close()  # releases this rank's stuck replay (its waits are pending): the close ends
+    return recorded, err, seconds
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replays_of_different_recordings_raise_naming_the_peer_on_gpu() -> None:
+    """On a GPU a replay's flag waits are the rank's pending waits on the caller's stream (they
+    were recorded, not enqueued, at the capture): ranks replaying different recorded runs each
+    get PeerTimeoutError naming the other rank from synchronize within the deadline, and the
+    close releases the stuck replay and ends."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    world = 2
+    out = run_multiprocess(_mismatch_child, world, "cuda", timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    for r, (recorded, (kind, peer, msg), seconds) in enumerate(out):
+        assert recorded, f"rank {r}: the second runs were not recorded"
+        assert kind == "timeout" and peer == 1 - r, (r, kind, peer, msg)
+        assert "prepared reduce-scatter" in msg, (r, msg)
+        assert seconds < 30, (r, seconds)

@@ -1,0 +1,99 @@
+"""A prepared collective's run recorded once and replayed by one launch: how an
+eager-launched prepared run's host work stops growing with its rounds, copies and flags.
+
+A prepared run on a set of addresses it has run on before (FSDP2's steady state, or
+``PreparedAllGather.run()`` in a loop) is recorded the first time it repeats -- into a CUDA
+graph on a GPU (the same captured path a user's ``torch.cuda.graph`` takes,
+``programs._Prepared._run(..., captured=True)``), into a
+:class:`~tide_triton.host_capture.HostGraph` on the host transport -- and every later run on
+those addresses replays it: one ``cudaGraphLaunch`` instead of its flag operations, copies and
+kernel launches one by one (on the H200, ~1-2 ms of host per Qwen3-30B-A3B reduce-scatter at
+W=2).  ``$TIDE_TRITON_RUN_GRAPHS=off`` keeps every run eager.
+
+The capture runs in ``thread_local`` mode on a stream of the rank's own (ranks of the
+single-process mode capture while their peers enqueue) and never synchronizes the device
+(``torch.cuda.graph`` would: a peer's stream may be waiting for this rank's next flags).  A
+capture the driver refuses leaves nothing behind: the run is made eagerly, and that set of
+addresses is never recorded again (logged once).
+
+Deadlines: a replay's flag waits are noted as the rank's pending waits on the stream it
+replays on, at every replay (not at capture: nothing waited then), so
+:func:`tide_triton.synchronize` names a peer that never signals, as it does for eager runs.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from . import host_capture
+
+__all__ = ["RunGraph", "record"]
+
+log = logging.getLogger(__name__)
+
+
+class RunGraph:
+    """A recorded run: ``graph`` (``torch.cuda.CUDAGraph`` or ``HostGraph``) and, on CUDA, the
+    flag waits it holds (slot -> value, peer, stream, what: the transport's pending-wait
+    entries, noted again at each replay)."""
+
+    __slots__ = ("graph", "waits", "cuda")
+
+    def __init__(self, graph: Any, waits: dict, cuda: bool) -> None:
+        self.graph, self.waits, self.cuda = graph, waits, cuda
+
+    def replay(self, t: Any, stream: Any) -> None:
+        """Launch the recorded run on ``stream`` (CUDA: after the work already there)."""
+        if not self.cuda:
+            self.graph.replay()
+            return
+        with torch.cuda.stream(stream):
+            self.graph.replay()
+        t.note_waits(self.waits, stream)
+
+
+_refused: set[str] = set()
+
+
+def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph | None:
+    """``run(stream)`` -- a prepared run's captured path on ``stream`` -- recorded without
+    running it; None where the driver refuses the capture (logged once per reason)."""
+    if device.type != "cuda":
+        graph = host_capture.HostGraph()
+        with host_capture.capture(graph):
+            run(None)
+        return RunGraph(graph, {}, cuda=False)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))  # nothing runs in a capture: only its order
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), torch.cuda.stream(side), t.recording_waits() as waits:
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            run(side)
+        except RuntimeError as e:
+            _end_quietly(graph)
+            _log_refused(e)
+            return None
+        try:
+            graph.capture_end()
+        except RuntimeError as e:
+            _log_refused(e)
+            return None
+    return RunGraph(graph, dict(waits), cuda=True)
+
+
+def _end_quietly(graph: Any) -> None:
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        pass  # the capture was invalidated already: nothing was recorded
+
+
+def _log_refused(e: BaseException) -> None:
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if why not in _refused:
+        _refused.add(why)
+        log.warning("tide_triton: a prepared run could not be recorded as a CUDA graph (%s); runs on those "
+                    "addresses stay eager", why)
