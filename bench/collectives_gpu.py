@@ -150,6 +150,11 @@ PREPARED = False
 (prepared once before the timed calls) instead of the eager calls."""
 
 
+WARMUP = 3
+"""Untimed calls before the timed ones: the steady state starts at the third call on a set of
+addresses (copy lists replay as graphs from their second use, a prepared run is recorded at
+its second run and replayed from its third; the first launch of a graph uploads it)."""
+
 CAPTURED = False
 """``--captured``: prepared runs captured into a CUDA graph each (after one run outside the
 capture); the timed call is ``graph.replay()``."""
@@ -254,7 +259,8 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
         g = groups[r]
         for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather"),
                                threads=True):
-            fn()
+            for _ in range(WARMUP):
+                fn()
             tt.synchronize(g, timeout_s=120)
             barrier.wait()
             t0, host, cpu = timed_calls(fn, iters, host_profile if r == 0 else None,
@@ -334,7 +340,8 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
     params = back_to_back(layout.padded_shapes, torch.bfloat16, dev, 0.0)
     row: dict = {}
     for name, fn in _calls(g, grads, shards, bshards, params, ("rs", "ag")):
-        fn()
+        for _ in range(WARMUP):
+            fn()
         tt.synchronize(g, timeout_s=120)
         dist.barrier()
         t0, host, cpu = timed_calls(fn, iters, host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)")
