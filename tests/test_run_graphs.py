@@ -4,7 +4,8 @@ graph; the package takes the same path): the first run on a set of addresses enq
 operations, the second records them and every later run replays the recording -- each run
 exact and bit-identical to the eager call, beside eager calls and other prepared collectives
 sharing the all-gather block; ranks replaying different collectives raise naming a peer; a
-refused recording leaves the runs eager; ``$TIDE_TRITON_RUN_GRAPHS=off`` never records."""
+refused recording leaves the runs eager; ``$TIDE_TRITON_RUN_GRAPHS`` picks what is recorded
+(``auto``: all-gathers, ``all``: reduce-scatters too, ``off``: nothing)."""
 from __future__ import annotations
 
 import logging
@@ -51,6 +52,7 @@ def test_runs_replay_one_recording_from_the_second_run(monkeypatch, queue: str) 
     exact and equal to the eager call bit for bit, both all-gathers' params equal; each
     prepared collective enqueued its operations twice (the first run, the recording) and
     replayed after that.  ``async``: the copy queue behind the caller, random delays."""
+    monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "all")
     if queue == "async":
         monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
         monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
@@ -112,6 +114,7 @@ def test_runs_on_the_tensors_of_the_moment_record_per_set_of_addresses(monkeypat
     """The drop-in's runs (``_run_on``) on two sets of tensors in turn: each set is recorded at
     its second run and replayed after that, every run exact; past the bindings kept, the
     evicted sets' recordings go with them."""
+    monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "all")
     counts = _count_runs(monkeypatch)
     monkeypatch.setattr(programs, "_BINDINGS_KEPT", 2)
     layout = ShardLayout(SHAPES, W)
@@ -162,11 +165,12 @@ RECORDED = [(0, 1), (0, 2), (1, 2), (2, 2), (2, 2), (2, 2), (1, 2), (1, 2)]
 """(recordings, bindings) a rank holds after each run of the test above."""
 
 
-def test_ranks_replaying_different_recorded_runs_raise_naming_the_peer() -> None:
+def test_ranks_replaying_different_recorded_runs_raise_naming_the_peer(monkeypatch) -> None:
     """Every rank records prepared reduce-scatters A and B (two runs each), then rank 0 runs A
     while the others run B -- replays of their recordings: no rank takes the other's data,
     every rank raises naming a peer whose token did not come (or the peer that gave up first)
     within the deadline, the shards keep their values, and the group is broken afterwards."""
+    monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "all")
     layout = ShardLayout(SHAPES, W)
     grads = _grads(torch.Generator().manual_seed(53), SHAPES)
     groups = _groups(timeout_s=3)
@@ -207,6 +211,7 @@ def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
     """Where the driver refuses to record a run (here: the capture raises), nothing was
     enqueued by the attempt: that run and every later one on the addresses run eagerly,
     exact, and the recording is not tried again; the reason is logged once."""
+    monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "all")
     counts = _count_runs(monkeypatch)
     tries = {"n": 0}
 
@@ -252,31 +257,41 @@ def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
     assert len(refused) == 1 and "stream is capturing" in refused[0], caplog.messages
 
 
-def test_run_graphs_off_keeps_every_run_eager(monkeypatch) -> None:
-    """``$TIDE_TRITON_RUN_GRAPHS=off``: every run enqueues its operations; a bad value is
-    refused naming the variable."""
-    monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "off")
+@pytest.mark.parametrize("mode, recorded", [("off", ()), ("auto", ("all_gather (prepared)",)), (
+    "all", ("reduce_scatter (prepared)", "all_gather (prepared)"))])
+def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tuple) -> None:
+    """``$TIDE_TRITON_RUN_GRAPHS``: ``off`` records nothing (every run enqueues its
+    operations), ``auto`` (the default) the all-gathers, ``all`` the reduce-scatters too; a
+    bad value is refused naming the variable."""
+    if mode != "auto":
+        monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", mode)
+    else:
+        monkeypatch.delenv("TIDE_TRITON_RUN_GRAPHS", raising=False)
     counts = _count_runs(monkeypatch)
     layout = ShardLayout(SHAPES, W)
     grads = _grads(torch.Generator().manual_seed(55), SHAPES)
     groups = _groups()
 
     def body(r: int) -> None:
-        shards = [torch.empty(s) for s in layout.shard_shapes(r)]
+        shards = [torch.empty(s) for s in layout.shard_shapes(r, padded=True)]
+        params = [torch.empty(s, dtype=torch.bfloat16) for s in SHAPES]
         rs = tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+        ag = tt.prepare_all_gather([x[:n] for x, n in zip(shards, layout.shard_rows(r))], params, group=groups[r])
         for _ in range(3):
             rs.run()
-        assert rs._graphs == {}
+            ag.run()
+        for p in (rs, ag):
+            assert len(p._graphs) == (p.name in recorded), (p.name, p._graphs)
 
     try:
         run_threads(body, W, timeout=60)
     finally:
         _close(groups)
-    assert counts == {f"{r}:reduce_scatter (prepared)": 3 for r in range(W)}, counts
+    assert counts == {f"{r}:{name}": 2 if name in recorded else 3 for r in range(W)
+                      for name in ("reduce_scatter (prepared)", "all_gather (prepared)")}, counts
     from tide_triton import envs
     with pytest.raises(ValueError, match="TIDE_TRITON_RUN_GRAPHS"):
         envs.run_graphs({"TIDE_TRITON_RUN_GRAPHS": "always"})
-
 
 def _mismatch_child(rank: int, world_size: int, device: str) -> tuple:
     """One process per rank on CUDA: prepared reduce-scatters A and B, each run twice (the
@@ -331,7 +346,8 @@ def test_replays_of_different_recordings_raise_naming_the_peer_on_gpu() -> None:
         from tests._dist import run_multiprocess
     world = 2
     out = run_multiprocess(_mismatch_child, world, "cuda", timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                "TIDE_TRITON_RUN_GRAPHS": "all"})
     for r, (recorded, (kind, peer, msg), seconds) in enumerate(out):
         assert recorded, f"rank {r}: the second runs were not recorded"
         assert kind == "timeout" and peer == 1 - r, (r, kind, peer, msg)

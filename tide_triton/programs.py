@@ -3,8 +3,9 @@ prepared once for fixed tensors (:func:`tide_triton.prepare_reduce_scatter`,
 :func:`tide_triton.prepare_all_gather`), then run any number of times.  A run does no argument
 checks, no agreement with the peers and no cache lookups: its host work does not grow with the
 parameter count, only with the rounds of the ring (one ``copy_prepared`` per round and a few flag
-operations) -- and from the second run on a set of addresses the whole run is recorded once and
-replayed by one graph launch (:mod:`tide_triton.run_graph`).
+operations) -- and from the second run on a set of addresses an all-gather's whole run (a
+reduce-scatter's with ``$TIDE_TRITON_RUN_GRAPHS=all``) is recorded once and replayed by one graph
+launch (:mod:`tide_triton.run_graph`).
 
 Flags: tokens, not counters (docs/design.md, "CUDA graph capture").  Each prepared collective
 has a token ``T`` (the call number of the call that prepared it: the same on every rank,
@@ -78,6 +79,8 @@ class _Prepared:
     _names: tuple[str, str] = ("", "")
     _full_first = True
     """Whether the first tensor list is the full one (grads) or the shards (all-gather)."""
+    _graphs_by_default = False
+    """Whether ``$TIDE_TRITON_RUN_GRAPHS=auto`` records this collective's runs (see envs)."""
     _dtypes: tuple[torch.dtype, torch.dtype]
     """The prepared dtypes of the full tensors and of the shards."""
 
@@ -96,7 +99,8 @@ class _Prepared:
         self._held = (tuple(first), tuple(second), key) if hold else None
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
-        self._graphs_on = envs.run_graphs() == "auto"
+        mode = envs.run_graphs()
+        self._graphs_on = mode == "all" or (mode == "auto" and self._graphs_by_default)
         self._graphs: dict[tuple, run_graph.RunGraph | None] = {}
         """Eager runs recorded once per binding (:mod:`tide_triton.run_graph`); None: refused."""
         self._uses: dict[tuple, int] = {}
@@ -365,6 +369,7 @@ class PreparedAllGather(_Prepared):
     name = "all_gather (prepared)"
     _names = ("shards", "params")
     _full_first = False
+    _graphs_by_default = True  # its recorded copies stay on copy engines (docs/benchmarks.md)
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  sdt: torch.dtype, pdt: torch.dtype, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
