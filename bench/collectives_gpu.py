@@ -404,8 +404,8 @@ def _profiled_call(fn, g, rank: int, trace: str, title: str) -> dict:
 
 @contextlib.contextmanager
 def _host_profile(path: str | None, title: str):
-    """cProfile of this thread's host work inside the block, the top functions by own time
-    appended to ``path`` (nothing when ``path`` is None)."""
+    """cProfile of this thread's host work inside the block, the top functions by own time and
+    by cumulative time appended to ``path`` (nothing when ``path`` is None)."""
     if path is None:
         yield
         return
@@ -421,6 +421,7 @@ def _host_profile(path: str | None, title: str):
         prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
         with open(path, "a") as f:
             f.write(f"==== {title}\n{buf.getvalue()}\n")
 
