@@ -282,6 +282,12 @@ def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tup
             ag.run()
         for p in (rs, ag):
             assert len(p._graphs) == (p.name in recorded), (p.name, p._graphs)
+        # the kernels whose table uploads a recording waits for: the reductions, the cast
+        from tide_triton.kernels import Binding
+        (rs_binding,), (ag_binding,) = rs._bindings.values(), ag._bindings.values()
+        assert len(rs._kernels(rs_binding)) >= 1 and len(ag._kernels(ag_binding)) == 1
+        assert all(isinstance(k, Binding) and k.upload_events == () for k in
+                   rs._kernels(rs_binding) + ag._kernels(ag_binding))
 
     try:
         run_threads(body, W, timeout=60)

@@ -248,8 +248,15 @@ class _Prepared:
             if uses < 2:
                 return self._run(g, binding, stream, async_op, captured)
             t = g.transport(self.device)
-            self._graphs[key] = run_graph.record(t, self.device, lambda s: self._run(g, binding, s, False, True))
+            rg = self._graphs[key] = run_graph.record(t, self.device, lambda s: self._run(g, binding, s, False, True))
             del self._uses[key]
+            # The recorded kernels do not wait for their tables' uploads (a graph cannot wait on
+            # an event recorded outside it) and a replay may go on another stream than the
+            # uploads': the host waits for them once, with the group's deadline.
+            if rg is not None:
+                for kernel in self._kernels(binding):
+                    for ev in kernel.upload_events:
+                        t.host_wait_event(ev, timeout_s=g.options.timeout_s)
         rg = self._graphs[key]
         if rg is None:  # the driver refused to record it (logged): eager
             return self._run(g, binding, stream, async_op, captured)
@@ -269,6 +276,10 @@ class _Prepared:
         rg.replay(t, cs)
         self._after_replay(t, cs)
         return st.finish()
+
+    def _kernels(self, binding: Any) -> list:
+        """The kernel bindings (``tide_triton.kernels.Binding``) of ``binding``."""
+        raise NotImplementedError
 
     def _before_replay(self, t: Any, cs: object) -> None:
         """What a recorded run cannot hold and a replay needs first (the all-gather's block)."""
@@ -306,6 +317,9 @@ class PreparedReduceScatter(_Prepared):
             g.options.ring_bytes)
         ops = max((n for _, n in pushes), default=0) + 4 * g.world_size
         return reducers, [p for p, _n in pushes], padding, ops
+
+    def _kernels(self, binding: Any) -> list:
+        return list(binding[0])
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         reducers, pushes, padding, ops = binding
@@ -389,6 +403,10 @@ class PreparedAllGather(_Prepared):
         stage = node_prepare.prepare_stage(g, t, layout, list(shards), sptrs, dsts, sdt, pdt, self.device,
                                            into_block=True)
         return pulls, stage
+
+    def _kernels(self, binding: Any) -> list:
+        caster = binding[1][0]
+        return [] if caster is None else [caster]
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         pulls, (caster, stage_copies, pad_copies, _zeros) = binding

@@ -288,6 +288,12 @@ class Binding:
         self._grid = (grid,)
         self._n_iters = -(-n_tiles // grid)
 
+    @property
+    def upload_events(self) -> tuple:
+        """Events of this binding's table uploads (CUDA; empty on the host or with no tiles):
+        what a launch recorded into a CUDA graph cannot wait for itself."""
+        return getattr(self, "_events", ())
+
     def addresses_unchanged(self) -> bool:
         if self.program.n_tiles == 0:
             return True
