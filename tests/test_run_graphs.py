@@ -359,3 +359,99 @@ def test_replays_of_different_recordings_raise_naming_the_peer_on_gpu() -> None:
         assert kind == "timeout" and peer == 1 - r, (r, kind, peer, msg)
         assert "prepared reduce-scatter" in msg, (r, msg)
         assert seconds < 30, (r, seconds)
+
+
+class _FakeGraph:
+    """``torch.cuda.CUDAGraph`` as :func:`tide_triton.run_graph.record` uses it, with failures
+    to order (``fail``: the step that raises RuntimeError) and a log of what happened."""
+
+    def __init__(self, log: list, fail: str | None) -> None:
+        self.log, self.fail = log, fail
+
+    def _step(self, name: str) -> None:
+        self.log.append(name)
+        if self.fail == name:
+            raise RuntimeError(f"{name} refused (fake)")
+
+    def capture_begin(self, capture_error_mode: str = "global") -> None:
+        assert capture_error_mode == "thread_local"
+        self._step("begin")
+
+    def capture_end(self) -> None:
+        self._step("end")
+
+    def replay(self) -> None:
+        self._step("replay")
+
+
+class _FakeTransport:
+    def __init__(self) -> None:
+        self.noted: list = []
+        self.recording = None
+
+    def recording_waits(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def rec():
+            self.recording = {}
+            try:
+                yield self.recording
+            finally:
+                self.recording = None
+        return rec()
+
+    def note_waits(self, waits: dict, stream) -> None:
+        self.noted.append((dict(waits), stream))
+
+
+@pytest.mark.parametrize("fail, raises", [(None, None), ("begin", None), ("run", None), ("end", None),
+                                          ("run-value", ValueError)])
+def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog, fail, raises) -> None:
+    """The CUDA branch of ``run_graph.record`` without a GPU (torch.cuda's stream, device and
+    graph stood in for): a capture the driver refuses at its beginning, during the run or at its
+    end gives None (the runs stay eager, logged), and ends the capture where it began; another
+    error ends the capture and propagates; a recording keeps the run's waits aside and each replay
+    launches the graph and notes them on the replay's stream."""
+    import contextlib
+
+    log: list = []
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            log.append("fork")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(log, fail))
+    monkeypatch.setattr(run_graph, "_refused", set())
+    t = _FakeTransport()
+
+    def run(stream) -> None:
+        log.append("run")
+        t.recording[3] = (7, 1, 0, "rank 1's block")  # what the transport's waits put there
+        if fail == "run":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if fail == "run-value":
+            raise ValueError("a real error")
+
+    with caplog.at_level(logging.WARNING, logger="tide_triton.run_graph"):
+        if raises is not None:
+            with pytest.raises(raises):
+                run_graph.record(t, torch.device("cuda", 0), run)
+            rg = "raised"
+        else:
+            rg = run_graph.record(t, torch.device("cuda", 0), run)
+    assert t.recording is None  # the waits' recording ended too
+    began = fail != "begin"
+    assert log.count("begin") == 1 and log.count("end") == (1 if began else 0), log
+    if fail is None:
+        assert isinstance(rg, run_graph.RunGraph) and rg.waits == {3: (7, 1, 0, "rank 1's block")}
+        replay_stream = object()
+        rg.replay(t, replay_stream)
+        assert log[-1] == "replay" and t.noted == [({3: (7, 1, 0, "rank 1's block")}, replay_stream)]
+        assert not caplog.messages
+    elif raises is None:
+        assert rg is None and len([m for m in caplog.messages if "could not be recorded" in m]) == 1, caplog.messages

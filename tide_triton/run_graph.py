@@ -71,13 +71,20 @@ def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph
     side.wait_stream(torch.cuda.current_stream(device))  # nothing runs in a capture: only its order
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.device(device), torch.cuda.stream(side), t.recording_waits() as waits:
-        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            graph.capture_begin(capture_error_mode="thread_local")
+        except RuntimeError as e:
+            _log_refused(e)
+            return None
         try:
             run(side)
-        except RuntimeError as e:
+        except RuntimeError as e:  # e.g. an operation the capture refuses: the run goes eager
             _end_quietly(graph)
             _log_refused(e)
             return None
+        except BaseException:  # never leave the stream capturing
+            _end_quietly(graph)
+            raise
         try:
             graph.capture_end()
         except RuntimeError as e:
