@@ -89,23 +89,40 @@ class _CountCalls:
         return counted
 
 
+_counting = threading.local()
+"""The counter of the :func:`driver_calls` running in this thread (rank threads count at once)."""
+
+
+def _count_replays() -> None:
+    """Make ``RunGraph.replay`` count one call into this thread's :func:`driver_calls` counter
+    (a replay is one graph launch, made through torch); installed once, by the first count."""
+    real = run_graph.RunGraph.replay
+    if getattr(real, "counts_replays", False):
+        return
+
+    def counted(self, *a, **k):
+        counter = getattr(_counting, "counter", None)
+        if counter is not None:
+            counter.calls += 1
+        return real(self, *a, **k)
+
+    counted.counts_replays = True
+    run_graph.RunGraph.replay = counted
+
+
 def driver_calls(g, fn) -> int:
     """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call); a
     prepared run replayed from its recording (``tide_triton.run_graph``) counts one, its graph
     launch (made through torch, not the transport's driver module)."""
     sig = g.transport(torch.device("cuda", torch.cuda.current_device()))._sig
     counter = sig._cu = _CountCalls(sig._cu)
-    replay = run_graph.RunGraph.replay
-
-    def counted_replay(self, *a, **k):
-        counter.calls += 1
-        return replay(self, *a, **k)
-    run_graph.RunGraph.replay = counted_replay
+    _count_replays()
+    _counting.counter = counter
     try:
         fn()
     finally:
         sig._cu = counter._cu
-        run_graph.RunGraph.replay = replay
+        _counting.counter = None
     return counter.calls
 
 

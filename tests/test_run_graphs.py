@@ -27,6 +27,7 @@ import tide_triton as tt
 import tide_triton.programs as programs
 import tide_triton.run_graph as run_graph
 from tide_triton.errors import GroupBrokenError
+from tide_triton.transport import _once
 from tide_triton.layout import ShardLayout
 
 RUNS = 5
@@ -221,7 +222,7 @@ def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
         return None
 
     monkeypatch.setattr(run_graph, "record", refusing)
-    monkeypatch.setattr(run_graph, "_refused", set())
+    monkeypatch.setattr(_once, "_logged", set())  # log_once: every reason new again
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(54)
     vals = _grads(gen, SHAPES)
@@ -242,7 +243,7 @@ def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
 
     try:
         run_threads(prepare, W, timeout=60)
-        with caplog.at_level(logging.WARNING, logger="tide_triton.run_graph"):
+        with caplog.at_level(logging.WARNING, logger="tide_triton"):
             for k in range(4):
                 _refill(vals, gen)
                 for r, shards in enumerate(run_threads(step, W, timeout=60)):
@@ -426,7 +427,7 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(log, fail))
-    monkeypatch.setattr(run_graph, "_refused", set())
+    monkeypatch.setattr(_once, "_logged", set())  # log_once: every reason new again
     t = _FakeTransport()
 
     def run(stream) -> None:
@@ -437,7 +438,7 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
         if fail == "run-value":
             raise ValueError("a real error")
 
-    with caplog.at_level(logging.WARNING, logger="tide_triton.run_graph"):
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
         if raises is not None:
             with pytest.raises(raises):
                 run_graph.record(t, torch.device("cuda", 0), run)

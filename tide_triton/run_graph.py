@@ -30,33 +30,29 @@ from typing import Any, Callable
 import torch
 
 from . import host_capture
+from .transport._once import log_once
 
 __all__ = ["RunGraph", "record"]
 
-log = logging.getLogger(__name__)
-
 
 class RunGraph:
-    """A recorded run: ``graph`` (``torch.cuda.CUDAGraph`` or ``HostGraph``) and, on CUDA, the
-    flag waits it holds (slot -> value, peer, stream, what: the transport's pending-wait
-    entries, noted again at each replay)."""
+    """A recorded run: ``graph`` (``torch.cuda.CUDAGraph``, or a ``HostGraph`` on the host
+    transport) and, on CUDA, the flag waits it holds (slot -> value, peer, stream, what: the
+    transport's pending-wait entries, noted again at each replay)."""
 
-    __slots__ = ("graph", "waits", "cuda")
+    __slots__ = ("graph", "waits")
 
-    def __init__(self, graph: Any, waits: dict, cuda: bool) -> None:
-        self.graph, self.waits, self.cuda = graph, waits, cuda
+    def __init__(self, graph: Any, waits: dict) -> None:
+        self.graph, self.waits = graph, waits
 
     def replay(self, t: Any, stream: Any) -> None:
         """Launch the recorded run on ``stream`` (CUDA: after the work already there)."""
-        if not self.cuda:
+        if isinstance(self.graph, host_capture.HostGraph):
             self.graph.replay()
             return
         with torch.cuda.stream(stream):
             self.graph.replay()
         t.note_waits(self.waits, stream)
-
-
-_refused: set[str] = set()
 
 
 def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph | None:
@@ -66,7 +62,7 @@ def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph
         graph = host_capture.HostGraph()
         with host_capture.capture(graph):
             run(None)
-        return RunGraph(graph, {}, cuda=False)
+        return RunGraph(graph, {})
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))  # nothing runs in a capture: only its order
     graph = torch.cuda.CUDAGraph()
@@ -90,7 +86,7 @@ def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph
         except RuntimeError as e:
             _log_refused(e)
             return None
-    return RunGraph(graph, dict(waits), cuda=True)
+    return RunGraph(graph, dict(waits))
 
 
 def _end_quietly(graph: Any) -> None:
@@ -102,7 +98,5 @@ def _end_quietly(graph: Any) -> None:
 
 def _log_refused(e: BaseException) -> None:
     why = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if why not in _refused:
-        _refused.add(why)
-        log.warning("tide_triton: a prepared run could not be recorded as a CUDA graph (%s); runs on those "
-                    "addresses stay eager", why)
+    log_once(f"run-graph-refused:{why}", logging.WARNING, "tide_triton: a prepared run could not be recorded as a "
+             "CUDA graph (%s); runs on those addresses stay eager", why)
