@@ -1,0 +1,208 @@
+"""Which same-GPU copies the driver runs on copy engines and which on SMs: each way of copying
+is issued while a kernel holds every thread slot of every SM, and the copy either finishes
+while that kernel still runs (a copy engine moved it) or only after it (it waited for SMs).
+
+Why: the profiler cannot tell.  CUPTI reports an eager same-GPU ``cuMemcpyAsync`` as one
+"Memcpy DtoD" whether or not the driver ran it as kernels, and a graph's memcpy nodes as
+kernels or as memcpys depending on when it attached (pytorch/pytorch#191284); session 14 saw
+``memcpyDtoD3DAligned`` / ``memcpy32_post`` kernels in recorded reduce-scatters and "Memcpy
+DtoD" in recorded all-gathers.  This decides whether a recorded (graph) run keeps its copies
+off the SMs, on one GPU.  Copies between two GPUs are not probed here (one GPU).
+
+    python bench/copy_engine_probe.py [--fill-ms 20] [--iters 3]
+
+Per way: ``alone`` (CUDA-event mean of ``iters`` copies on an idle GPU), ``done after`` (ms from
+the fill kernel's start until the copy ended, issued 2 ms after it; the fill alone takes
+``fill`` ms) and the verdict: ``copy engine`` where the copy ended before the fill did and no
+later than 3x its idle time after it was issued, ``SMs (waited)`` where it ended only after the
+fill, else ``unclear``.  Every way's result is checked against the source.  GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from cuda.bindings import driver as cu  # noqa: E402
+
+from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.transport.signals import memcpy2d_struct, memcpy3d_struct  # noqa: E402
+
+THREADS_PER_SM = 2048  # Hopper's resident-thread limit per SM
+ISSUE_DELAY_S = 0.002
+
+
+def check(res, what: str):
+    err = res[0] if isinstance(res, tuple) else res
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {err}")
+    return res
+
+
+@triton.jit
+def _fill(out, n_iter, BLOCK: tl.constexpr):
+    """A dependent multiply-add chain per thread, ``n_iter`` long: holds its SM slots."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = i.to(tl.float32)
+    for _ in range(n_iter):
+        x = x * 0.999 + 0.5
+    tl.store(out + i, x)
+
+
+class Fill:
+    """``_fill`` with enough CTAs of 1,024 threads to take every thread slot of every SM."""
+
+    BLOCK = 1024
+
+    def __init__(self, fill_ms: float) -> None:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.grid = props.multi_processor_count * (THREADS_PER_SM // self.BLOCK)
+        self.out = torch.empty(self.grid * self.BLOCK, device="cuda")
+        kernel = self._launch(1000)
+        torch.cuda.synchronize()
+        regs = kernel.n_regs
+        self.full = regs * self.BLOCK * (THREADS_PER_SM // self.BLOCK) <= 65536
+        self.note = (f"{self.grid} CTAs x {self.BLOCK} threads on {props.multi_processor_count} SMs, {regs} "
+                     f"registers/thread -> {'every thread slot taken' if self.full else 'NOT every slot taken'}")
+        probe = 200_000
+        t = self._time(probe)
+        self.n_iter = max(1000, int(probe * fill_ms / t))
+        self.ms = self._time(self.n_iter)
+
+    def _launch(self, n_iter: int):
+        return _fill[(self.grid,)](self.out, n_iter, BLOCK=self.BLOCK, num_warps=self.BLOCK // 32)
+
+    def _time(self, n_iter: int) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        self._launch(n_iter)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    def launch(self) -> None:
+        self._launch(self.n_iter)
+
+
+def batch_copier(d: int, x: int, n: int, prefer_overlap: bool):
+    a = cu.CUmemcpyAttributes()
+    a.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    a.flags = (cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if prefer_overlap
+               else cu.CUmemcpyFlags.CU_MEMCPY_FLAG_DEFAULT)
+    attrs = [a]
+    return lambda s: check(cu.cuMemcpyBatchAsync([cu.CUdeviceptr(d)], [cu.CUdeviceptr(x)], [n], 1, attrs, [0], 1, s),
+                           "cuMemcpyBatchAsync")
+
+
+def ways(dst: torch.Tensor, src: torch.Tensor) -> dict:
+    """name -> (copy(stream handle), capturable, check()) over ``dst`` / ``src`` (bytes)."""
+    d, x, n = dst.data_ptr(), src.data_ptr(), src.numel()
+    small = 1 << 20
+    rows, width = 1024, n // 2048  # rows of half a pitch: an all-gather's strided run at W=2
+    m2 = memcpy2d_struct(cu, d, x, width, rows, 2 * width, 2 * width)
+    sub = 65536 if width % 65536 == 0 else width
+    m3 = memcpy3d_struct(cu, d, x, width, rows, 2 * width, 2 * width, sub)
+    whole = lambda: torch.equal(dst, src)  # noqa: E731
+    strided = lambda: torch.equal(dst.view(rows, 2 * width)[:, :width], src.view(rows, 2 * width)[:, :width])  # noqa: E731
+    return {
+        f"cuMemcpyAsync {n >> 20} MiB": (lambda s: check(cu.cuMemcpyAsync(d, x, n, s), "cuMemcpyAsync"), True, whole),
+        "cuMemcpyAsync 1 MiB": (lambda s: check(cu.cuMemcpyAsync(d, x, small, s), "cuMemcpyAsync"), True,
+                                lambda: torch.equal(dst[:small], src[:small])),
+        f"batch, prefer overlap, {n >> 20} MiB": (batch_copier(d, x, n, True), False, whole),
+        "batch, prefer overlap, 1 MiB": (batch_copier(d, x, small, True), False,
+                                         lambda: torch.equal(dst[:small], src[:small])),
+        f"batch, default flags, {n >> 20} MiB": (batch_copier(d, x, n, False), False, whole),
+        f"cuMemcpy2DAsync {rows} rows x {width >> 10} KiB": (lambda s: check(cu.cuMemcpy2DAsync(m2, s), "2d"), True,
+                                                             strided),
+        f"cuMemcpy3DAsync {rows} rows, {sub >> 10} KiB sub-rows": (lambda s: check(cu.cuMemcpy3DAsync(m3, s), "3d"),
+                                                                  True, strided),
+    }
+
+
+def event_ms(fn, iters: int) -> float:
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.mean(out)
+
+
+def under_fill(fill: Fill, copy, side: torch.cuda.Stream) -> float:
+    """ms from the fill's start (on the current stream) until ``copy`` (issued on ``side`` 2 ms
+    later) ended."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fill.launch()
+    time.sleep(ISSUE_DELAY_S)
+    with torch.cuda.stream(side):
+        copy()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fill-ms", type=float, default=20.0)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--mib", type=int, default=64)
+    args = ap.parse_args()
+    torch.cuda.init()
+    with torch.cuda.stream(torch.cuda.Stream()):  # not the legacy default stream: the batch call refuses it
+        run(args)
+
+
+def run(args) -> None:
+    info = env_info(torch.device("cuda", torch.cuda.current_device()))
+    version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")[1]
+    fill = Fill(args.fill_ms)
+    print(f"{info['gpu']} | torch {info['torch']} | CUDA {info['cuda']}, driver API {version} | git {info['git_sha']} "
+          f"| {info['date']}\nfill: {fill.note}; {fill.ms:.2f} ms alone; copies issued "
+          f"{ISSUE_DELAY_S * 1e3:.0f} ms after it on another stream")
+    print("| way | launched | alone ms | done after (ms from fill start) | verdict |")
+    print("|---|---|---|---|---|")
+    src = torch.randint(0, 255, (args.mib << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    side = torch.cuda.Stream()
+    for name, (copy, capturable, same) in ways(dst, src).items():
+        forms = [("eager", copy)]
+        if capturable:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                copy(torch.cuda.current_stream().cuda_stream)
+            forms.append(("graph replay", g.replay))
+        for form, fn in forms:
+            call = (lambda f: lambda: f(torch.cuda.current_stream().cuda_stream))(fn) if form == "eager" else fn
+            dst.zero_()
+            alone = event_ms(call, args.iters)
+            ok = same()
+            dst.zero_()
+            done = under_fill(fill, call, side)
+            ok = ok and same()
+            issued = ISSUE_DELAY_S * 1e3
+            if done < fill.ms * 0.9 and done - issued <= 3 * alone + 0.5:
+                verdict = "copy engine"
+            elif done >= fill.ms * 0.95:
+                verdict = "SMs (waited)"
+            else:
+                verdict = "unclear"
+            if not ok:
+                verdict += "; WRONG RESULT"
+            print(f"| {name} | {form} | {alone:.3f} | {done:.2f} | {verdict} |", flush=True)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
