@@ -71,10 +71,14 @@ class Fill:
         self.full = regs * self.BLOCK * (THREADS_PER_SM // self.BLOCK) <= 65536
         self.note = (f"{self.grid} CTAs x {self.BLOCK} threads on {props.multi_processor_count} SMs, {regs} "
                      f"registers/thread -> {'every thread slot taken' if self.full else 'NOT every slot taken'}")
-        probe = 200_000
-        t = self._time(probe)
-        self.n_iter = max(1000, int(probe * fill_ms / t))
-        self.ms = self._time(self.n_iter)
+        self.n_iter, self.ms = 100_000, 0.0
+        for _ in range(8):  # scale until it takes fill_ms (+-20%)
+            self.ms = self._time(self.n_iter)
+            if abs(self.ms - fill_ms) <= 0.2 * fill_ms:
+                break
+            self.n_iter = max(1000, int(self.n_iter * fill_ms / max(self.ms, 1e-3)))
+        if self.ms < 4 * ISSUE_DELAY_S * 1e3:
+            raise RuntimeError(f"the fill takes {self.ms:.2f} ms: too short to tell copies apart")
 
     def _launch(self, n_iter: int):
         return _fill[(self.grid,)](self.out, n_iter, BLOCK=self.BLOCK, num_warps=self.BLOCK // 32)
