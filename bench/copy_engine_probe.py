@@ -79,14 +79,17 @@ class Fill:
             self.n_iter = max(1000, int(self.n_iter * fill_ms / max(self.ms, 1e-3)))
         if self.ms < 4 * ISSUE_DELAY_S * 1e3:
             raise RuntimeError(f"the fill takes {self.ms:.2f} ms: too short to tell copies apart")
+        # all CTAs resident at once: half the grid takes as long as the whole one (not half)
+        half = self._time(self.n_iter, self.grid // 2)
+        self.note += f"; half the CTAs take {half:.2f} ms ({'one wave' if half > 0.8 * self.ms else 'TWO WAVES'})"
 
-    def _launch(self, n_iter: int):
-        return _fill[(self.grid,)](self.out, n_iter, BLOCK=self.BLOCK, num_warps=self.BLOCK // 32)
+    def _launch(self, n_iter: int, grid: int = 0):
+        return _fill[(grid or self.grid,)](self.out, n_iter, BLOCK=self.BLOCK, num_warps=self.BLOCK // 32)
 
-    def _time(self, n_iter: int) -> float:
+    def _time(self, n_iter: int, grid: int = 0) -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        self._launch(n_iter)
+        self._launch(n_iter, grid)
         b.record()
         b.synchronize()
         return a.elapsed_time(b)
@@ -115,7 +118,10 @@ def ways(dst: torch.Tensor, src: torch.Tensor) -> dict:
     m3 = memcpy3d_struct(cu, d, x, width, rows, 2 * width, 2 * width, sub)
     whole = lambda: torch.equal(dst, src)  # noqa: E731
     strided = lambda: torch.equal(dst.view(rows, 2 * width)[:, :width], src.view(rows, 2 * width)[:, :width])  # noqa: E731
+    one = torch.zeros(1, device="cuda")
     return {
+        "nothing (an event only): the earliest end": (lambda s: None, False, lambda: True),
+        "a one-CTA kernel (control: needs an SM)": (lambda s: one.add_(1), False, lambda: True),
         f"cuMemcpyAsync {n >> 20} MiB": (lambda s: check(cu.cuMemcpyAsync(d, x, n, s), "cuMemcpyAsync"), True, whole),
         "cuMemcpyAsync 1 MiB": (lambda s: check(cu.cuMemcpyAsync(d, x, small, s), "cuMemcpyAsync"), True,
                                 lambda: torch.equal(dst[:small], src[:small])),
