@@ -61,14 +61,14 @@ class Fill:
 
     BLOCK = 1024
 
-    def __init__(self, fill_ms: float) -> None:
+    def __init__(self, fill_ms: float, ctas_per_sm: int) -> None:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        self.grid = props.multi_processor_count * (THREADS_PER_SM // self.BLOCK)
+        self.grid = props.multi_processor_count * ctas_per_sm
         self.out = torch.empty(self.grid * self.BLOCK, device="cuda")
         kernel = self._launch(1000)
         torch.cuda.synchronize()
         regs = kernel.n_regs
-        self.full = regs * self.BLOCK * (THREADS_PER_SM // self.BLOCK) <= 65536
+        self.full = ctas_per_sm * self.BLOCK >= THREADS_PER_SM and regs * self.BLOCK * ctas_per_sm <= 65536
         self.note = (f"{self.grid} CTAs x {self.BLOCK} threads on {props.multi_processor_count} SMs, {regs} "
                      f"registers/thread -> {'every thread slot taken' if self.full else 'NOT every slot taken'}")
         self.n_iter, self.ms = 100_000, 0.0
@@ -79,9 +79,8 @@ class Fill:
             self.n_iter = max(1000, int(self.n_iter * fill_ms / max(self.ms, 1e-3)))
         if self.ms < 4 * ISSUE_DELAY_S * 1e3:
             raise RuntimeError(f"the fill takes {self.ms:.2f} ms: too short to tell copies apart")
-        # all CTAs resident at once: half the grid takes as long as the whole one (not half)
         half = self._time(self.n_iter, self.grid // 2)
-        self.note += f"; half the CTAs take {half:.2f} ms ({'one wave' if half > 0.8 * self.ms else 'TWO WAVES'})"
+        self.note += f"; half the CTAs take {half:.2f} ms"
 
     def _launch(self, n_iter: int, grid: int = 0):
         return _fill[(grid or self.grid,)](self.out, n_iter, BLOCK=self.BLOCK, num_warps=self.BLOCK // 32)
@@ -148,19 +147,22 @@ def event_ms(fn, iters: int) -> float:
     return statistics.mean(out)
 
 
-def under_fill(fill: Fill, copy, side: torch.cuda.Stream) -> float:
-    """ms from the fill's start (on the current stream) until ``copy`` (issued on ``side`` 2 ms
-    later) ended."""
+def under_fill(fill: Fill, copy, side: torch.cuda.Stream) -> tuple[float, float, float]:
+    """(ms from the fill's start (on the current stream) until ``copy``, issued on ``side`` 2 ms
+    later, began; until it ended; ms the host spent in the call)."""
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, before, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     start.record()
     fill.launch()
     time.sleep(ISSUE_DELAY_S)
     with torch.cuda.stream(side):
+        before.record()
+        t0 = time.perf_counter()
         copy()
+        host = (time.perf_counter() - t0) * 1e3
         end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(before), start.elapsed_time(end), host
 
 
 def main() -> None:
@@ -168,6 +170,8 @@ def main() -> None:
     ap.add_argument("--fill-ms", type=float, default=20.0)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--ctas-per-sm", type=int, default=THREADS_PER_SM // Fill.BLOCK,
+                    help="fill CTAs of 1,024 threads per SM (2 take every thread slot)")
     args = ap.parse_args()
     torch.cuda.init()
     with torch.cuda.stream(torch.cuda.Stream()):  # not the legacy default stream: the batch call refuses it
@@ -177,12 +181,12 @@ def main() -> None:
 def run(args) -> None:
     info = env_info(torch.device("cuda", torch.cuda.current_device()))
     version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")[1]
-    fill = Fill(args.fill_ms)
+    fill = Fill(args.fill_ms, args.ctas_per_sm)
     print(f"{info['gpu']} | torch {info['torch']} | CUDA {info['cuda']}, driver API {version} | git {info['git_sha']} "
           f"| {info['date']}\nfill: {fill.note}; {fill.ms:.2f} ms alone; copies issued "
           f"{ISSUE_DELAY_S * 1e3:.0f} ms after it on another stream")
-    print("| way | launched | alone ms | done after (ms from fill start) | verdict |")
-    print("|---|---|---|---|---|")
+    print("| way | launched | alone ms | began (ms from fill start) | ended | host ms in the call | verdict |")
+    print("|---|---|---|---|---|---|---|")
     src = torch.randint(0, 255, (args.mib << 20,), dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)
     side = torch.cuda.Stream()
@@ -199,7 +203,7 @@ def run(args) -> None:
             alone = event_ms(call, args.iters)
             ok = same()
             dst.zero_()
-            done = under_fill(fill, call, side)
+            began, done, host = under_fill(fill, call, side)
             ok = ok and same()
             issued = ISSUE_DELAY_S * 1e3
             if done < fill.ms * 0.9 and done - issued <= 3 * alone + 0.5:
@@ -210,7 +214,7 @@ def run(args) -> None:
                 verdict = "unclear"
             if not ok:
                 verdict += "; WRONG RESULT"
-            print(f"| {name} | {form} | {alone:.3f} | {done:.2f} | {verdict} |", flush=True)
+            print(f"| {name} | {form} | {alone:.3f} | {began:.2f} | {done:.2f} | {host:.2f} | {verdict} |", flush=True)
         torch.cuda.synchronize()
 
 
