@@ -803,3 +803,45 @@ def test_real_workload_round_trip(model: str) -> None:
     layout = workload_layouts(8, factor=1)[model]
     _round_trip(layout, torch.device("cuda"), k=2)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_bindings_sharing_one_pointer_upload_match_their_own_tables(offset: int, device: torch.device) -> None:
+    """Bindings over the same shards with their own sources, their address tables uploaded as
+    one (``upload_pointer_tables``: the prepared reduce-scatter's chunks on new gradients),
+    reduce exactly what each binding with a table of its own does, and assume the same
+    alignment -- also for sources one element off 16 bytes (``offset``)."""
+    from tide_triton.kernels import Binding, upload_pointer_tables
+
+    layout = ShardLayout([(6, 40), (5, 24), (64,)], 2)
+    g = torch.Generator().manual_seed(21)
+    shards = [torch.full(s, SENTINEL, dtype=FP32, device=device) for s in layout.shard_shapes(1, padded=True)]
+    flat = layout.flat_shard_numel
+    backing = [int_tensor((flat + offset,), BF16, device, generator=g) for _ in range(3)]
+    srcs = [b[offset:] for b in backing]
+    own = [bind_accumulate_shards(srcs, shards, layout, 1), bind_accumulate_shards(srcs[::-1], shards, layout, 1)]
+    dst_ptrs = tuple(t.data_ptr() for t in shards)
+    src_lists = [tuple(t.data_ptr() for t in b.srcs) for b in own]
+    tables = upload_pointer_tables(device, dst_ptrs, src_lists)
+    assert len(tables) == 2 and tables[0].event is tables[1].event
+    shared = [Binding(b.program, b.dsts, b.srcs, b.k, b.max_ctas, known_ptrs=(dst_ptrs, p), shared=t)
+              for b, p, t in zip(own, src_lists, tables)]
+    for a, b in zip(own, shared):
+        assert (a._static["SRC_ALIGN"], a._static["DST_ALIGN"]) == (b._static["SRC_ALIGN"], b._static["DST_ALIGN"])
+        assert a._static["SRC_ALIGN"] == (2 if offset else 16)
+        for s in shards:
+            s.fill_(SENTINEL)
+        a.launch(scale=0.5)
+        want = [s.clone() for s in shards]
+        for s in shards:
+            s.fill_(SENTINEL)
+        b.launch(scale=0.5)
+        for got, exp in zip(shards, want):
+            assert_bits_equal(got, exp, "binding with shared tables")
+    ref = [torch.full_like(s, SENTINEL) for s in shards]
+    accumulate_shards_ref(srcs[::-1], ref, layout, 1, scale=0.5)
+    for got, exp in zip(shards, ref):
+        assert_bits_equal(got, exp, "against the reference")
+    with pytest.raises(ValueError, match="shared pointer tables need known_ptrs of the same lengths"):
+        Binding(own[0].program, own[0].dsts, own[0].srcs, 3, None, known_ptrs=(dst_ptrs, src_lists[0][:-1]),
+                shared=tables[0])

@@ -258,12 +258,15 @@ def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
     assert len(refused) == 1 and "stream is capturing" in refused[0], caplog.messages
 
 
-@pytest.mark.parametrize("mode, recorded", [("off", ()), ("auto", ("all_gather (prepared)",)), (
-    "all", ("reduce_scatter (prepared)", "all_gather (prepared)"))])
+BOTH = ("reduce_scatter (prepared)", "all_gather (prepared)")
+
+
+@pytest.mark.parametrize("mode, recorded", [("off", ()), ("all-gathers", ("all_gather (prepared)",)),
+                                            ("auto", BOTH), ("all", BOTH)])
 def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tuple) -> None:
     """``$TIDE_TRITON_RUN_GRAPHS``: ``off`` records nothing (every run enqueues its
-    operations), ``auto`` (the default) the all-gathers, ``all`` the reduce-scatters too; a
-    bad value is refused naming the variable."""
+    operations), ``all-gathers`` the all-gathers, ``auto`` (the default) and ``all`` the
+    reduce-scatters too; a bad value is refused naming the variable."""
     if mode != "auto":
         monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", mode)
     else:

@@ -34,11 +34,11 @@ Variables of the package
 ``TIDE_TRITON_RUN_GRAPHS``
     Which prepared collectives replay an eager-launched run as one recorded graph (a CUDA
     graph on a GPU, a host graph on the host transport), from the second run on a set of
-    addresses (a one-off set never pays the recording): ``auto`` (default: all-gathers --
-    their recorded copies stay on copy engines; a recorded reduce-scatter's pushes ran as SM
-    copy kernels on the H200, docs/benchmarks.md), ``all`` (reduce-scatters too: their host
-    work is one launch), ``off`` (every run enqueues its operations).  Read when a
-    collective is prepared.  (:mod:`tide_triton.run_graph`)
+    addresses (a one-off set never pays the recording): ``auto`` (default) and ``all``:
+    all-gathers and reduce-scatters; ``all-gathers``: those only (session 14's default);
+    ``off``: none, every run enqueues its operations.  Read when a collective is prepared.
+    (:mod:`tide_triton.run_graph`; the measurements behind the default: docs/benchmarks.md,
+    "Session 15")
 ``TIDE_TRITON_MEMOP_BATCH``
     Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
     ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
@@ -124,7 +124,7 @@ _COPY_MODES = ("auto", "batch", "loop")
 _LAUNCH_MODES = ("direct", "jit")
 _COPY_GRAPHS = ("auto", "always", "off")
 _HOST_COPY_QUEUES = ("sync", "async")
-_RUN_GRAPHS = ("auto", "all", "off")
+_RUN_GRAPHS = ("auto", "all", "all-gathers", "off")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -159,7 +159,7 @@ def copy_graphs(env: Mapping[str, str] | None = None) -> str:
 
 
 def run_graphs(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_RUN_GRAPHS``: ``"auto"`` (default), ``"all"`` or ``"off"``."""
+    """``$TIDE_TRITON_RUN_GRAPHS``: ``"auto"`` (default), ``"all"``, ``"all-gathers"`` or ``"off"``."""
     return _choice("TIDE_TRITON_RUN_GRAPHS", "auto", _RUN_GRAPHS, env)
 
 

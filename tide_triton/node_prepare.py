@@ -15,7 +15,7 @@ import torch
 from .executor import ARRAY_PLAN_MIN, Strided, plan_copies, prepare_padding_zeros, prepare_planned
 from .group import Group
 from .heap import Ring
-from .kernels import Binding, SegmentProgram, Span
+from .kernels import Binding, SegmentProgram, Span, upload_pointer_tables
 from .layout import ShardLayout
 from .ranges import in_host_range
 from .schedule import ring_plan
@@ -53,15 +53,16 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     es = gdt.itemsize
     src_stub = torch.empty(0, dtype=gdt, device=device)
     dst_stub = (torch.empty(0, dtype=sdt, device=device),) * len(layout)
-    reducers = []
     gp = _Addresses(gptrs)
+    sources = []  # per chunk: contributors in rank order (the sum's fixed order): a peer's slot, or my gradients
     for j, (param, own_off, slot_off) in enumerate(_reduce_template(plan, me, es)):
-        s = j % S
         own = gp.plus(param, own_off)
-        # contributors in rank order (the sum's fixed order): a peer's slot, or my own gradients
-        ptrs = _joined([own if c == me else _shifted(slot_off, t.address(me, reg.slot(s, c, me))) for c in range(W)])
+        sources.append(_joined([own if c == me else _shifted(slot_off, t.address(me, reg.slot(j % S, c, me)))
+                                for c in range(W)]))
+    reducers = []
+    for j, (ptrs, tables) in enumerate(zip(sources, upload_pointer_tables(device, shard_ptrs, sources))):
         b = Binding(chunk_program(layout, ring_bytes or g.options.ring_bytes, es, S, me, j), dst_stub,
-                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs))
+                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs), shared=tables)
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
     pushes = [(prepare_planned(t, p), len(p)) for p in push_plans(me, plan, t.address, reg, gptrs, es)]

@@ -79,8 +79,9 @@ class _Prepared:
     _names: tuple[str, str] = ("", "")
     _full_first = True
     """Whether the first tensor list is the full one (grads) or the shards (all-gather)."""
-    _graphs_by_default = False
-    """Whether ``$TIDE_TRITON_RUN_GRAPHS=auto`` records this collective's runs (see envs)."""
+    _recorded_in = ("auto", "all")
+    """The ``$TIDE_TRITON_RUN_GRAPHS`` values under which this collective's runs are recorded
+    (see envs)."""
     _dtypes: tuple[torch.dtype, torch.dtype]
     """The prepared dtypes of the full tensors and of the shards."""
 
@@ -100,7 +101,7 @@ class _Prepared:
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
         mode = envs.run_graphs()
-        self._graphs_on = mode == "all" or (mode == "auto" and self._graphs_by_default)
+        self._graphs_on = mode in self._recorded_in
         self._graphs: dict[tuple, run_graph.RunGraph | None] = {}
         """Eager runs recorded once per binding (:mod:`tide_triton.run_graph`); None: refused."""
         self._uses: dict[tuple, int] = {}
@@ -383,7 +384,7 @@ class PreparedAllGather(_Prepared):
     name = "all_gather (prepared)"
     _names = ("shards", "params")
     _full_first = False
-    _graphs_by_default = True  # its recorded copies stay on copy engines (docs/benchmarks.md)
+    _recorded_in = ("auto", "all", "all-gathers")
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  sdt: torch.dtype, pdt: torch.dtype, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor],

@@ -8,9 +8,9 @@ graph on a GPU (the same captured path a user's ``torch.cuda.graph`` takes,
 :class:`~tide_triton.host_capture.HostGraph` on the host transport -- and every later run on
 those addresses replays it: one ``cudaGraphLaunch`` instead of its flag operations, copies and
 kernel launches one by one (on the H200, ~1-2 ms of host per Qwen3-30B-A3B reduce-scatter at
-W=2).  Which collectives: ``$TIDE_TRITON_RUN_GRAPHS`` -- all-gathers by default; reduce-scatters
-with ``all``, since on the H200 a recorded reduce-scatter's pushes ran as the driver's SM copy
-kernels where the eager run's batch copies use copy engines (docs/benchmarks.md); ``off``: none.
+W=2).  Which collectives: ``$TIDE_TRITON_RUN_GRAPHS`` -- both kinds by default, all-gathers only
+with ``all-gathers``, none with ``off`` (docs/benchmarks.md, "Session 15": on one GPU every form
+of a same-GPU copy, eager or recorded, runs on SMs, so recording changes no copy's engine there).
 
 The capture runs in ``thread_local`` mode on a stream of the rank's own (ranks of the
 single-process mode capture while their peers enqueue) and never synchronizes the device

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton.language as tl
 from triton import knobs as _knobs
@@ -142,6 +143,41 @@ def _alignment(values: Sequence[int], cap: int = 16) -> int:
     return a
 
 
+@dataclass(frozen=True, eq=False)
+class SharedPointers:
+    """One binding's address tables, cut from a table uploaded for several bindings at once
+    (:func:`upload_pointer_tables`), with the gcd of its addresses (0: none) for the
+    alignment the kernel may assume, and the event of the one upload."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    dst_gcd: int
+    src_gcd: int
+    event: object
+    stream: object
+    """The stream the upload was enqueued on (CUDA; None on the host)."""
+
+
+def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
+                          src_lists: Sequence[Sequence[int]]) -> list[SharedPointers]:
+    """Address tables for bindings that share their destinations (``dst_ptrs``), each with
+    its own sources (``src_lists``), uploaded as one table: one pinned buffer, one
+    non-blocking copy and one event where a table per binding costs one of each per binding
+    (a reduce-scatter's chunks bound on new gradients every call: FSDP2's)."""
+    if not src_lists:
+        return []
+    parts = [np.asarray(dst_ptrs, dtype=np.int64)] + [np.asarray(s, dtype=np.int64) for s in src_lists]
+    table, event = _upload(torch.from_numpy(np.concatenate(parts)), device)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    gcds = [int(np.gcd.reduce(p)) if len(p) else 0 for p in parts]
+    dst = table[: len(parts[0])]
+    out, at = [], len(parts[0])
+    for p, g in zip(parts[1:], gcds[1:]):
+        out.append(SharedPointers(dst, table[at: at + len(p)], gcds[0], g, event, stream))
+        at += len(p)
+    return out
+
+
 @dataclass(eq=False)
 class SegmentProgram:
     """The tile table for a fixed set of runs, cached on each device it is used on."""
@@ -235,6 +271,9 @@ class Binding:
     known_ptrs: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False)
     """(dst addresses, src addresses) when the caller already read them (one read per call
     for many bindings over the same tensors, as the reduce-scatter's chunks are)."""
+    shared: SharedPointers | None = field(default=None, repr=False)
+    """Those addresses' device tables, uploaded with other bindings' (:func:`upload_pointer_tables`;
+    with ``known_ptrs``): no table of this binding's own."""
     dst_ptrs: tuple[int, ...] = field(init=False, repr=False)
     src_ptrs: tuple[int, ...] = field(init=False, repr=False)
     _tables: tuple = field(init=False, repr=False)
@@ -258,16 +297,27 @@ class Binding:
         dst0, src0 = self.dsts[0], self.srcs[0]
         device = dst0.device
         check_device("the tensors", device)
-        dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
-            device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
-        )
+        if self.shared is not None:
+            sp, prog = self.shared, self.program
+            if self.known_ptrs is None or (len(sp.dst), len(sp.src)) != (len(self.dst_ptrs), len(self.src_ptrs)):
+                raise ValueError("shared pointer tables need known_ptrs of the same lengths")
+            dst_tbl, src_tbl, ptr_event = sp.dst, sp.src, sp.event
+            dst_align = _alignment((sp.dst_gcd, prog._dst_off_gcd * dst0.element_size()))
+            src_align = _alignment((sp.src_gcd, prog._src_off_gcd * src0.element_size()))
+        else:
+            dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
+                device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
+            )
         tiles, tile_event = self.program.tiles_on(device)
         cfg = launch_config(dst0.dtype, self.k)
         n_tiles = self.program.n_tiles
         grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
         self._tables = (tiles, dst_tbl, src_tbl)
         self._cuda = device.type == "cuda"
-        self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
+        if self.shared is not None:
+            self._upload_stream = self.shared.stream
+        else:
+            self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
         self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
         self._streams_seen: set = set()
         self._compiled: dict = {}
