@@ -7,15 +7,16 @@ Why: the profiler cannot tell.  CUPTI reports an eager same-GPU ``cuMemcpyAsync`
 kernels or as memcpys depending on when it attached (pytorch/pytorch#191284); session 14 saw
 ``memcpyDtoD3DAligned`` / ``memcpy32_post`` kernels in recorded reduce-scatters and "Memcpy
 DtoD" in recorded all-gathers.  This decides whether a recorded (graph) run keeps its copies
-off the SMs, on one GPU.  Copies between two GPUs are not probed here (one GPU).
+off the SMs, on one GPU (and, with a second GPU, for copies into its memory).
 
     python bench/copy_engine_probe.py [--fill-ms 20] [--iters 3]
 
 Per way: ``alone`` (CUDA-event mean of ``iters`` copies on an idle GPU), ``done after`` (ms from
-the fill kernel's start until the copy ended, issued 2 ms after it; the fill alone takes
-``fill`` ms) and the verdict: ``copy engine`` where the copy ended before the fill did and no
-later than 3x its idle time after it was issued, ``SMs (waited)`` where it ended only after the
-fill, else ``unclear``.  Every way's result is checked against the source.  GPU only.
+the fill kernel's start until the copy began / ended, issued 2 ms after it; the fill alone
+takes ``fill`` ms) and the verdict: ``copy engine`` where the copy took at most 3x its idle
+time (+0.2 ms), ``SMs (waited)`` where it ended at least 1 ms later than that, else
+``unclear``.  With a second GPU, copies into its memory (peer access on) too.  Every way's
+result is checked against the source.  GPU only.
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def batch_copier(d: int, x: int, n: int, prefer_overlap: bool):
 
 
 def ways(dst: torch.Tensor, src: torch.Tensor) -> dict:
-    """name -> (copy(stream handle), capturable, check()) over ``dst`` / ``src`` (bytes)."""
+    """name -> (copy(stream handle), capturable, check()) over ``dst`` / ``src`` (bytes, one GPU)."""
     d, x, n = dst.data_ptr(), src.data_ptr(), src.numel()
     small = 1 << 20
     rows, width = 1024, n // 2048  # rows of half a pitch: an all-gather's strided run at W=2
@@ -132,6 +133,26 @@ def ways(dst: torch.Tensor, src: torch.Tensor) -> dict:
                                                              strided),
         f"cuMemcpy3DAsync {rows} rows, {sub >> 10} KiB sub-rows": (lambda s: check(cu.cuMemcpy3DAsync(m3, s), "3d"),
                                                                   True, strided),
+    }
+
+
+def peer_ways(src: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
+    """With a second GPU: copies from ``src`` (cuda:0) into cuda:1 memory through the unified
+    address space with peer access on -- how a rank writes a peer GPU's mapped memory -- as
+    (that destination, ways like :func:`ways`)."""
+    if torch.cuda.device_count() < 2:
+        return None, {}
+    dst = torch.zeros(src.numel(), dtype=src.dtype, device="cuda:1")
+    dev1 = check(cu.cuDeviceGet(1), "cuDeviceGet")[1]
+    ctx1 = check(cu.cuDevicePrimaryCtxRetain(dev1), "cuDevicePrimaryCtxRetain")[1]
+    err = cu.cuCtxEnablePeerAccess(ctx1, 0)[0]
+    if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+        raise RuntimeError(f"cuCtxEnablePeerAccess(cuda:0 -> cuda:1): {err}")
+    d, x, n = dst.data_ptr(), src.data_ptr(), src.numel()
+    same = lambda: torch.equal(dst.cpu(), src.cpu())  # noqa: E731
+    return dst, {
+        f"cuMemcpyAsync {n >> 20} MiB to cuda:1": (lambda s: check(cu.cuMemcpyAsync(d, x, n, s), "peer"), True, same),
+        f"batch, prefer overlap, {n >> 20} MiB to cuda:1": (batch_copier(d, x, n, True), False, same),
     }
 
 
@@ -190,7 +211,9 @@ def run(args) -> None:
     src = torch.randint(0, 255, (args.mib << 20,), dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)
     side = torch.cuda.Stream()
-    for name, (copy, capturable, same) in ways(dst, src).items():
+    dst1, across = peer_ways(src)
+    rows = [(name, w, dst) for name, w in ways(dst, src).items()] + [(name, w, dst1) for name, w in across.items()]
+    for name, (copy, capturable, same), out in rows:
         forms = [("eager", copy)]
         if capturable:
             g = torch.cuda.CUDAGraph()
@@ -199,16 +222,16 @@ def run(args) -> None:
             forms.append(("graph replay", g.replay))
         for form, fn in forms:
             call = (lambda f: lambda: f(torch.cuda.current_stream().cuda_stream))(fn) if form == "eager" else fn
-            dst.zero_()
+            out.zero_()
             alone = event_ms(call, args.iters)
             ok = same()
-            dst.zero_()
+            out.zero_()
             began, done, host = under_fill(fill, call, side)
             ok = ok and same()
-            issued = ISSUE_DELAY_S * 1e3
-            if done < fill.ms * 0.9 and done - issued <= 3 * alone + 0.5:
+            late = done - began - alone  # beyond its idle time
+            if late <= 2 * alone + 0.2:
                 verdict = "copy engine"
-            elif done >= fill.ms * 0.95:
+            elif late >= 1.0:
                 verdict = "SMs (waited)"
             else:
                 verdict = "unclear"
