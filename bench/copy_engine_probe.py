@@ -1,6 +1,7 @@
 """Which same-GPU copies the driver runs on copy engines and which on SMs: each way of copying
-is issued while a kernel holds every thread slot of every SM, and the copy either finishes
-while that kernel still runs (a copy engine moved it) or only after it (it waited for SMs).
+is issued while a kernel holds every thread slot of every SM, and the copy either takes its
+idle time (a copy engine moved it) or is held back for milliseconds (it waited for SM slots:
+on the H200 such copies ended when the fill was half done, a one-CTA kernel only at its end).
 
 Why: the profiler cannot tell.  CUPTI reports an eager same-GPU ``cuMemcpyAsync`` as one
 "Memcpy DtoD" whether or not the driver ran it as kernels, and a graph's memcpy nodes as
