@@ -389,9 +389,13 @@ class _FakeGraph:
 
 
 class _FakeTransport:
-    def __init__(self) -> None:
+    def __init__(self, stream=None) -> None:
         self.noted: list = []
         self.recording = None
+        self.stream = stream
+
+    def recording_stream(self):
+        return self.stream
 
     def recording_waits(self):
         import contextlib
@@ -413,7 +417,8 @@ class _FakeTransport:
                                           ("run-value", ValueError)])
 def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog, fail, raises) -> None:
     """The CUDA branch of ``run_graph.record`` without a GPU (torch.cuda's stream, device and
-    graph stood in for): a capture the driver refuses at its beginning, during the run or at its
+    graph stood in for): it records on the transport's own stream, never a pooled one; a capture
+    the driver refuses at its beginning, during the run or at its
     end gives None (the runs stay eager, logged), and ends the capture where it began; another
     error ends the capture and propagates; a recording keeps the run's waits aside and each replay
     launches the graph and notes them on the replay's stream."""
@@ -425,15 +430,20 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
         def wait_stream(self, other) -> None:
             log.append("fork")
 
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    def pooled(device=None):
+        raise AssertionError("a recording must not take one of torch's pooled streams (another rank's, maybe)")
+
+    monkeypatch.setattr(torch.cuda, "Stream", pooled)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(log, fail))
     monkeypatch.setattr(_once, "_logged", set())  # log_once: every reason new again
-    t = _FakeTransport()
+    own = Stream()
+    t = _FakeTransport(own)
 
     def run(stream) -> None:
+        assert stream is own  # recorded on the transport's own stream
         log.append("run")
         t.recording[3] = (7, 1, 0, "rank 1's block")  # what the transport's waits put there
         if fail == "run":

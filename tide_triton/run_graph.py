@@ -12,8 +12,9 @@ W=2).  Which collectives: ``$TIDE_TRITON_RUN_GRAPHS`` -- both kinds by default, 
 with ``all-gathers``, none with ``off`` (docs/benchmarks.md, "Session 15": on one GPU every form
 of a same-GPU copy, eager or recorded, runs on SMs, so recording changes no copy's engine there).
 
-The capture runs in ``thread_local`` mode on a stream of the rank's own (ranks of the
-single-process mode capture while their peers enqueue) and never synchronizes the device
+The capture runs in ``thread_local`` mode on a stream of the rank's own (the transport's
+``recording_stream``, never a pooled one: ranks of the single-process mode capture while their
+peers enqueue, and torch hands its pooled streams out round-robin) and never synchronizes the device
 (``torch.cuda.graph`` would: a peer's stream may be waiting for this rank's next flags).  A
 capture the driver refuses leaves nothing behind: the run is made eagerly, and that set of
 addresses is never recorded again (logged once).
@@ -63,7 +64,7 @@ def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph
         with host_capture.capture(graph):
             run(None)
         return RunGraph(graph, {})
-    side = torch.cuda.Stream(device)
+    side = t.recording_stream()  # the rank's own: a pooled stream may be another rank's (single-process mode)
     side.wait_stream(torch.cuda.current_stream(device))  # nothing runs in a capture: only its order
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.device(device), torch.cuda.stream(side), t.recording_waits() as waits:

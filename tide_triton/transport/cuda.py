@@ -771,6 +771,10 @@ class CudaTransport:
         (nothing waits until a replay: :meth:`note_waits`)."""
         return self._sig.recording_waits()
 
+    def recording_stream(self) -> torch.cuda.Stream:
+        """This rank's own stream for recording prepared runs (not a pooled one)."""
+        return self._sig.recording_stream()
+
     def note_waits(self, waits: dict, stream: torch.cuda.Stream) -> None:
         """A replay of a graph holding ``waits`` (:meth:`recording_waits`) was launched on
         ``stream``: its waits are pending there (what :meth:`synchronize` names when stuck)."""

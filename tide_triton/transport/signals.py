@@ -188,6 +188,8 @@ class CopyEngine:
         self.copy_graphs = "off"  # choose_copy_path sets it
         self._graphs: dict[int, Any] = {}  # id -> executable graph, destroyed with its list or at close
         self._capture_handle: Any = None
+        self._record_handle: Any = None
+        self._record_stream: Any = None
         self.signal_path = "direct"
         self.memop_batch = False
         self._attrs: list[Any] = []
@@ -483,6 +485,18 @@ class CopyEngine:
                          "prepared copies are enqueued, not replayed as a CUDA graph: %s", exc)
                 return None
 
+    def recording_stream(self) -> Any:
+        """The stream this rank records its prepared runs on (:mod:`tide_triton.run_graph`):
+        its own, created at the first recording and destroyed at close -- never one of torch's
+        pooled streams, which torch hands out round-robin: in the single-process mode a pooled
+        stream can be another rank's, and that rank's work would go into this rank's graph."""
+        if self._record_stream is None:
+            nb = int(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            with self._guard:
+                self._record_handle = check(self._cu.cuStreamCreate(nb), "cuStreamCreate(record)")
+            self._record_stream = torch.cuda.ExternalStream(int(self._record_handle), device=self.device)
+        return self._record_stream
+
     @in_host_range("tide_triton::copy_graph_destroy")
     def _drop_graph(self, key: int) -> None:
         """Its list is gone (a prepare-cache eviction): destroy the executable graph.  A
@@ -775,6 +789,10 @@ class CopyEngine:
         if self._capture_handle is not None:
             quiet(self._destroy_stream, self._capture_handle)
             self._capture_handle = None
+        if self._record_handle is not None:
+            self._record_stream = None
+            quiet(self._destroy_stream, self._record_handle)
+            self._record_handle = None
         quiet(self._destroy_stream, self._host_stream)
         quiet(self._free_host, self._host_buf)
         quiet(self._destroy_stream, self._copy_handle)
