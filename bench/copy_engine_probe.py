@@ -34,18 +34,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
+from strided_copy import timed  # noqa: E402  (bench/: a CUDA-event time per call after one untimed call)
 from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.transport.driver import check  # noqa: E402
 from tide_triton.transport.signals import memcpy2d_struct, memcpy3d_struct  # noqa: E402
 
 THREADS_PER_SM = 2048  # Hopper's resident-thread limit per SM
 ISSUE_DELAY_S = 0.002
-
-
-def check(res, what: str):
-    err = res[0] if isinstance(res, tuple) else res
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what}: {err}")
-    return res
 
 
 @triton.jit
@@ -144,8 +139,8 @@ def peer_ways(src: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
     if torch.cuda.device_count() < 2:
         return None, {}
     dst = torch.zeros(src.numel(), dtype=src.dtype, device="cuda:1")
-    dev1 = check(cu.cuDeviceGet(1), "cuDeviceGet")[1]
-    ctx1 = check(cu.cuDevicePrimaryCtxRetain(dev1), "cuDevicePrimaryCtxRetain")[1]
+    dev1 = check(cu.cuDeviceGet(1), "cuDeviceGet")
+    ctx1 = check(cu.cuDevicePrimaryCtxRetain(dev1), "cuDevicePrimaryCtxRetain")
     err = cu.cuCtxEnablePeerAccess(ctx1, 0)[0]
     if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
         raise RuntimeError(f"cuCtxEnablePeerAccess(cuda:0 -> cuda:1): {err}")
@@ -155,20 +150,6 @@ def peer_ways(src: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
         f"cuMemcpyAsync {n >> 20} MiB to cuda:1": (lambda s: check(cu.cuMemcpyAsync(d, x, n, s), "peer"), True, same),
         f"batch, prefer overlap, {n >> 20} MiB to cuda:1": (batch_copier(d, x, n, True), False, same),
     }
-
-
-def event_ms(fn, iters: int) -> float:
-    fn()  # loads what the first call loads (a kernel's module), untimed
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.mean(out)
 
 
 def under_fill(fill: Fill, copy, side: torch.cuda.Stream) -> tuple[float, float, float]:
@@ -204,7 +185,7 @@ def main() -> None:
 
 def run(args) -> None:
     info = env_info(torch.device("cuda", torch.cuda.current_device()))
-    version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")[1]
+    version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
     fill = Fill(args.fill_ms, args.ctas_per_sm)
     print(f"{info['gpu']} | torch {info['torch']} | CUDA {info['cuda']}, driver API {version} | git {info['git_sha']} "
           f"| {info['date']}\nfill: {fill.note}; {fill.ms:.2f} ms alone; copies issued "
@@ -226,7 +207,7 @@ def run(args) -> None:
         for form, fn in forms:
             call = (lambda f: lambda: f(torch.cuda.current_stream().cuda_stream))(fn) if form == "eager" else fn
             out.zero_()
-            alone = event_ms(call, args.iters)
+            alone = statistics.mean(timed(call, args.iters))
             ok = same()
             out.zero_()
             began, done, host = under_fill(fill, call, side)

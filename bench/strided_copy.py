@@ -29,6 +29,7 @@ import triton.language as tl  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
 from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.transport.driver import check  # noqa: E402
 from tide_triton.transport.signals import memcpy2d_struct, memcpy3d_struct  # noqa: E402
 
 # (name, rows, row bytes, dst pitch, src pitch): all-gather rows of one rank at W ranks
@@ -38,13 +39,6 @@ GEOMETRIES = [
     ("256 experts W=2 (256 x 3 of [512, 1024] bf16)", 768, 256 * 1024 * 2, 512 * 1024 * 2, 256 * 1024 * 2),
     ("256 experts W=8", 768, 64 * 1024 * 2, 512 * 1024 * 2, 64 * 1024 * 2),
 ]
-
-
-def check(res, what: str):
-    err = res[0] if isinstance(res, tuple) else res
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what}: {err}")
-    return res
 
 
 def timed(fn, iters: int) -> list[float]:
@@ -103,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.cuda.init()
     s = torch.cuda.current_stream().cuda_stream
-    version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")[1]
+    version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
     info = env_info(torch.device("cuda", torch.cuda.current_device()))
     print(f"{info['gpu']} | torch {info['torch']} | CUDA {info['cuda']}, driver API {version} | "
           f"git {info['git_sha']} | {info['date']} | each geometry's contiguous row: this run's ceiling for it")

@@ -150,11 +150,11 @@ for k in (7, 8, 9):
 import torch
 made = []
 torch.cuda.ExternalStream = lambda handle, device=None: made.append((handle, device)) or ("external", handle)
-t._record_handle = t._record_stream = None
+t._capture_handle = t._record_stream = None
 t.device = "cuda:0"
 first = t.recording_stream()
 assert t.recording_stream() is first and len(made) == 1 and made[0][1] == "cuda:0", made
-assert first == ("external", int(t._record_handle)), (first, t._record_handle)
+assert first == ("external", int(t._capture_handle)), (first, t._capture_handle)
 
 # A close whose streams did not drain releases this rank's own pending flag waits: the short
 # ones only (a GEQ counter below its value, an EQ identity word holding another value), with

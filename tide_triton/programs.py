@@ -3,9 +3,8 @@ prepared once for fixed tensors (:func:`tide_triton.prepare_reduce_scatter`,
 :func:`tide_triton.prepare_all_gather`), then run any number of times.  A run does no argument
 checks, no agreement with the peers and no cache lookups: its host work does not grow with the
 parameter count, only with the rounds of the ring (one ``copy_prepared`` per round and a few flag
-operations) -- and from the second run on a set of addresses an all-gather's whole run (a
-reduce-scatter's with ``$TIDE_TRITON_RUN_GRAPHS=all``) is recorded once and replayed by one graph
-launch (:mod:`tide_triton.run_graph`).
+operations) -- and from the second run on a set of addresses the whole run is recorded once and
+replayed by one graph launch (:mod:`tide_triton.run_graph`, ``$TIDE_TRITON_RUN_GRAPHS``).
 
 Flags: tokens, not counters (docs/design.md, "CUDA graph capture").  Each prepared collective
 has a token ``T`` (the call number of the call that prepared it: the same on every rank,
@@ -63,6 +62,10 @@ one might think (forward and backward, and they drift over the first steps): wit
 Llama-3.1-70B layers on the H200 bound ~5 new sets per step in the steady state (every one
 new against the last two kept), where the eager path's cache (512 entries per group) hit
 every call."""
+
+
+_UNRECORDED = object()
+"""``_Prepared._graphs``' answer for a binding not recorded yet (None: recording refused)."""
 
 
 def block_key(nbytes: int) -> str:
@@ -244,7 +247,8 @@ class _Prepared:
         g = self.g
         if captured or not self._graphs_on:
             return self._run(g, binding, stream, async_op, captured)
-        if key not in self._graphs:
+        rg = self._graphs.get(key, _UNRECORDED)  # one lookup: the key hashes O(parameters) ints
+        if rg is _UNRECORDED:
             uses = self._uses[key] = self._uses.get(key, 0) + 1
             if uses < 2:
                 return self._run(g, binding, stream, async_op, captured)
@@ -258,7 +262,6 @@ class _Prepared:
                 for kernel in self._kernels(binding):
                     for ev in kernel.upload_events:
                         t.host_wait_event(ev, timeout_s=g.options.timeout_s)
-        rg = self._graphs[key]
         if rg is None:  # the driver refused to record it (logged): eager
             return self._run(g, binding, stream, async_op, captured)
         return self._replay(rg, stream, async_op)

@@ -154,8 +154,6 @@ class SharedPointers:
     dst_gcd: int
     src_gcd: int
     event: object
-    stream: object
-    """The stream the upload was enqueued on (CUDA; None on the host)."""
 
 
 def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
@@ -168,12 +166,11 @@ def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
         return []
     parts = [np.asarray(dst_ptrs, dtype=np.int64)] + [np.asarray(s, dtype=np.int64) for s in src_lists]
     table, event = _upload(torch.from_numpy(np.concatenate(parts)), device)
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     gcds = [int(np.gcd.reduce(p)) if len(p) else 0 for p in parts]
     dst = table[: len(parts[0])]
     out, at = [], len(parts[0])
     for p, g in zip(parts[1:], gcds[1:]):
-        out.append(SharedPointers(dst, table[at: at + len(p)], gcds[0], g, event, stream))
+        out.append(SharedPointers(dst, table[at: at + len(p)], gcds[0], g, event))
         at += len(p)
     return out
 
@@ -272,8 +269,8 @@ class Binding:
     """(dst addresses, src addresses) when the caller already read them (one read per call
     for many bindings over the same tensors, as the reduce-scatter's chunks are)."""
     shared: SharedPointers | None = field(default=None, repr=False)
-    """Those addresses' device tables, uploaded with other bindings' (:func:`upload_pointer_tables`;
-    with ``known_ptrs``): no table of this binding's own."""
+    """Those addresses' device tables, uploaded with other bindings' (:func:`upload_pointer_tables`,
+    on the stream current now; with ``known_ptrs``): no table of this binding's own."""
     dst_ptrs: tuple[int, ...] = field(init=False, repr=False)
     src_ptrs: tuple[int, ...] = field(init=False, repr=False)
     _tables: tuple = field(init=False, repr=False)
@@ -314,10 +311,7 @@ class Binding:
         grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
         self._tables = (tiles, dst_tbl, src_tbl)
         self._cuda = device.type == "cuda"
-        if self.shared is not None:
-            self._upload_stream = self.shared.stream
-        else:
-            self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
+        self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
         self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
         self._streams_seen: set = set()
         self._compiled: dict = {}

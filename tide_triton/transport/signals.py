@@ -187,9 +187,8 @@ class CopyEngine:
         self.copy_path = "loop"
         self.copy_graphs = "off"  # choose_copy_path sets it
         self._graphs: dict[int, Any] = {}  # id -> executable graph, destroyed with its list or at close
-        self._capture_handle: Any = None
-        self._record_handle: Any = None
-        self._record_stream: Any = None
+        self._capture_handle: Any = None  # the rank's own stream for captures (_capture_stream)
+        self._record_stream: Any = None  # torch's handle of it (recording_stream)
         self.signal_path = "direct"
         self.memop_batch = False
         self._attrs: list[Any] = []
@@ -466,10 +465,7 @@ class CopyEngine:
         cu = self._cu
         with self._guard:
             try:
-                if self._capture_handle is None:
-                    self._capture_handle = check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
-                                                 "cuStreamCreate(capture)")
-                cs = self._capture_handle
+                cs = self._capture_stream()
                 check(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
                       "cuStreamBeginCapture(copies)")
                 try:
@@ -485,16 +481,25 @@ class CopyEngine:
                          "prepared copies are enqueued, not replayed as a CUDA graph: %s", exc)
                 return None
 
+    def _capture_stream(self) -> Any:
+        """This rank's own stream for captures -- its copy lists' graphs (:meth:`_capture`) and
+        its recorded runs (:meth:`recording_stream`), one at a time on the rank's thread (a run
+        being recorded captures its copies one by one, never a copy graph) -- created at the
+        first and destroyed at close.  The caller holds the context."""
+        if self._capture_handle is None:
+            self._capture_handle = check(self._cu.cuStreamCreate(int(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                                         "cuStreamCreate(capture)")
+        return self._capture_handle
+
     def recording_stream(self) -> Any:
-        """The stream this rank records its prepared runs on (:mod:`tide_triton.run_graph`):
-        its own, created at the first recording and destroyed at close -- never one of torch's
-        pooled streams, which torch hands out round-robin: in the single-process mode a pooled
-        stream can be another rank's, and that rank's work would go into this rank's graph."""
+        """The stream this rank records its prepared runs on (:mod:`tide_triton.run_graph`): the
+        rank's own capture stream -- never one of torch's pooled streams, which torch hands out
+        round-robin: in the single-process mode a pooled stream can be another rank's, and that
+        rank's work would go into this rank's graph."""
         if self._record_stream is None:
-            nb = int(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
             with self._guard:
-                self._record_handle = check(self._cu.cuStreamCreate(nb), "cuStreamCreate(record)")
-            self._record_stream = torch.cuda.ExternalStream(int(self._record_handle), device=self.device)
+                handle = self._capture_stream()
+            self._record_stream = torch.cuda.ExternalStream(int(handle), device=self.device)
         return self._record_stream
 
     @in_host_range("tide_triton::copy_graph_destroy")
@@ -787,12 +792,9 @@ class CopyEngine:
         for key in list(self._graphs):
             quiet(self._drop_graph, key)
         if self._capture_handle is not None:
+            self._record_stream = None
             quiet(self._destroy_stream, self._capture_handle)
             self._capture_handle = None
-        if self._record_handle is not None:
-            self._record_stream = None
-            quiet(self._destroy_stream, self._record_handle)
-            self._record_handle = None
         quiet(self._destroy_stream, self._host_stream)
         quiet(self._free_host, self._host_buf)
         quiet(self._destroy_stream, self._copy_handle)
