@@ -172,6 +172,9 @@ WARMUP = 3
 addresses (copy lists replay as graphs from their second use, a prepared run is recorded at
 its second run and replayed from its third; the first launch of a graph uploads it)."""
 
+TIMEOUT_S = 120.0
+"""``--timeout-s``: every group's deadline (waits on peers, on GPU work)."""
+
 CAPTURED = False
 """``--captured``: prepared runs captured into a CUDA graph each (after one run outside the
 capture); the timed call is ``graph.replay()``."""
@@ -253,7 +256,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=120, ring_bytes=ring_bytes, devices=devs)
+    groups = tt.local_groups(W, timeout_s=TIMEOUT_S, ring_bytes=ring_bytes, devices=devs)
     grads = [back_to_back(shapes, torch.bfloat16, devs[r], shifts=_shifts(iters)) for r in range(W)]
     shards = [back_to_back(layout.shard_shapes(r, padded=True), torch.float32, devs[r], 0.0) for r in range(W)]
     bshards = [back_to_back(layout.shard_shapes(r, padded=True), torch.bfloat16, devs[r], 0.0) for r in range(W)]
@@ -278,17 +281,17 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
                                threads=True):
             for _ in range(WARMUP):
                 fn()
-            tt.synchronize(g, timeout_s=120)
+            tt.synchronize(g, timeout_s=TIMEOUT_S)
             barrier.wait()
             t0, host, cpu = timed_calls(fn, iters, host_profile if r == 0 else None,
                                         f"{model} W={W} {name} (rank 0's thread)")
-            tt.synchronize(g, timeout_s=120)
+            tt.synchronize(g, timeout_s=TIMEOUT_S)
             barrier.wait()
             if r == 0:
                 times[name] = (time.perf_counter() - t0) / iters * 1e3
                 times[name + "_host"], times[name + "_cpu"] = host, cpu
             calls = driver_calls(g, fn)  # every rank makes the call; rank 0's count is kept
-            tt.synchronize(g, timeout_s=120)
+            tt.synchronize(g, timeout_s=TIMEOUT_S)
             barrier.wait()
             if r == 0:
                 times[name + "_calls"] = calls
@@ -299,7 +302,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
                     prof_ctx[0].__enter__()
                 barrier.wait()
                 fn()
-                tt.synchronize(g, timeout_s=120)
+                tt.synchronize(g, timeout_s=TIMEOUT_S)
                 barrier.wait()
                 if r == 0:
                     prof_ctx[0].__exit__(None, None, None)
@@ -350,7 +353,7 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
     torch.cuda.set_device(dev)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
-    g = tt.init(timeout_s=120, ring_bytes=ring_bytes)
+    g = tt.init(timeout_s=TIMEOUT_S, ring_bytes=ring_bytes)
     grads = back_to_back(shapes, torch.bfloat16, dev, shifts=_shifts(iters))
     shards = back_to_back(layout.shard_shapes(rank, padded=True), torch.float32, dev, 0.0)
     bshards = back_to_back(layout.shard_shapes(rank, padded=True), torch.bfloat16, dev, 0.0)
@@ -359,15 +362,15 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
     for name, fn in _calls(g, grads, shards, bshards, params, ("rs", "ag")):
         for _ in range(WARMUP):
             fn()
-        tt.synchronize(g, timeout_s=120)
+        tt.synchronize(g, timeout_s=TIMEOUT_S)
         dist.barrier()
         t0, host, cpu = timed_calls(fn, iters, host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)")
-        tt.synchronize(g, timeout_s=120)
+        tt.synchronize(g, timeout_s=TIMEOUT_S)
         dist.barrier()
         row[name + "_ms"] = (time.perf_counter() - t0) / iters * 1e3
         row[name + "_host_ms"], row[name + "_host_cpu_ms"] = host, cpu  # this rank's; the slowest is reported
         row[name + "_driver_calls"] = driver_calls(g, fn)
-        tt.synchronize(g, timeout_s=120)
+        tt.synchronize(g, timeout_s=TIMEOUT_S)
         dist.barrier()
         if profile:
             busy = _profiled_call(fn, g, rank, os.path.join(profile, f"{model}-W{W}-{name}-rank{{rank}}-trace.json"),
@@ -398,7 +401,7 @@ def _profiled_call(fn, g, rank: int, trace: str, title: str) -> dict:
     prof.__enter__()
     dist.barrier()
     fn()
-    tt.synchronize(g, timeout_s=120)
+    tt.synchronize(g, timeout_s=TIMEOUT_S)
     dist.barrier()
     prof.__exit__(None, None, None)
     if rank == 0:
@@ -589,14 +592,18 @@ def main() -> None:
                          "the cost of preparing them each call")
     ap.add_argument("--apart", action="store_true",
                     help="tensors apart (no strided copies: a descriptor per parameter and rank)")
+    ap.add_argument("--timeout-s", type=float, default=120.0,
+                    help="the groups' deadline for every wait on a peer or on GPU work (a stall ends in an error "
+                         "naming the rank after this long)")
     ap.add_argument("--json", default=None, help="append one JSON row per (model, W, ring) to this file")
     ap.add_argument("--plot", default=None, metavar="FILE", help="draw time and bandwidth against W into FILE")
     ap.add_argument("--from", dest="from_rows", nargs="+", default=None, metavar="ROWS.jsonl",
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
     global APART, PREPARED, CAPTURED
-    global NEW_GRADS
+    global NEW_GRADS, TIMEOUT_S
     APART, PREPARED, CAPTURED, NEW_GRADS = args.apart, args.prepared, args.captured, args.new_grads
+    TIMEOUT_S = args.timeout_s
     if NEW_GRADS and CAPTURED:
         ap.error("--new-grads times calls on new addresses; a captured graph replays fixed ones (drop --captured)")
     if args.from_rows:

@@ -439,6 +439,21 @@ def test_prepared_padding_zero_fill_runs_every_call() -> None:
     assert padded_somewhere
 
 
+def test_copy_graphs_off_by_default_where_ranks_share_a_process() -> None:
+    """``auto`` captures no copy graph when several ranks of one process drive the GPU (an
+    instantiation while peers' streams wait deadlocked on the H200 at W=4); ``always`` and
+    ``off`` are kept as asked, and one rank per process keeps ``auto``.  The transport passes
+    its in-process rank count (``CudaTransport.create_local_group``: all of them; on the GPU
+    ``test_collectives_cuda.py::test_reused_copy_lists_in_the_single_process_mode``)."""
+    from tide_triton.transport import signals
+
+    assert signals.copy_graphs_mode("auto", 1) == "auto"
+    assert signals.copy_graphs_mode("auto", 2) == "off"
+    assert signals.copy_graphs_mode("auto", 4) == "off"
+    assert signals.copy_graphs_mode("always", 4) == "always"
+    assert signals.copy_graphs_mode("off", 1) == "off"
+
+
 # ------------------------------------------------------------------------------ 3-D sub-rows
 def test_sub_row_bytes_rule() -> None:
     """Same-GPU strided runs of wide rows are cut into the largest power-of-two sub-rows (64 to

@@ -29,7 +29,9 @@ Variables of the package
     (``cuGraphLaunch`` of the list captured once) instead of enqueueing its descriptors:
     ``auto`` (default: from a list's second use, for lists of at least 8 descriptors --
     a reused list is FSDP2's steady state; a one-off list never pays the capture),
-    ``always`` (from the first use, any list: the tests' setting), ``off``.
+    ``always`` (from the first use, any list: the tests' setting), ``off``.  Where several
+    ranks of one process drive the GPU (the single-process mode) ``auto`` is ``off``: an
+    instantiation while peers' streams waited deadlocked there (``signals.copy_graphs_mode``).
     (:mod:`tide_triton.transport.signals`)
 ``TIDE_TRITON_RUN_GRAPHS``
     Which prepared collectives replay an eager-launched run as one recorded graph (a CUDA

@@ -236,7 +236,7 @@ class CudaTransport:
             self._sig.bases = self._bases = self._initial_bases()
             tx.on_rollback(self._heap.release_segments)
             self._grow(round_up(self._words.user_off + 8 * self.n_flags, self._heap.gran))
-            self._sig.choose_copy_path(opts.copy_mode)
+            self._sig.choose_copy_path(opts.copy_mode, self.local_size if self._local else 1)
             self._choose_signal_path()
             self._sig.choose_memop_path()
             self._closed = False
