@@ -229,7 +229,7 @@ def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> d
         def ranked(r: int):
             shards = _flat_views(layout.shard_shapes(r, padded=True), torch.float32, fill=-1.0, device=dev)
             tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")
-            tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")  # cached: replayed
+            tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")  # cached
             params = _flat_views(layout.padded_shapes, torch.bfloat16, fill=-3.0, device=dev)
             mine = [x.to(torch.bfloat16) for x in shards]
             tt.all_gather(mine, params, group=groups[r])

@@ -523,8 +523,9 @@ def test_prepared_all_gathers_back_to_back_with_a_slow_peer() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prepared_collectives_single_process_mode_cuda() -> None:
     """The single-process mode on one GPU (each rank thread on its own stream): three runs of a
-    prepared reduce-scatter and all-gather with new values between them, each exact; the second
-    run is recorded and the third replays it (``TIDE_TRITON_RUN_GRAPHS=auto``)."""
+    prepared reduce-scatter and all-gather with new values between them, each exact, every run
+    op by op (this mode records no run and replays no copy list by default: run_graph.mode_for,
+    signals.copy_graphs_mode)."""
     dev = torch.device("cuda", 0)
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(21)

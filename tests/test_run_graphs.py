@@ -261,6 +261,30 @@ def test_a_refused_recording_leaves_the_runs_eager(monkeypatch, caplog) -> None:
 BOTH = ("reduce_scatter (prepared)", "all_gather (prepared)")
 
 
+def test_single_process_mode_on_a_gpu_records_nothing_by_default(caplog) -> None:
+    """Several ranks of one process on a GPU: ``auto`` records nothing (an instantiation while
+    peers' streams waited stopped the rank threads inside driver calls on the H200 at W=8),
+    an explicit ``all`` / ``all-gathers`` is kept with one warning; one rank per process, and
+    the host transport's host graphs, keep every value."""
+    import logging
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert run_graph.mode_for("auto", cuda, 8) == "off"
+    assert run_graph.mode_for("auto", cuda, 1) == "auto"
+    assert run_graph.mode_for("auto", cpu, 8) == "auto"
+    assert run_graph.mode_for("off", cuda, 8) == "off"
+    with caplog.at_level(logging.WARNING):
+        assert run_graph.mode_for("all", cuda, 4) == "all"
+        assert run_graph.mode_for("all-gathers", cuda, 4) == "all-gathers"
+    warned = [m for m in caplog.messages if "instantiating a recording" in m]
+    assert len(warned) <= 1 and all("TIDE_TRITON_RUN_GRAPHS=all" in m for m in warned), caplog.messages
+    groups = _groups()
+    try:
+        assert [g.ranks_in_process for g in groups] == [W] * W
+    finally:
+        _close(groups)
+
+
 @pytest.mark.parametrize("mode, recorded", [("off", ()), ("all-gathers", ("all_gather (prepared)",)),
                                             ("auto", BOTH), ("all", BOTH)])
 def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tuple) -> None:

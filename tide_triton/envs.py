@@ -39,6 +39,9 @@ Variables of the package
     addresses (a one-off set never pays the recording): ``auto`` (default) and ``all``:
     all-gathers and reduce-scatters; ``all-gathers``: those only (session 14's default);
     ``off``: none, every run enqueues its operations.  Read when a collective is prepared.
+    On a GPU driven by several ranks of one process (the single-process mode) ``auto`` is
+    ``off``: instantiating a recording while peers' streams waited deadlocked the process
+    there (``run_graph.mode_for``).
     (:mod:`tide_triton.run_graph`; the measurements behind the default: docs/benchmarks.md,
     "Session 15")
 ``TIDE_TRITON_MEMOP_BATCH``

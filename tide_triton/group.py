@@ -341,6 +341,12 @@ class Group(CallIdentity):
                 v = self._extras.setdefault(key, v)
         return v
 
+    @property
+    def ranks_in_process(self) -> int:
+        """How many of the group's ranks this process drives: all of them in the
+        single-process mode (:func:`local_groups`), else one."""
+        return self.world_size if self._local is not None else 1
+
     def heap_barrier(self) -> None:
         """After ``ensure_heap``: in the single-process mode each rank grows its own heap,
         so nobody may address a peer's new range before the peer has mapped it."""
