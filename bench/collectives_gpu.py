@@ -60,9 +60,10 @@ if "RANK" not in os.environ:
 import torch  # noqa: E402
 
 import tide_triton as tt
-from tide_triton import run_graph
+from tide_triton import envs, run_graph
 from tide_triton.measure import GcPasses, copy_ceiling, env_info
 from tide_triton.report import collective_bytes
+from tide_triton.transport.signals import copy_graphs_mode
 from tide_triton.workloads import layer_shapes
 
 
@@ -642,7 +643,9 @@ def main() -> None:
     launch = "one process per rank (torchrun)" if torchrun else "single process, one thread per rank"
     say = print if lead else (lambda *a, **k: None)
     say(f"{info['gpu']} x {n_gpu} used | torch {info['torch']} | triton {info['triton']} | git {info['git_sha']} | "
-        f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, cuda:0, this run) | {launch}")
+        f"{info['date']} | copy ceiling {ceiling:.0f} GB/s (read + write, cuda:0, this run) | {launch} | "
+        f"TIDE_TRITON_RUN_GRAPHS={envs.run_graphs()}, TIDE_TRITON_COPY_GRAPHS={envs.copy_graphs()}"
+        f"{'' if torchrun else ' (auto makes no graphs with several ranks in this process)'}")
     say("| model | W | ring | reduce_scatter bf16->fp32 (ms) | of ceiling | host enqueue / CPU (ms) | driver calls | "
         "all_gather bf16 (ms) | of ceiling | host enqueue / CPU (ms) | driver calls | FSDP2 fp32 RS input / rank |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -667,7 +670,9 @@ def main() -> None:
             row["new_grads"] = NEW_GRADS
             row["prepared"] = PREPARED or CAPTURED
             row["captured"] = CAPTURED
-            row["copy_graphs"] = os.environ.get("TIDE_TRITON_COPY_GRAPHS", "auto")
+            in_process = 1 if torchrun else W  # the graph modes in effect (run_graph.mode_for, copy_graphs_mode)
+            row["copy_graphs"] = copy_graphs_mode(envs.copy_graphs(), in_process)
+            row["run_graphs"] = run_graph.mode_for(envs.run_graphs(), dev, in_process)
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
             print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | "
