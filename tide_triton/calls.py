@@ -17,6 +17,7 @@ import logging
 from functools import lru_cache
 from typing import Any, Sequence
 
+from . import stall_watch
 from .bootstrap import Abort
 from .errors import ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError
 
@@ -205,6 +206,7 @@ class Call:
         """Data of this call may have moved (or peers may be past its start): an error from
         here on leaves the group broken."""
         self._watched: list[Any] = []
+        self._stall: stall_watch.section | None = None
 
     def set_signature(self, signature: object) -> None:
         self.signature = signature
@@ -239,6 +241,9 @@ class Call:
                 f"{why}.  Its staging and flags can no longer be trusted; close it (group.close()) and "
                 "create a new one (tide_triton.init)")
         g._call = self
+        # a thread stuck inside a driver call never reaches its deadline checks: reported
+        self._stall = stall_watch.section(g.rank, f"{self.name} (call #{self.seq})", g.options.timeout_s)
+        self._stall.__enter__()
         return self
 
     def __exit__(self, et: Any, e: BaseException | None, tb: Any) -> None:
@@ -254,6 +259,8 @@ class Call:
         finally:
             g._call = None
             g._call_lock.release()
+            if self._stall is not None:
+                self._stall.__exit__()
         if better is not None:
             raise better from e
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from itertools import chain
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from . import hier_collectives, multicast_exec, node_prepare, programs
+from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import (FLOAT_DTYPES, check_gather_shards, check_shapes, check_tensor_list, check_uniform,
                       dtype_name)
@@ -512,6 +512,11 @@ def synchronize(group: object = None, *, device: object = None, stream: object =
         return
     t = g.transport(dev)
     limit = g.options.timeout_s if timeout_s is None else timeout_s
+    with stall_watch.section(g.rank, f"synchronize (after call #{g._seq})", limit):
+        _synchronize(g, t, dev, stream, limit)
+
+
+def _synchronize(g: Group, t: Any, dev: torch.device, stream: object, limit: float) -> None:
     try:
         if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
             hier_collectives.synchronize_side(g, dev, limit)
