@@ -73,7 +73,6 @@ GRAPH_MIN_DESCRIPTORS = 8
 below it the descriptors cost less host time than a graph launch saves."""
 
 
-
 def copy_graphs_mode(requested: str, ranks_in_process: int) -> str:
     """The copy-graph mode a rank uses: ``requested`` (``$TIDE_TRITON_COPY_GRAPHS``), except
     that ``auto`` is ``off`` where several ranks of one process drive the GPU (the
@@ -83,9 +82,15 @@ def copy_graphs_mode(requested: str, ranks_in_process: int) -> str:
     ``cuGraphLaunch`` / ``cuEventRecord`` (no deadline can fire inside a driver call), and with
     prepared runs op by op a rank's GPU work stalled behind another's flag wait
     (docs/benchmarks.md, "Session 16").  Without copy graphs both runs finished.  ``always``
-    stays a user's explicit choice."""
-    if requested == "auto" and ranks_in_process > 1:
+    stays a user's explicit choice, with a warning."""
+    if ranks_in_process <= 1 or requested == "off":
+        return requested
+    if requested == "auto":
         return "off"
+    log_once("copy-graphs-single-process", logging.WARNING,
+             "TIDE_TRITON_COPY_GRAPHS=%s with %d ranks in this process: making a copy graph while peers' streams "
+             "wait for this rank has deadlocked the process on the H200 (no deadline fires inside a driver "
+             "call); the default (auto) makes none in this mode", requested, ranks_in_process)
     return requested
 
 
