@@ -454,6 +454,29 @@ def test_copy_graphs_off_by_default_where_ranks_share_a_process() -> None:
     assert signals.copy_graphs_mode("off", 1) == "off"
 
 
+def test_single_process_mode_beyond_the_hardware_queues_is_warned_about(monkeypatch, caplog) -> None:
+    """Ranks of one process needing more streams than CUDA's 32 hardware queues (W >= 16) get
+    a warning saying streams will share queues and where the limit is; fewer get none (the
+    variable is already at 32 here, as the benches set it).  Without CUDA nothing is said."""
+    import logging
+
+    import tide_triton.group as group
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        group._enough_hardware_queues(2 * 15 + 2)
+        assert not caplog.messages
+        group._enough_hardware_queues(2 * 16 + 2)
+    assert len(caplog.messages) == 1 and "34 streams" in caplog.messages[0], caplog.messages
+    assert "beyond 15 ranks run one process per rank" in caplog.messages[0], caplog.messages
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="tide_triton"):
+        group._enough_hardware_queues(2 * 16 + 2)
+    assert not caplog.messages
+
+
 # ------------------------------------------------------------------------------ 3-D sub-rows
 def test_sub_row_bytes_rule() -> None:
     """Same-GPU strided runs of wide rows are cut into the largest power-of-two sub-rows (64 to

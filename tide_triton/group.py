@@ -590,6 +590,8 @@ def _local_rank_devices(world_size: int, devices: Sequence[Any]) -> list[torch.d
 
 
 _MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+_MOST_CONNECTIONS = 32
+"""The most hardware queues ``CUDA_DEVICE_MAX_CONNECTIONS`` can give a context."""
 
 
 def _enough_hardware_queues(streams: int) -> None:
@@ -600,11 +602,17 @@ def _enough_hardware_queues(streams: int) -> None:
     limit (read when the CUDA context is created) to what the ranks need (at most 32), if
     still possible -- not beyond: queues cost the GPU's capacity for contexts of all
     processes (H200: 62 contexts at 8 queues each, 9 at 32; bench/context_limit.py)."""
-    want = min(max(streams, 8), 32)
+    if not torch.cuda.is_available():
+        return
+    want = min(max(streams, 8), _MOST_CONNECTIONS)
+    if streams > _MOST_CONNECTIONS:
+        log.warning("single-process mode: its ranks use ~%d streams, more than the %d hardware queues CUDA "
+                    "offers: streams of different ranks will share queues, and a flag wait can then hold up the "
+                    "peer that would release it (on the H200 at W=4 with 8 queues every rank stalled until its "
+                    "deadline); beyond %d ranks run one process per rank", streams, _MOST_CONNECTIONS,
+                    (_MOST_CONNECTIONS - 2) // 2)
     have = os.environ.get(_MAX_CONNECTIONS)
     if have is not None and have.isdigit() and int(have) >= want:
-        return
-    if not torch.cuda.is_available():
         return
     if not torch.cuda.is_initialized() and have is None:
         os.environ[_MAX_CONNECTIONS] = str(want)
