@@ -81,9 +81,9 @@ class section:
     def __exit__(self, *exc: Any) -> None:
         with _lock:
             e = _open.pop(self._key, None)
-        if e is not None and e.reported:
-            log.warning("tide_triton: rank %d's %s ended after %.1f s (reported as stalled above)",
-                        e.rank, e.what, time.monotonic() - e.start)
+            if e is not None and e.reported:
+                log.warning("tide_triton: rank %d's %s ended after %.1f s (reported as stalled above)",
+                            e.rank, e.what, time.monotonic() - e.start)
 
 
 def _after_fork_in_child() -> None:
@@ -104,20 +104,20 @@ def _due(e: _Open) -> float:
 
 
 def _watch() -> None:
+    """The watcher's loop.  Reports are written holding the lock, so a section's "ended"
+    line (written after it leaves, under the lock) never comes before its report."""
     while True:
         with _lock:
-            while True:
-                now = time.monotonic()
-                late = [e for e in _open.values() if not e.reported and _due(e) <= now]
-                if late:
-                    for e in late:
-                        e.reported = True
-                    break
-                due = min((_due(e) for e in _open.values() if not e.reported), default=now + POLL_S)
-                _wake.wait(timeout=min(POLL_S, max(0.0, due - now)))
-        frames = sys._current_frames()
-        for e in late:
-            _report(e, frames.get(e.thread), now)
+            now = time.monotonic()
+            late = [e for e in _open.values() if not e.reported and _due(e) <= now]
+            if late:
+                frames = sys._current_frames()
+                for e in late:
+                    e.reported = True
+                    _report(e, frames.get(e.thread), now)
+                continue
+            due = min((_due(e) for e in _open.values() if not e.reported), default=now + POLL_S)
+            _wake.wait(timeout=min(POLL_S, max(0.0, due - now)))
 
 
 def _report(e: _Open, frame: Any, now: float) -> None:
