@@ -521,11 +521,13 @@ def test_prepared_all_gathers_back_to_back_with_a_slow_peer() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_prepared_collectives_single_process_mode_cuda() -> None:
+def test_prepared_collectives_single_process_mode_cuda(monkeypatch) -> None:
     """The single-process mode on one GPU (each rank thread on its own stream): three runs of a
     prepared reduce-scatter and all-gather with new values between them, each exact, every run
     op by op (this mode records no run and replays no copy list by default: run_graph.mode_for,
-    signals.copy_graphs_mode)."""
+    signals.copy_graphs_mode -- checked here)."""
+    monkeypatch.delenv("TIDE_TRITON_RUN_GRAPHS", raising=False)
+    monkeypatch.delenv("TIDE_TRITON_COPY_GRAPHS", raising=False)
     dev = torch.device("cuda", 0)
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(21)
@@ -543,6 +545,8 @@ def test_prepared_collectives_single_process_mode_cuda() -> None:
             st["ag"] = tt.prepare_all_gather([x[:n] for x, n in zip(st["shards"], layout.shard_rows(r))],
                                              st["params"], group=groups[r])
             torch.cuda.current_stream(dev).synchronize()
+            assert not st["rs"]._graphs_on and not st["ag"]._graphs_on, r
+            assert groups[r].transport(dev)._sig.copy_graphs == "off", r
 
     def step(r: int):
         st = state[r]
