@@ -20,6 +20,7 @@ once the stream ran.  GPU only.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import threading
@@ -49,7 +50,11 @@ class Probe:
         self.blocker = check(cu.cuStreamCreate(nb), "cuStreamCreate(blocker)")
         self.work = check(cu.cuStreamCreate(nb), "cuStreamCreate(work)")
         self.capture = check(cu.cuStreamCreate(nb), "cuStreamCreate(capture)")
-        self.word = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # device-visible (UVA)
+        # the word the blocker waits on: mapped pinned host memory, so a CPU store releases it
+        self.host_word = int(check(cu.cuMemHostAlloc(8, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
+        self.word = ctypes.c_int64.from_address(self.host_word)
+        self.word.value = 0
+        self.dev_word = check(cu.cuMemHostGetDevicePointer(self.host_word, 0), "cuMemHostGetDevicePointer")
         self.value = 0
         self.src = torch.arange(8 * MIB // 4, dtype=torch.int32, device="cuda")
         self.dst = torch.zeros_like(self.src)
@@ -58,7 +63,7 @@ class Probe:
         """``call()`` on another thread while the blocker stream waits for the word: how it
         ended (``returned`` / ``waited for the flag`` / ``raised ...``) and its duration (ms)."""
         self.value += 1
-        check(cu.cuStreamWaitValue64(self.blocker, cu.CUdeviceptr(self.word.data_ptr()), self.value,
+        check(cu.cuStreamWaitValue64(self.blocker, self.dev_word, self.value,
                                      int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)),
               "cuStreamWaitValue64(blocker)")
         time.sleep(0.05)  # the wait is at the stream's head
@@ -82,7 +87,7 @@ class Probe:
         th.join(self.limit_s)
         waited = th.is_alive()
         released_at = (time.perf_counter() - t0) * 1e3
-        self.word[0] = self.value  # a CPU store: releases the blocker without a driver call
+        self.word.value = self.value  # a CPU store: releases the blocker without a driver call
         th.join(60)
         if th.is_alive():
             return "still inside the call 60 s after the release", float("nan")
