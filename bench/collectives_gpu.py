@@ -181,12 +181,14 @@ CAPTURED = False
 capture); the timed call is ``graph.replay()``."""
 
 
-def _calls(g, grads, shards, bshards, params, names, threads: bool = False):
+def _calls(g, grads, shards, bshards, params, names, threads: bool = False, barrier=None):
     """The two timed collectives of a rank, as ``(name, fn)``: eager, prepared runs, or
     replays of captured prepared runs (``threads``: the single-process mode, whose rank threads
-    capture at the same time, see :func:`_captured`).  With :data:`NEW_GRADS` ``grads`` is a
-    list of sets of views (``back_to_back``'s shifts): the first to prepare with, then one set
-    per reduce-scatter call."""
+    capture at the same time, see :func:`_captured`, between two waits on ``barrier``: no rank
+    may instantiate its graph while another rank's stream waits for it -- docs/collectives.md).
+    With :data:`NEW_GRADS` ``grads`` is a list of sets of views (``back_to_back``'s shifts): the
+    first to prepare with, then one set per reduce-scatter call."""
+    sync = barrier.wait if barrier is not None else (lambda: None)
     first, sets = (grads[0], iter(grads[1:])) if NEW_GRADS else (grads, None)
     if PREPARED or CAPTURED:  # collective: every rank prepares both, in this order
         rs = tt.prepare_reduce_scatter(first, shards, group=g, op="avg")
@@ -197,7 +199,9 @@ def _calls(g, grads, shards, bshards, params, names, threads: bool = False):
         out = []
         for name, p in ((names[0], rs), (names[1], ag)):
             p.run()  # bound, its kernels loaded: what a capture needs first
+            sync()  # every rank's run enqueued whole: nothing waits for a flag not yet enqueued
             out.append((name, _captured(p.run, threads).replay))
+            sync()  # every graph instantiated before any rank enqueues again
         # Once a group has a captured run, its eager-launched prepared runs end joined (the
         # caller's stream waits for the peers' reads): timed too, the cost of that join.
         return out + [(names[0] + "_joined", rs.run), (names[1] + "_joined", ag.run)]
@@ -279,7 +283,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     def rank_body(r: int) -> None:
         g = groups[r]
         for name, fn in _calls(g, grads[r], shards[r], bshards[r], params[r], ("reduce_scatter", "all_gather"),
-                               threads=True):
+                               threads=True, barrier=barrier):
             for _ in range(WARMUP):
                 fn()
             tt.synchronize(g, timeout_s=TIMEOUT_S)
