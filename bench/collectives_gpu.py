@@ -63,7 +63,6 @@ import tide_triton as tt
 from tide_triton import envs, run_graph
 from tide_triton.measure import GcPasses, copy_ceiling, env_info
 from tide_triton.report import collective_bytes
-from tide_triton.transport.signals import copy_graphs_mode
 from tide_triton.workloads import layer_shapes
 
 
@@ -674,9 +673,9 @@ def main() -> None:
             row["new_grads"] = NEW_GRADS
             row["prepared"] = PREPARED or CAPTURED
             row["captured"] = CAPTURED
-            in_process = 1 if torchrun else W  # the graph modes in effect (run_graph.mode_for, copy_graphs_mode)
-            row["copy_graphs"] = copy_graphs_mode(envs.copy_graphs(), in_process)
-            row["run_graphs"] = run_graph.mode_for(envs.run_graphs(), dev, in_process)
+            in_process = 1 if torchrun else W  # the graph modes in effect (envs.graphs_in_process)
+            row["copy_graphs"] = envs.copy_graphs(ranks_in_process=in_process)
+            row["run_graphs"] = envs.run_graphs(ranks_in_process=in_process)
             rs_frac = row["rs_bytes"] / (row["rs_ms"] * 1e-3) / 1e9 / ceiling
             ag_frac = row["ag_bytes"] / (row["ag_ms"] * 1e-3) / 1e9 / ceiling
             print(f"| {model} | {W} | {ring >> 20} MiB | {row['rs_ms']:.2f} | {rs_frac:.1%} | "

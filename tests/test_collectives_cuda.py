@@ -40,7 +40,7 @@ def test_reused_copy_lists_in_the_single_process_mode(monkeypatch, mode: str) ->
     """FSDP2's steady state (the same addresses every step) with rank threads of one process:
     every call exact (integer-valued bf16: the sums are exact) and bit-identical, and
     parameters at new addresses are prepared again and still exact.  ``auto`` (the default)
-    replays no copy list as a graph there (signals.copy_graphs_mode: instantiating one while
+    replays no copy list as a graph there (envs.graphs_in_process: instantiating one while
     peers' streams wait deadlocked at W=4); ``always``, a user's explicit choice, replays
     them."""
     try:

@@ -445,13 +445,16 @@ def test_copy_graphs_off_by_default_where_ranks_share_a_process() -> None:
     ``off`` are kept as asked, and one rank per process keeps ``auto``.  The transport passes
     its in-process rank count (``CudaTransport.create_local_group``: all of them; on the GPU
     ``test_collectives_cuda.py::test_reused_copy_lists_in_the_single_process_mode``)."""
-    from tide_triton.transport import signals
+    from tide_triton import envs
 
-    assert signals.copy_graphs_mode("auto", 1) == "auto"
-    assert signals.copy_graphs_mode("auto", 2) == "off"
-    assert signals.copy_graphs_mode("auto", 4) == "off"
-    assert signals.copy_graphs_mode("always", 4) == "always"
-    assert signals.copy_graphs_mode("off", 1) == "off"
+    def mode(value: str, ranks: int) -> str:
+        return envs.copy_graphs({"TIDE_TRITON_COPY_GRAPHS": value}, ranks_in_process=ranks)
+
+    assert mode("auto", 1) == "auto"
+    assert mode("auto", 2) == "off"
+    assert mode("auto", 4) == "off"
+    assert mode("always", 4) == "always"
+    assert mode("off", 1) == "off"
 
 
 def test_single_process_mode_beyond_the_hardware_queues_is_warned_about(monkeypatch, caplog) -> None:

@@ -524,8 +524,8 @@ def test_prepared_all_gathers_back_to_back_with_a_slow_peer() -> None:
 def test_prepared_collectives_single_process_mode_cuda(monkeypatch) -> None:
     """The single-process mode on one GPU (each rank thread on its own stream): three runs of a
     prepared reduce-scatter and all-gather with new values between them, each exact, every run
-    op by op (this mode records no run and replays no copy list by default: run_graph.mode_for,
-    signals.copy_graphs_mode -- checked here)."""
+    op by op (this mode records no run and replays no copy list by default: envs.graphs_in_process
+    -- checked here)."""
     monkeypatch.delenv("TIDE_TRITON_RUN_GRAPHS", raising=False)
     monkeypatch.delenv("TIDE_TRITON_COPY_GRAPHS", raising=False)
     dev = torch.device("cuda", 0)

@@ -31,7 +31,7 @@ Variables of the package
     a reused list is FSDP2's steady state; a one-off list never pays the capture),
     ``always`` (from the first use, any list: the tests' setting), ``off``.  Where several
     ranks of one process drive the GPU (the single-process mode) ``auto`` is ``off``: an
-    instantiation while peers' streams waited deadlocked there (``signals.copy_graphs_mode``).
+    instantiation while peers' streams waited deadlocked there (``graphs_in_process``).
     (:mod:`tide_triton.transport.signals`)
 ``TIDE_TRITON_RUN_GRAPHS``
     Which prepared collectives replay an eager-launched run as one recorded graph (a CUDA
@@ -41,7 +41,7 @@ Variables of the package
     ``off``: none, every run enqueues its operations.  Read when a collective is prepared.
     On a GPU driven by several ranks of one process (the single-process mode) ``auto`` is
     ``off``: instantiating a recording while peers' streams waited deadlocked the process
-    there (``run_graph.mode_for``).
+    there (``graphs_in_process``).
     (:mod:`tide_triton.run_graph`; the measurements behind the default: docs/benchmarks.md,
     "Session 15")
 ``TIDE_TRITON_MEMOP_BATCH``
@@ -158,14 +158,44 @@ def copy_mode(env: Mapping[str, str] | None = None) -> str:
     return _choice("TIDE_TRITON_COPY_MODE", "auto", _COPY_MODES, env)
 
 
-def copy_graphs(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_COPY_GRAPHS``: ``"auto"`` (default), ``"always"`` or ``"off"``."""
-    return _choice("TIDE_TRITON_COPY_GRAPHS", "auto", _COPY_GRAPHS, env)
+def copy_graphs(env: Mapping[str, str] | None = None, *, ranks_in_process: int = 1) -> str:
+    """``$TIDE_TRITON_COPY_GRAPHS``: ``"auto"`` (default), ``"always"`` or ``"off"`` -- as in
+    effect for a rank of a GPU group whose process drives ``ranks_in_process`` of its ranks
+    (:func:`graphs_in_process`)."""
+    return graphs_in_process("TIDE_TRITON_COPY_GRAPHS", _choice("TIDE_TRITON_COPY_GRAPHS", "auto", _COPY_GRAPHS, env),
+                             ranks_in_process)
 
 
-def run_graphs(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_RUN_GRAPHS``: ``"auto"`` (default), ``"all"``, ``"all-gathers"`` or ``"off"``."""
-    return _choice("TIDE_TRITON_RUN_GRAPHS", "auto", _RUN_GRAPHS, env)
+def run_graphs(env: Mapping[str, str] | None = None, *, ranks_in_process: int = 1) -> str:
+    """``$TIDE_TRITON_RUN_GRAPHS``: ``"auto"`` (default), ``"all"``, ``"all-gathers"`` or ``"off"``
+    -- as in effect for a rank of a GPU group whose process drives ``ranks_in_process`` of its
+    ranks (:func:`graphs_in_process`; the host transport's host graphs pass 1)."""
+    return graphs_in_process("TIDE_TRITON_RUN_GRAPHS", _choice("TIDE_TRITON_RUN_GRAPHS", "auto", _RUN_GRAPHS, env),
+                             ranks_in_process)
+
+
+_warned_in_process: set[str] = set()
+
+
+def graphs_in_process(name: str, value: str, ranks_in_process: int) -> str:
+    """The one rule for the graphs tide_triton makes by itself (copy lists at their second use,
+    prepared runs at a set of addresses' second run), where one process drives several ranks of
+    a GPU group (the single-process mode): ``auto`` makes none there, and any other value but
+    ``off`` is kept with a warning (once per variable).  Such a graph is instantiated in the
+    middle of the ranks' calls, while peers' streams wait for this rank's next flags; on the
+    H200 (driver 580) that stopped every rank thread inside driver calls -- ``cuGraphInstantiate``,
+    ``capture_end``, ``cuEventRecord``, flag reads -- where no deadline can fire (copy graphs at
+    W=4, recordings at W=8; docs/benchmarks.md "Session 16").  One rank per process: ``value``."""
+    if ranks_in_process <= 1 or value == "off":
+        return value
+    if value == "auto":
+        return "off"
+    if name not in _warned_in_process:
+        _warned_in_process.add(name)
+        log.warning("tide_triton: %s=%s with %d ranks in this process: making such a graph while peers' streams "
+                    "wait for this rank has deadlocked the process on the H200 (no deadline fires inside a driver "
+                    "call); the default (auto) makes none in this mode", name, value, ranks_in_process)
+    return value
 
 
 def host_copy_queue(env: Mapping[str, str] | None = None) -> str:

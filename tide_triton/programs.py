@@ -103,7 +103,8 @@ class _Prepared:
         self._held = (tuple(first), tuple(second), key) if hold else None
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
-        mode = run_graph.mode_for(envs.run_graphs(), device, g.ranks_in_process)
+        # host graphs (CPU) are safe in any mode; CUDA graphs of several ranks in one process not
+        mode = envs.run_graphs(ranks_in_process=g.ranks_in_process if device.type == "cuda" else 1)
         self._graphs_on = mode in self._recorded_in
         self._graphs: dict[tuple, run_graph.RunGraph | None] = {}
         """Eager runs recorded once per binding (:mod:`tide_triton.run_graph`); None: refused."""

@@ -33,28 +33,7 @@ import torch
 from . import host_capture
 from .transport._once import log_once
 
-__all__ = ["RunGraph", "mode_for", "record"]
-
-
-def mode_for(requested: str, device: torch.device, ranks_in_process: int) -> str:
-    """The ``$TIDE_TRITON_RUN_GRAPHS`` value a prepared collective uses: ``requested``, except
-    that ``auto`` is ``off`` on a GPU driven by several ranks of one process (the
-    single-process mode).  A recording is instantiated at a set of addresses' second run, in
-    the middle of the ranks' calls, while peers' streams wait for this rank's next flags; on the
-    H200 (driver 580) at W=8 that stopped the rank threads inside driver calls -- one in
-    ``capture_end``'s instantiation, the others in ``cuEventRecord`` and in the flag reads of
-    their own deadline checks -- so no deadline could fire (docs/benchmarks.md, "Session 16";
-    copy graphs did the same at W=4).  An explicit ``all`` / ``all-gathers`` is kept, with a
-    warning; the host transport's recordings are host graphs and stay on."""
-    if device.type != "cuda" or ranks_in_process <= 1 or requested == "off":
-        return requested
-    if requested == "auto":
-        return "off"
-    log_once("run-graphs-single-process", logging.WARNING,
-             "tide_triton: TIDE_TRITON_RUN_GRAPHS=%s with %d ranks in this process: instantiating a recording "
-             "while peers' streams wait for this rank has deadlocked the process on the H200 (no deadline fires "
-             "inside a driver call); the default (auto) records nothing in this mode", requested, ranks_in_process)
-    return requested
+__all__ = ["RunGraph", "record"]
 
 
 class RunGraph:

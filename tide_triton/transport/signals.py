@@ -73,27 +73,6 @@ GRAPH_MIN_DESCRIPTORS = 8
 below it the descriptors cost less host time than a graph launch saves."""
 
 
-def copy_graphs_mode(requested: str, ranks_in_process: int) -> str:
-    """The copy-graph mode a rank uses: ``requested`` (``$TIDE_TRITON_COPY_GRAPHS``), except
-    that ``auto`` is ``off`` where several ranks of one process drive the GPU (the
-    single-process mode).  There a copy graph is captured, instantiated and first launched
-    while peers' streams wait for this rank's flags, and on the H200 (driver 580, W=4) that
-    deadlocked twice over: host threads stopped inside ``cuGraphInstantiate`` /
-    ``cuGraphLaunch`` / ``cuEventRecord`` (no deadline can fire inside a driver call), and with
-    prepared runs op by op a rank's GPU work stalled behind another's flag wait
-    (docs/benchmarks.md, "Session 16").  Without copy graphs both runs finished.  ``always``
-    stays a user's explicit choice, with a warning."""
-    if ranks_in_process <= 1 or requested == "off":
-        return requested
-    if requested == "auto":
-        return "off"
-    log_once("copy-graphs-single-process", logging.WARNING,
-             "TIDE_TRITON_COPY_GRAPHS=%s with %d ranks in this process: making a copy graph while peers' streams "
-             "wait for this rank has deadlocked the process on the H200 (no deadline fires inside a driver "
-             "call); the default (auto) makes none in this mode", requested, ranks_in_process)
-    return requested
-
-
 SUB_ROWS_MIN_ROW_BYTES = 128 << 10
 SUB_ROWS_BYTES = (64 << 10, 512 << 10)
 """A strided run whose both ends lie on this rank's GPU and whose rows span at least
@@ -265,7 +244,7 @@ class CopyEngine:
     def choose_copy_path(self, copy_mode: str, ranks_in_process: int = 1) -> None:
         """``batch`` where ``cuMemcpyBatchAsync`` copies a probe word, else ``loop``
         (``copy_mode`` pins one; ``batch`` that cannot work raises); and the copy-graph mode
-        (:func:`copy_graphs_mode`: ``ranks_in_process`` > 1 in the single-process mode)."""
+        (``ranks_in_process`` > 1 in the single-process mode: :func:`tide_triton.envs.graphs_in_process`)."""
         cu = self._cu
         why = ""
         path = "loop"
@@ -297,7 +276,7 @@ class CopyEngine:
         if copy_mode == "batch" and path != "batch":
             raise RuntimeError(f"copy_mode='batch' but {why}")
         self.copy_path = path
-        self.copy_graphs = copy_graphs_mode(envs.copy_graphs(), ranks_in_process)
+        self.copy_graphs = envs.copy_graphs(ranks_in_process=ranks_in_process)
         level = logging.INFO if path == "batch" else logging.WARNING
         log_once(f"copy-{path}", level, "copies use %s (%s)",
                  "cuMemcpyBatchAsync" if path == "batch" else "a cuMemcpyAsync loop", why)
