@@ -51,7 +51,7 @@ class Probe:
         self.work = check(cu.cuStreamCreate(nb), "cuStreamCreate(work)")
         self.capture = check(cu.cuStreamCreate(nb), "cuStreamCreate(capture)")
         # the word the blocker waits on: mapped pinned host memory, so a CPU store releases it
-        self.host_word = int(check(cu.cuMemHostAlloc(8, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
+        self.host_word = int(check(cu.cuMemHostAlloc(128, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
         self.word = ctypes.c_int64.from_address(self.host_word)
         self.word.value = 0
         self.dev_word = check(cu.cuMemHostGetDevicePointer(self.host_word, 0), "cuMemHostGetDevicePointer")
@@ -59,7 +59,7 @@ class Probe:
         self.src = torch.arange(8 * MIB // 4, dtype=torch.int32, device="cuda")
         self.dst = torch.zeros_like(self.src)
 
-    def blocked(self, call: Callable[[], Any]) -> tuple[str, float]:
+    def blocked(self, call: Callable[[], Any], during_load: bool = False) -> tuple[str, float]:
         """``call()`` on another thread while the blocker stream waits for the word: how it
         ended (``returned`` / ``waited for the flag`` / ``raised ...``) and its duration (ms)."""
         self.value += 1
@@ -70,6 +70,16 @@ class Probe:
         if int(cu.cuStreamQuery(self.blocker)[0]) == 0:
             raise RuntimeError("the blocker stream did not wait on the pinned word: this probe cannot tell")
         out: dict[str, Any] = {}
+        loader = None
+        if during_load:  # a thread inside cuModuleLoadData, which waits for the blocker
+            def load() -> None:
+                check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+                check(cu.cuModuleUnload(self.load_module()), "cuModuleUnload")
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+            time.sleep(0.3)
+            if not loader.is_alive():
+                raise RuntimeError("the module load did not wait for the blocker: this row cannot tell")
 
         def run() -> None:
             check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
@@ -89,7 +99,9 @@ class Probe:
         released_at = (time.perf_counter() - t0) * 1e3
         self.word.value = self.value  # a CPU store: releases the blocker without a driver call
         th.join(60)
-        if th.is_alive():
+        if loader is not None:
+            loader.join(60)
+        if th.is_alive() or (loader is not None and loader.is_alive()):
             return "still inside the call 60 s after the release", float("nan")
         check(cu.cuStreamSynchronize(self.blocker), "cuStreamSynchronize(blocker)")
         if waited:
@@ -111,6 +123,76 @@ class Probe:
         rows, row = 64, self.src.nbytes // 64
         m = memcpy3d_struct(cu, self.dst.data_ptr(), self.src.data_ptr(), row, rows, row, row, row // 2)
         check(cu.cuMemcpy3DAsync(m, s), "cuMemcpy3DAsync")
+
+    def read_word(self) -> int:
+        """Read the awaited word through the device (a copy on an idle stream)."""
+        check(cu.cuMemcpyDtoHAsync(self.host_word + 64, self.dev_word, 8, self.work), "cuMemcpyDtoHAsync")
+        check(cu.cuStreamSynchronize(self.work), "cuStreamSynchronize")
+        return ctypes.c_int64.from_address(self.host_word + 64).value
+
+    def release_by_driver(self) -> None:
+        """Release the blocker with a stream write from another stream (what a close does)."""
+        check(cu.cuStreamWriteValue64(self.work, self.dev_word, self.value, 0), "cuStreamWriteValue64")
+        check(cu.cuStreamSynchronize(self.work), "cuStreamSynchronize")
+
+    def copies_1000(self, s: Any) -> None:
+        n = 64 * 1024
+        for i in range(1000):
+            off = (i * n) % self.src.nbytes
+            check(cu.cuMemcpyAsync(self.dst.data_ptr() + off, self.src.data_ptr() + off, n, s), "cuMemcpyAsync")
+
+    def vmm_map(self) -> tuple[Any, int, int]:
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = torch.cuda.current_device()
+        gran = int(check(cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"))
+        size = max(gran, 2 * MIB)
+        handle = check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+        va = int(check(cu.cuMemAddressReserve(size, gran, 0, 0), "cuMemAddressReserve"))
+        check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
+        acc = cu.CUmemAccessDesc()
+        acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = prop.location.id
+        acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        check(cu.cuMemSetAccess(va, size, [acc], 1), "cuMemSetAccess")
+        return handle, va, size
+
+    def vmm_unmap(self, v: tuple[Any, int, int]) -> None:
+        handle, va, size = v
+        check(cu.cuMemUnmap(va, size), "cuMemUnmap")
+        check(cu.cuMemRelease(handle), "cuMemRelease")
+        check(cu.cuMemAddressFree(va, size), "cuMemAddressFree")
+
+    def load_module(self) -> Any:
+        major = torch.cuda.get_device_capability()[0]
+        minor = torch.cuda.get_device_capability()[1]
+        ptx = (f".version 7.8\n.target sm_{major}{minor}\n.address_size 64\n"
+               ".visible .entry probe_noop()\n{\n\tret;\n}\n").encode() + b"\0"
+        return check(cu.cuModuleLoadData(ptx), "cuModuleLoadData")
+
+    def launch(self, mod: Any) -> None:
+        fn = check(cu.cuModuleGetFunction(mod, b"probe_noop"), "cuModuleGetFunction")
+        check(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, self.work, 0, 0), "cuLaunchKernel")
+
+    def triton_first_call(self, which: int) -> None:
+        x = torch.zeros(1024 + which, dtype=torch.float32 if which == 0 else torch.float16, device="cuda")
+        with torch.cuda.stream(torch.cuda.ExternalStream(int(self.work))):
+            _probe_add_one[(1,)](x, x.numel(), BLOCK=2048)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe_add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) + 1, mask=m)
+except ImportError:  # pragma: no cover - GPU machines have Triton
+    _probe_add_one = None
 
 
 def main() -> None:
@@ -158,8 +240,53 @@ def main() -> None:
 
     row("torch.cuda.CUDAGraph capture + capture_end (thread_local)", torch_graph)
     row("its replay, first", lambda: state["tg"].replay())
-    row("cuMemAlloc + cuMemFree (1 MiB)",
-        lambda: check(cu.cuMemFree(check(cu.cuMemAlloc(MIB), "cuMemAlloc")), "cuMemFree"))
+    row("capture 1000 small copies (64 KiB each) into one graph",
+        lambda: state.__setitem__("gn", p.captured(p.copies_1000)))
+    row("cuGraphInstantiate (1000-copy graph)",
+        lambda: state.__setitem__("xn", check(cu.cuGraphInstantiate(state["gn"], 0), "cuGraphInstantiate")))
+    row("cuGraphLaunch, first (1000-copy graph)", lambda: check(cu.cuGraphLaunch(state["xn"], p.work), "cuGraphLaunch"))
+    row("cuGraphExecDestroy + cuGraphDestroy (1000-copy graph)",
+        lambda: (check(cu.cuGraphExecDestroy(state.pop("xn")), "cuGraphExecDestroy"),
+                 check(cu.cuGraphDestroy(state.pop("gn")), "cuGraphDestroy")))
+    row("cuMemAlloc (1 MiB)", lambda: state.__setitem__("m", check(cu.cuMemAlloc(MIB), "cuMemAlloc")))
+    row("cuMemFree (1 MiB)", lambda: check(cu.cuMemFree(state.pop("m")), "cuMemFree"))
+    row("torch: a new caching-allocator segment (torch.empty 96 MiB)",
+        lambda: state.__setitem__("t", torch.empty(96 * MIB, dtype=torch.uint8, device="cuda")))
+    row("cuMemHostAlloc (pinned, 1 MiB)",
+        lambda: state.__setitem__("h", check(cu.cuMemHostAlloc(MIB, 0), "cuMemHostAlloc")))
+    row("cuMemFreeHost (that 1 MiB)", lambda: check(cu.cuMemFreeHost(state.pop("h")), "cuMemFreeHost"))
+    row("torch: pin_memory() of a new size (caching host allocator, new block)",
+        lambda: state.__setitem__("pin", torch.empty(3 * MIB + 4096, dtype=torch.uint8).pin_memory()))
+    row("torch: pin_memory() again, block free in its cache (the same size)",
+        lambda: (state.pop("pin"),
+                 state.__setitem__("pin2", torch.empty(3 * MIB + 4096, dtype=torch.uint8).pin_memory())))
+    row("VMM: cuMemCreate + reserve + map + set access (2 MiB)", lambda: state.__setitem__("v", p.vmm_map()))
+    row("VMM: cuMemUnmap + cuMemRelease + cuMemAddressFree", lambda: p.vmm_unmap(state.pop("v")))
+    row("cuModuleLoadData (a PTX module, first load)", lambda: state.__setitem__("mod", p.load_module()))
+    row("cuLaunchKernel, first launch of that module's kernel", lambda: p.launch(state["mod"]))
+    row("cuModuleUnload", lambda: check(cu.cuModuleUnload(state.pop("mod")), "cuModuleUnload"))
+    row("a Triton kernel's first call (compile + load + launch)", lambda: p.triton_first_call(0))
+    row("another specialization of it (load + launch, compiled kernel cache warm)", lambda: p.triton_first_call(1))
+    row("cuCtxSynchronize (control: must wait)", lambda: check(cu.cuCtxSynchronize(), "cuCtxSynchronize"))
+
+    # Does a thread stuck in a module load stop the others?  (A deadline or a watchdog on
+    # another thread must still read flags and release waits.)
+    print("\n| call (a third thread; another thread is inside cuModuleLoadData, waiting) | result | ms |")
+    print("|---|---|---|")
+    mod = p.load_module()  # loaded once (unblocked): its kernel launches below load nothing
+    loaded = state.setdefault("loaded", mod)
+
+    def during(name: str, call: Callable[[], Any]) -> None:
+        how, ms = p.blocked(call, during_load=True)
+        rows.append((name + " [during a load]", how, ms))
+        print(f"| {name} | {how} | {ms:.2f} |", flush=True)
+
+    during("cuStreamQuery of the waiting stream", lambda: cu.cuStreamQuery(p.blocker))
+    during("cuMemcpyDtoHAsync + cuStreamSynchronize, idle stream (a flag read)", p.read_word)
+    during("cuEventRecord on an idle stream", lambda: check(cu.cuEventRecord(check(cu.cuEventCreate(0), "ev"), p.work),
+                                                              "cuEventRecord"))
+    during("cuLaunchKernel of a loaded kernel", lambda: p.launch(loaded))
+    during("cuStreamWriteValue64 of the awaited word, another stream (a release)", p.release_by_driver)
     torch.cuda.synchronize()
     ok = torch.equal(p.dst, p.src)
     print(f"copies checked: {'exact' if ok else 'WRONG'}")

@@ -536,3 +536,43 @@ def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() ->
     assert g._all_aborted({1}) and g._all_aborted({1, 3})
     assert not g._all_aborted({1, 2})  # rank 2 published nothing: maybe only slow
     assert not g._all_aborted({0})     # never "released" on this rank's own account
+
+
+# ---- 10. a kernel variant's first load while a peer is late -----------------------------
+def _load_while_a_peer_is_late(rank: int, W: int) -> dict:
+    import tide_triton as tt
+
+    dev = _dev("cuda", rank)
+    torch.cuda.set_device(dev)
+    tt.init(timeout_s=4)
+    layout = tt.ShardLayout([(64, 32)], W)
+    grads = [torch.full((64, 32), float(rank + 1), dtype=torch.bfloat16, device=dev)]
+    shards = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank)]
+    tt.reduce_scatter(grads, shards, op="sum")
+    tt.synchronize()
+    first = bool((shards[0] == 3).all())
+    if rank == 1:  # this rank's stream is busy for ~10 s: its next flags come late
+        torch.cuda._sleep(int(2e10))
+    tt.reduce_scatter(grads, shards, op="sum")  # rank 0's copy stream now waits for rank 1
+    t0 = time.monotonic()
+    # "avg": a kernel variant not loaded yet (it scales), loaded at this call's preparation
+    o = _outcome(lambda: tt.reduce_scatter(grads, shards, op="avg") and None, "cuda")
+    return {"first": first, "outcome": o, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.gpu
+def test_a_kernel_load_while_a_peer_is_late_ends_in_an_error_naming_it() -> None:
+    """A module load waits for every stream of the process and stops the process's other
+    driver calls (tide_triton/device_wide.py).  Before this test's fix, rank 0 loaded the
+    ``avg`` variant while its stream waited for rank 1 (late on its GPU): the host stopped
+    inside the driver until rank 1 caught up -- had rank 1 died, forever, no deadline firing.
+    Now it settles first and raises at its deadline, naming rank 1."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out = run_multiprocess(_load_while_a_peer_is_late, 2, timeout=120)
+    assert out[0]["first"] and out[1]["first"], out
+    r0 = out[0]
+    assert r0["outcome"].startswith("timeout 1: timed out after 4.0 s waiting for rank 1"), r0
+    assert "before loading a kernel variant" in r0["outcome"], r0
+    assert r0["seconds"] < 9, r0  # the deadline plus a compile, not rank 1's ~10 s
+    assert out[1]["outcome"].startswith(_ERRORS), out[1]  # rank 1 ends in an error too, never a value

@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from . import heap
+from . import device_wide, heap
 from ._checks import is_int
 from .bootstrap import Exchange, LocalKeyValue, StoreKeyValue
 from .calls import Call, CallIdentity, check_same, describe, fingerprint, sig32_of
@@ -415,6 +415,8 @@ class Group(CallIdentity):
         with self._lock:
             z = self._extras.get(key)
             if z is None or z.numel() < nbytes:
+                if z is None and device.type == "cuda":  # the fill kernel's first launch may load it
+                    device_wide.before("the zero buffer's first fill (torch may load its kernel)")
                 z = self._extras[key] = torch.zeros(max(nbytes, 4096), dtype=torch.uint8, device=device)
                 if device.type == "cuda":  # rare (growth only): other streams read it next
                     # with a deadline: the stream may hold waits on a peer that died

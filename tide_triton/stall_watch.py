@@ -6,7 +6,9 @@ by Python, between driver calls.  A thread stopped *inside* a driver call never 
 its check: on the H200 (driver 580) rank threads of one process stopped in
 ``cuGraphInstantiate``, ``cuGraphLaunch``, ``cuEventRecord`` and a flag read while other
 ranks' streams waited for them (docs/benchmarks.md, "Session 16"), and the process hung
-without a word.  Nothing can interrupt such a call from Python.  What this module adds: each
+without a word -- as every driver call of a process does while one of its threads is inside
+a module load that waits for a stream (``bench/blocking_probe.py``; the library settles
+before its own loads: :mod:`tide_triton.device_wide`).  Nothing can interrupt such a call from Python.  What this module adds: each
 collective call and each ``synchronize`` is a *section* (rank, what, deadline); one daemon
 thread of the process looks at the open sections and, for each still open
 ``FACTOR x deadline + SLACK_S`` after it began -- long past the point where every wait inside

@@ -24,7 +24,7 @@ import torch
 import triton.language as tl
 from triton import knobs as _knobs
 
-from .. import envs, host_capture
+from .. import device_wide, envs, host_capture
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
 
 __all__ = ["Span", "SegmentProgram", "Binding", "launch_config", "interpreting"]
@@ -409,10 +409,11 @@ class Binding:
     def prepare(self, *, scale: float | None = None, accumulate: bool = False) -> None:
         """Compile and load the kernel variant ``launch`` will use, without launching.
 
-        Loading a module (like allocating pinned memory) may synchronise the whole device.
-        Ranks driven from one process (the single-process mode) must do all of that before
-        they enqueue waits on each other's flags, or a sync can wait on a stream that waits
-        on a peer whose thread is itself stuck in a sync."""
+        Loading a module waits for every stream of the process (and stops the process's
+        other driver calls meanwhile): the groups of this process settle first
+        (:mod:`tide_triton.device_wide`).  Ranks driven from one process (the single-process
+        mode) must do all of it before they enqueue waits on each other's flags, or the load
+        waits on a stream that waits on a peer whose thread is itself stuck behind the load."""
         if self.program.n_tiles == 0 or not self._cuda:
             return
         key = self._variant(scale, accumulate)
@@ -429,6 +430,9 @@ class Binding:
         with _COMPILED_LOCK:
             kernel = _COMPILED.get(spec)
         if kernel is None:
+            # The module load below waits for every stream of the process, and stops every
+            # other thread's driver calls meanwhile: settle first (tide_triton.device_wide).
+            device_wide.before(f"loading a kernel variant (segmented_reduce_kernel {key}, {self._static})")
             # Later launches call the compiled kernel directly, skipping Triton's per-launch
             # argument binding and specialisation (~30 us of host time).
             kernel = segmented_reduce_kernel.warmup(

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import envs
+from .. import device_wide, envs
 from .._checks import is_int
 from ..errors import PeerTimeoutError
 from . import driver
@@ -240,6 +240,8 @@ class CudaTransport:
             self._choose_signal_path()
             self._sig.choose_memop_path()
             self._closed = False
+        if not self._local or self.local_size == 1:  # one rank in this process: see device_wide
+            device_wide.register(self)
 
     # ------------------------------------------------------------------------------------
     # construction
@@ -558,6 +560,17 @@ class CudaTransport:
                                     self.options.timeout_s)
         return TimeoutError(f"rank {self.rank}: {what} after {self.options.timeout_s:.1f} s")
 
+    def settle_device_wide(self, what: str) -> None:
+        """Before ``what``, a driver call that waits for every stream of this process
+        (:mod:`tide_triton.device_wide`): wait, with the group's deadline, until this rank's
+        streams are idle -- what that call would wait for anyway, but ending in
+        ``PeerTimeoutError`` naming the peer they wait for, not in a thread stopped inside
+        the driver."""
+        if self._closed:
+            return
+        if not self._drain(self.options.timeout_s):
+            raise self.busy_error(f"before {what}, which waits for every stream of this process")
+
     def _user_range(self, offset: int, nbytes: int) -> tuple[int, int]:
         for name, v, low in (("offset", offset, 0), ("nbytes", nbytes, 1)):
             _check_int(name, v, low)
@@ -867,6 +880,7 @@ class CudaTransport:
         if self._closed:
             return
         self._closed = True
+        device_wide.unregister(self)
         if not self._drain(drain_timeout_s) and not (may_release is not None
                                                      and self._release_stuck_waits(may_release)):
             log.error("rank %d: streams still busy after %.0f s at close; "

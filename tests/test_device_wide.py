@@ -1,0 +1,121 @@
+"""The rule around driver calls that wait for every stream of the process (module loads; see
+``tide_triton/device_wide.py``): registered owners settle before one, a kernel variant's
+first load settles first and only once, and a transport that cannot settle names the peer
+its streams wait for.  The GPU case (a peer late on its GPU, a new kernel variant loaded
+meanwhile) is in tests/test_faults.py."""
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+
+from tide_triton import device_wide
+from tide_triton.errors import PeerTimeoutError
+
+
+class _Owner:
+    def __init__(self, log: list, name: str, error: BaseException | None = None) -> None:
+        self.log, self.name, self.error = log, name, error
+
+    def settle_device_wide(self, what: str) -> None:
+        self.log.append((self.name, what))
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(device_wide, "_owners", weakref.WeakSet())
+    return device_wide
+
+
+def test_every_registered_owner_settles_and_the_first_error_propagates(clean_registry) -> None:
+    log: list = []
+    a, b, c = _Owner(log, "a"), _Owner(log, "b"), _Owner(log, "c")
+    for o in (a, b, c):
+        device_wide.register(o)
+    device_wide.unregister(c)
+    assert device_wide.registered() == 2
+    device_wide.before("loading X")
+    assert sorted(log) == [("a", "loading X"), ("b", "loading X")]
+    b.error = PeerTimeoutError(3, "rank 3's flag", 1.0)
+    with pytest.raises(PeerTimeoutError, match="rank 3") as e:
+        device_wide.before("loading Z")
+    assert e.value.peer == 3
+
+
+def test_owners_are_held_weakly(clean_registry) -> None:
+    log: list = []
+    device_wide.register(_Owner(log, "gone"))
+    gc.collect()
+    assert device_wide.registered() == 0
+    device_wide.before("nothing to settle")
+    assert log == []
+
+
+def test_a_kernel_variant_settles_before_its_first_load_and_only_then(clean_registry, monkeypatch) -> None:
+    """``Binding.prepare`` on the CUDA branch (Triton's compile and load stood in for): the
+    owners settle before the load, once per variant, and a settle error leaves nothing
+    loaded -- the next prepare settles (and loads) again."""
+    from tide_triton.kernels import segments
+    from tide_triton.kernels.accumulate import bind_accumulate_shards
+    from tide_triton.layout import ShardLayout
+
+    events: list = []
+    owner = _Owner(events, "transport")
+    device_wide.register(owner)
+
+    class _Compiled:
+        def _init_handles(self) -> None:
+            events.append(("load", None))
+
+    def warmup(*args, **kwargs):
+        events.append(("compile", None))
+        return _Compiled()
+
+    monkeypatch.setattr(segments, "_COMPILED", {})
+    monkeypatch.setattr(segments.segmented_reduce_kernel, "warmup", warmup)
+    layout = ShardLayout([(6, 4), (8,)], 2)
+    shards = [torch.zeros(s) for s in layout.shard_shapes(0, padded=True)]
+    grads = [torch.ones(layout.flat_shard_numel * 2, dtype=torch.bfloat16) for _ in range(2)]
+    b = bind_accumulate_shards(grads, shards, layout, 0)
+    b._cuda = True  # the branch that compiles and loads (stood in for above)
+    owner.error = PeerTimeoutError(1, "rank 1's flag 7 to reach 3", 2.0)
+    with pytest.raises(PeerTimeoutError, match="rank 1"):
+        b.prepare()
+    assert [k for k, _ in events] == ["transport"]  # nothing compiled or loaded
+    owner.error = None
+    b.prepare()
+    b.prepare()  # loaded: nothing settles again
+    b.prepare(scale=0.5)  # another variant: settles, then loads
+    kinds = [k for k, _ in events]
+    assert kinds == ["transport", "transport", "compile", "load", "transport", "compile", "load"], kinds
+    assert "loading a kernel variant" in events[1][1]
+
+
+def test_a_transport_that_cannot_settle_names_the_peer_its_streams_wait_for() -> None:
+    """``CudaTransport.settle_device_wide`` (no GPU: the parts it uses stood in for)."""
+    pytest.importorskip("cuda.bindings.driver")
+    from tide_triton.transport.cuda import CudaTransport
+
+    t = object.__new__(CudaTransport)
+    t._closed, t.rank = False, 0
+    t.options = types.SimpleNamespace(timeout_s=0.25)
+    t._sig = types.SimpleNamespace(stuck_peers=lambda: {2, 1})
+    drained: list = []
+    t._drain = lambda timeout_s: drained.append(timeout_s) or False
+    with pytest.raises(PeerTimeoutError, match="before loading Y, which waits for every stream") as e:
+        t.settle_device_wide("loading Y")
+    assert e.value.peer == 1 and drained == [0.25]
+    t._drain = lambda timeout_s: True
+    t.settle_device_wide("loading Y")  # idle: returns
+    t._sig = types.SimpleNamespace(stuck_peers=lambda: set())
+    t._drain = lambda timeout_s: False
+    with pytest.raises(TimeoutError, match="rank 0: before loading Y"):
+        t.settle_device_wide("loading Y")
+    t._closed = True
+    t.settle_device_wide("loading Y")  # closed: nothing to settle
