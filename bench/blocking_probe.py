@@ -58,6 +58,7 @@ class Probe:
         self.value = 0
         self.src = torch.arange(8 * MIB // 4, dtype=torch.int32, device="cuda")
         self.dst = torch.zeros_like(self.src)
+        self._triton_x: dict[int, torch.Tensor] = {}
 
     def blocked(self, call: Callable[[], Any], during_load: bool = False) -> tuple[str, float]:
         """``call()`` on another thread while the blocker stream waits for the word: how it
@@ -176,10 +177,26 @@ class Probe:
         fn = check(cu.cuModuleGetFunction(mod, b"probe_noop"), "cuModuleGetFunction")
         check(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, self.work, 0, 0), "cuLaunchKernel")
 
-    def triton_first_call(self, which: int) -> None:
-        x = torch.zeros(1024 + which, dtype=torch.float32 if which == 0 else torch.float16, device="cuda")
-        with torch.cuda.stream(torch.cuda.ExternalStream(int(self.work))):
+    def triton_first_call(self, which: int, stream: Any = None) -> None:
+        """``_probe_add_one`` on a tensor whose dtype / size picks the variant (0, 1, 2: three)."""
+        dtype = (torch.float32, torch.float16, torch.bfloat16)[which]
+        x = self._triton_x.get(which)
+        if x is None:  # made outside any capture (an allocation there would be the pool's)
+            x = self._triton_x[which] = torch.zeros(1024 + which, dtype=dtype, device="cuda")
+        with torch.cuda.stream(torch.cuda.ExternalStream(int(self.work if stream is None else stream))):
             _probe_add_one[(1,)](x, x.numel(), BLOCK=2048)
+
+    def torch_graph_with_kernels(self) -> None:
+        s = torch.cuda.ExternalStream(int(self.capture))
+        a = torch.ones(256, 512, device="cuda")
+        b = torch.empty(512, 256, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            g.capture_begin(capture_error_mode="thread_local")
+            self.triton_first_call(2, self.capture)
+            b.copy_(a.t())
+            g.capture_end()
+        self._keep = (g, a, b)
 
 
 try:
@@ -267,6 +284,19 @@ def main() -> None:
     row("cuModuleUnload", lambda: check(cu.cuModuleUnload(state.pop("mod")), "cuModuleUnload"))
     row("a Triton kernel's first call (compile + load + launch)", lambda: p.triton_first_call(0))
     row("another specialization of it (load + launch, compiled kernel cache warm)", lambda: p.triton_first_call(1))
+    # graphs holding kernel nodes (the library's recorded runs hold its Triton kernels)
+    p.triton_first_call(2)  # a variant loaded while nothing waits: the graphs below load nothing of it
+    torch.empty(512, 256, device="cuda").copy_(torch.ones(256, 512, device="cuda").t())  # and torch's copy
+    torch.cuda.synchronize()
+    row("capture a loaded Triton kernel (cuStreamBeginCapture .. End)",
+        lambda: state.__setitem__("gk", p.captured(lambda s: p.triton_first_call(2, s))))
+    row("cuGraphInstantiate (a graph with a Triton kernel node)",
+        lambda: state.__setitem__("xk", check(cu.cuGraphInstantiate(state["gk"], 0), "cuGraphInstantiate")))
+    row("cuGraphLaunch, first (Triton kernel node)",
+        lambda: check(cu.cuGraphLaunch(state["xk"], p.work), "cuGraphLaunch"))
+    row("torch.cuda.CUDAGraph of a Triton kernel + a strided torch copy_, capture_end", p.torch_graph_with_kernels)
+    row("a torch kernel's first use in this process (torch.special.i0; lazy loading unless EAGER)",
+        lambda: torch.special.i0(torch.ones(16, device="cuda")))
     row("cuCtxSynchronize (control: must wait)", lambda: check(cu.cuCtxSynchronize(), "cuCtxSynchronize"))
 
     # Does a thread stuck in a module load stop the others?  (A deadline or a watchdog on
