@@ -8,9 +8,10 @@ its check: on the H200 (driver 580) rank threads of one process stopped in
 ranks' streams waited for them (docs/benchmarks.md, "Session 16"), and the process hung
 without a word -- as every driver call of a process does while one of its threads is inside
 a module load that waits for a stream (``bench/blocking_probe.py``; the library settles
-before its own loads: :mod:`tide_triton.device_wide`).  Nothing can interrupt such a call from Python.  What this module adds: each
-collective call and each ``synchronize`` is a *section* (rank, what, deadline); one daemon
-thread of the process looks at the open sections and, for each still open
+before its own loads: :mod:`tide_triton.device_wide`).  Nothing can interrupt such a call
+from Python.  What this module adds: each collective call and each ``synchronize`` is a
+*section* (rank, what, deadline); one daemon thread of the process looks at the open
+sections and, for each still open
 ``FACTOR x deadline + SLACK_S`` after it began -- long past the point where every wait inside
 it would have raised -- logs once (``WARNING``, logger ``tide_triton``) which rank, which call,
 how long, and the innermost frames of its thread.  It changes nothing: the call may still
