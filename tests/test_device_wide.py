@@ -16,8 +16,9 @@ from tide_triton.errors import PeerTimeoutError
 
 
 class _Owner:
-    def __init__(self, log: list, name: str, error: BaseException | None = None) -> None:
+    def __init__(self, log: list, name: str, error: BaseException | None = None, device: int | None = 0) -> None:
         self.log, self.name, self.error = log, name, error
+        self.device = torch.device("cuda", device) if device is not None else torch.device("cpu")
 
     def settle_device_wide(self, what: str) -> None:
         self.log.append((self.name, what))
@@ -35,16 +36,18 @@ def clean_registry(monkeypatch):
 
 def test_every_registered_owner_settles_and_the_first_error_propagates(clean_registry) -> None:
     log: list = []
-    a, b, c = _Owner(log, "a"), _Owner(log, "b"), _Owner(log, "c")
-    for o in (a, b, c):
+    a, b, c, other = _Owner(log, "a"), _Owner(log, "b"), _Owner(log, "c"), _Owner(log, "gpu1", device=1)
+    for o in (a, b, c, other):
         device_wide.register(o)
     device_wide.unregister(c)
-    assert device_wide.registered() == 2
-    device_wide.before("loading X")
-    assert sorted(log) == [("a", "loading X"), ("b", "loading X")]
+    assert device_wide.registered() == 3
+    device_wide.before("loading X", 0)
+    assert sorted(log) == [("a", "loading X"), ("b", "loading X")]  # not the owner on another GPU
+    device_wide.before("loading W", 1)
+    assert log[-1] == ("gpu1", "loading W") and len(log) == 3
     b.error = PeerTimeoutError(3, "rank 3's flag", 1.0)
     with pytest.raises(PeerTimeoutError, match="rank 3") as e:
-        device_wide.before("loading Z")
+        device_wide.before("loading Z", 0)
     assert e.value.peer == 3
 
 
@@ -53,7 +56,7 @@ def test_owners_are_held_weakly(clean_registry) -> None:
     device_wide.register(_Owner(log, "gone"))
     gc.collect()
     assert device_wide.registered() == 0
-    device_wide.before("nothing to settle")
+    device_wide.before("nothing to settle", 0)
     assert log == []
 
 
@@ -66,7 +69,7 @@ def test_a_kernel_variant_settles_before_its_first_load_and_only_then(clean_regi
     from tide_triton.layout import ShardLayout
 
     events: list = []
-    owner = _Owner(events, "transport")
+    owner = _Owner(events, "transport", device=None)  # the CPU tensors below: device index None
     device_wide.register(owner)
 
     class _Compiled:

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["Settles", "before", "register", "registered", "unregister"]
 
 
 class Settles(Protocol):
+    device: Any  # a torch.device: the GPU whose context the owner's streams live in
+
     def settle_device_wide(self, what: str) -> None:
         """Return once this owner's streams are idle; raise naming the peer they wait for
         past the owner's deadline."""
@@ -62,10 +64,12 @@ def registered() -> int:
         return len(_owners)
 
 
-def before(what: str) -> None:
-    """Call before a driver call that waits for every stream of the process (``what`` names it
-    in an error): each registered owner settles in turn; the first error propagates."""
+def before(what: str, device_index: int | None) -> None:
+    """Call before a driver call on GPU ``device_index`` that waits for every stream of its
+    context in this process (``what`` names it in an error): each owner registered on that
+    GPU settles in turn; the first error propagates.  Owners on other GPUs do not (their
+    streams live in other contexts)."""
     with _lock:
-        owners = list(_owners)
+        owners = [o for o in _owners if getattr(o.device, "index", None) == device_index]
     for owner in owners:
         owner.settle_device_wide(what)

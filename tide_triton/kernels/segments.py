@@ -432,7 +432,8 @@ class Binding:
         if kernel is None:
             # The module load below waits for every stream of the process, and stops every
             # other thread's driver calls meanwhile: settle first (tide_triton.device_wide).
-            device_wide.before(f"loading a kernel variant (segmented_reduce_kernel {key}, {self._static})")
+            device_wide.before(f"loading a kernel variant (segmented_reduce_kernel {key}, {self._static})",
+                               self.dsts[0].device.index)
             # Later launches call the compiled kernel directly, skipping Triton's per-launch
             # argument binding and specialisation (~30 us of host time).
             kernel = segmented_reduce_kernel.warmup(
