@@ -417,8 +417,7 @@ class Group(CallIdentity):
             if z is None or z.numel() < nbytes:
                 if z is None and device.type == "cuda":  # the fill kernel's first launch may load it
                     device_wide.before("the zero buffer's first fill (torch may load its kernel)",
-                                       torch.device(device).index if device.index is not None
-                                       else torch.cuda.current_device())
+                                       device.index if device.index is not None else torch.cuda.current_device())
                 z = self._extras[key] = torch.zeros(max(nbytes, 4096), dtype=torch.uint8, device=device)
                 if device.type == "cuda":  # rare (growth only): other streams read it next
                     # with a deadline: the stream may hold waits on a peer that died
