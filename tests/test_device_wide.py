@@ -122,3 +122,27 @@ def test_a_transport_that_cannot_settle_names_the_peer_its_streams_wait_for() ->
         t.settle_device_wide("loading Y")
     t._closed = True
     t.settle_device_wide("loading Y")  # closed: nothing to settle
+
+
+def test_an_outgrown_zero_buffer_stays_alive_until_the_group_closes() -> None:
+    """Prepared copy lists keep the zero buffer's *address* (padding copied from it on the copy
+    queue, where torch's allocator does not see the use): growing the buffer must not free
+    the old one while the group lives (found by review, session 17)."""
+    import weakref
+
+    import tide_triton as tt
+
+    (g,) = tt.local_groups(1)
+    try:
+        cpu = torch.device("cpu")
+        small = g.zeros(cpu, 16)
+        ref = weakref.ref(small)
+        ptr = small.data_ptr()
+        del small
+        big = g.zeros(cpu, 1 << 20)
+        assert big.numel() >= 1 << 20 and bool((big == 0).all())
+        gc.collect()
+        assert ref() is not None and ref().data_ptr() == ptr  # still held by the group
+        assert g.zeros(cpu, 8) is big  # never shrunk
+    finally:
+        g.close()

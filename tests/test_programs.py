@@ -214,41 +214,108 @@ def _assert_each_rank_names_another(errors) -> None:
 
 
 def test_prepared_collective_refuses_moved_storage_and_bad_arguments() -> None:
-    """A run whose tensors' storage moved raises ValueError naming the tensor (on every rank
-    that sees it; here all), before anything moves, and a bad ``stream`` TypeError: the group
-    stays usable (async_op too); after the group is closed a run says so."""
+    """A run whose tensors' storage moved raises ValueError naming the tensor, a bad ``stream``
+    TypeError -- before anything moves, but a run is not agreed with the peers, so the error
+    breaks the group (see the next test): the next run raises ``GroupBrokenError`` naming the
+    first cause; after the group is closed a run says so."""
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(3)
     grads = _grads(gen, SHAPES)
-    groups = _groups()
 
-    def body(r: int):
+    def body(r: int, groups, how: str):
         shards = [torch.empty(s) for s in layout.shard_shapes(r)]
         rs = tt.prepare_reduce_scatter(grads[r], shards, group=groups[r], op="sum")
-        moved = grads[r][2]
-        keep = moved.data
-        moved.data = moved.data.clone()  # same values, new storage
-        with pytest.raises(ValueError, match=r"grads\[2\] moved \(data_ptr 0x[0-9a-f]+ when prepared"):
+        rs.run()  # usable
+        if how == "moved":
+            moved = grads[r][2]
+            keep = moved.data
+            moved.data = moved.data.clone()  # same values, new storage
+            with pytest.raises(ValueError, match=r"grads\[2\] moved \(data_ptr 0x[0-9a-f]+ when prepared"):
+                rs.run()
+            moved.data = keep
+        else:
+            with pytest.raises(TypeError, match="stream must be None or a torch.cuda.Stream, got str"):
+                rs.run(stream="default")
+        with pytest.raises(GroupBrokenError, match="ValueError|TypeError"):
             rs.run()
-        moved.data = keep
-        with pytest.raises(TypeError, match="stream must be None or a torch.cuda.Stream, got str"):
-            rs.run(stream="default")
-        rs.run()  # the group is still usable
-        work = rs.run(async_op=True)  # on the CPU the work is done when run() returns
-        work.wait()
         return [x.clone() for x in shards], rs
 
+    for how in ("moved", "stream"):
+        groups = _groups()
+        try:
+            out = run_threads(lambda r, gs=groups, h=how: body(r, gs, h), W, timeout=60)
+            preps = [rs for _, rs in out]
+        finally:
+            _close(groups)
+        with pytest.raises(RuntimeError, match="this tide_triton group is closed"):
+            preps[0].run()
+        for r, (shards, _) in enumerate(out):  # the first run's sums, untouched since
+            for p in range(len(SHAPES)):
+                c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+                assert torch.equal(shards[p], _want(grads, p)[r * c: r * c + rows]), (how, r, p)
+
+
+@pytest.mark.parametrize("entry", ["run", "run_on"])
+def test_a_run_that_fails_on_one_rank_never_pairs_with_the_peers_next_run(entry: str) -> None:
+    """Rank 0's run raises before it moves anything (its gradients' storage moved), the
+    others' run normally and wait for its tokens.  Before the fix the error counted as an
+    argument error: the group stayed usable, rank 0 went on to its next run, whose tokens
+    completed the peers' *previous* run -- every later run paired with a neighbour, wrong
+    sums on every rank and no error.  Now every rank's every step is its exact sum or an
+    error, and after the failed step no rank returns a value."""
+    layout = ShardLayout(SHAPES, W)
+    groups = _groups(timeout_s=3)
+    steps = 4
+
+    def body(r: int):
+        grads = [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES]
+        shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+        if entry == "run":
+            rs = tt.prepare_reduce_scatter(grads, shards, group=groups[r], op="sum")
+        else:  # as the FSDP2 drop-in makes it: keeps no tensors, run on those of the moment
+            from tide_triton.collectives import prepared_reduce_scatter_call
+
+            rs = prepared_reduce_scatter_call(groups[r], grads, shards, "sum", False, hold=False)
+        got = []
+        for step in range(1, steps + 1):
+            for x in grads:
+                x.fill_(10 * step + r)
+            try:
+                if r == 0 and step == 2:
+                    keep = grads[0].data
+                    grads[0].data = keep.clone()
+                    try:
+                        if entry == "run":
+                            rs.run()
+                        else:  # the drop-in's entry: new addresses are checked in full
+                            rs._run_on([torch.zeros(3, 3, dtype=torch.bfloat16), *grads[1:]], shards)
+                    finally:
+                        grads[0].data = keep
+                elif entry == "run":
+                    rs.run()
+                else:
+                    rs._run_on(grads, shards)
+                got.append((step, "ok", shards[1][0].item()))
+            except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+                got.append((step, type(e).__name__, str(e)[:200]))
+        return got
+
     try:
-        out = run_threads(body, W, timeout=60)
-        preps = [rs for _, rs in out]
+        out = run_threads(body, W, timeout=90)
     finally:
         _close(groups)
-    with pytest.raises(RuntimeError, match="this tide_triton group is closed"):
-        preps[0].run()
-    for r, (shards, _) in enumerate(out):
-        for p in range(len(SHAPES)):
-            c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
-            assert torch.equal(shards[p], _want(grads, p)[r * c: r * c + rows])
+    want = {step: float(sum(10 * step + q for q in range(W))) for step in range(1, steps + 1)}
+    for r, got in enumerate(out):
+        assert got[0] == (1, "ok", want[1]), (r, got)
+        for step, kind, value in got:
+            if kind == "ok":
+                assert value == want[step], (r, got)  # a value is always the right one
+                assert step < 2, (r, got)  # and none after the failed step
+    assert out[0][1][1] in ("ValueError", "TypeError"), out[0]
+    assert all(kind == "GroupBrokenError" for _, kind, _ in out[0][2:]), out[0]
+    for r in range(1, W):  # the peers' step 2 names rank 0 (its abort), later steps the break
+        assert out[r][1][1] in ("PeerAbortedError", "PeerTimeoutError"), out[r]
+        assert "rank 0" in out[r][1][2], out[r]
 
 
 def test_prepared_collectives_need_one_node() -> None:
@@ -643,7 +710,8 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
     kernels as captured, and ends joined (``fence_to`` after its last flag operation: a capture
     must rejoin the copy stream); it keeps its binding past eviction and itself alive in the
     group; its results are exact.  After a capture, eager runs end joined too.  Under capture,
-    ``async_op=True`` and tensors it never ran on raise ValueError naming the cause."""
+    ``async_op=True`` and tensors it never ran on raise ValueError naming the cause (a run that
+    raises breaks the group: runs are not agreed)."""
     import tide_triton.programs as programs
     from tide_triton.kernels import Binding
     from tide_triton.transport.host import HostTransport
@@ -739,19 +807,6 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
             assert {id(p) for p in kept} == {id(state[r]["rs"]), id(state[r]["ag"])}
             assert all(len(state[r][k]._captured) == 1 for k in ("rs", "ag"))
 
-        def refused(r: int) -> list[str]:
-            st, msgs = state[r], []
-            for fn in (lambda: st["rs"].run(async_op=True),
-                       lambda: st["ag"]._run_on([torch.zeros(s) for s in layout.shard_shapes(r, padded=True)],
-                                                [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES])):
-                with pytest.raises(ValueError) as e:
-                    fn()
-                msgs.append(str(e.value))
-            return msgs
-
-        for msgs in run_threads(refused, W, timeout=60):
-            assert msgs[0].startswith("async_op:") and "capture" in msgs[0], msgs
-            assert "has not run on yet" in msgs[1], msgs
         capture["on"] = False
         log.clear()
         _refill(vals, gen)
@@ -760,6 +815,24 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
                 x.copy_(v)
         check(run_threads(step, W, timeout=60))  # eager after a capture: joined, exact
         assert ends_joined([e for e in log if e[0] == 0]), log
+        capture["on"] = True
+
+        def refused(r: int) -> list[str]:
+            st, msgs = state[r], []
+            with pytest.raises(ValueError) as e:  # the precondition alone: no call begun
+                st["rs"]._begin(None, True)
+            msgs.append(str(e.value))
+            with pytest.raises(ValueError) as e:  # a run refused: the group breaks (not agreed)
+                st["ag"]._run_on([torch.zeros(s) for s in layout.shard_shapes(r, padded=True)],
+                                 [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES])
+            msgs.append(str(e.value))
+            with pytest.raises(GroupBrokenError, match="has not run on yet"):
+                st["rs"].run()
+            return msgs
+
+        for msgs in run_threads(refused, W, timeout=60):
+            assert msgs[0].startswith("async_op:") and "capture" in msgs[0], msgs
+            assert "has not run on yet" in msgs[1], msgs
     finally:
         _close(groups)
 

@@ -395,6 +395,66 @@ def test_replays_of_different_recordings_raise_naming_the_peer_on_gpu() -> None:
         assert seconds < 30, (r, seconds)
 
 
+def _async_then_sync_child(rank: int, world_size: int, rounds: int) -> tuple:
+    """One process per rank on CUDA: two recorded prepared reduce-scatters run back to back,
+    the first ``async_op=True`` (its replay on the group's side stream), the second on the
+    caller's stream; each round's shards checked exactly (integer sums)."""
+    import tide_triton as tt_
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    g = tt_.init(timeout_s=20)
+    shapes = [(2048, 1024)] * 8  # 32 MiB of bf16 gradients: several ring rounds
+    layout = ShardLayout(shapes, world_size)
+    ga = [torch.full(s, 1.0, dtype=torch.bfloat16, device=dev) for s in shapes]
+    gb = [torch.full(s, 2.0, dtype=torch.bfloat16, device=dev) for s in shapes]
+    sa, sb = ([torch.zeros(s, device=dev) for s in layout.shard_shapes(rank, padded=True)] for _ in range(2))
+    a = tt_.prepare_reduce_scatter(ga, sa, group=g, op="sum")
+    b = tt_.prepare_reduce_scatter(gb, sb, group=g, op="sum")
+    for p in (a, a, b, b):
+        p.run()  # the second run of each records it
+    tt_.synchronize(g, timeout_s=60)
+    recorded = all(v is not None for p in (a, b) for v in p._graphs.values()) and len(a._graphs) == 1
+    wrong = []
+    for i in range(rounds):
+        for x in sa + sb:
+            x.zero_()
+        work = a.run(async_op=True)
+        b.run()
+        work.wait()
+        tt_.synchronize(g, timeout_s=60)
+        for name, shards, want in (("a", sa, 1.0 * world_size), ("b", sb, 2.0 * world_size)):
+            bad = [p for p, x in enumerate(shards) if not bool((x == want).all())]
+            if bad:
+                wrong.append((i, name, bad[:3]))
+    g.close()
+    return recorded, wrong
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_replay_on_the_side_stream_ends_before_the_next_run_on_another_stream() -> None:
+    """A recorded reduce-scatter replayed with ``async_op=True`` runs on the group's side
+    stream and forks its copies from it, not from the copy queue.  Before the fix the next
+    prepared run, on the caller's stream, was ordered only behind the copy queue -- not behind
+    that replay -- and could push into a peer's ring slot the replay's sums still read (found
+    by review, session 17).  Every round's sums exact."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    out = run_multiprocess(_async_then_sync_child, 2, 12, timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    for r, (recorded, wrong) in enumerate(out):
+        assert recorded, f"rank {r}: the second runs were not recorded"
+        assert not wrong, (r, wrong)
+
+
 class _FakeGraph:
     """``torch.cuda.CUDAGraph`` as :func:`tide_triton.run_graph.record` uses it, with failures
     to order (``fail``: the step that raises RuntimeError) and a log of what happened."""

@@ -410,10 +410,15 @@ class Group(CallIdentity):
         return p
 
     def zeros(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        """A zero-filled buffer of at least ``nbytes`` on ``device`` (grown, never shrunk)."""
+        """A zero-filled buffer of at least ``nbytes`` on ``device`` (grown, never shrunk).
+        A grown-out buffer is kept until the group closes: prepared copy lists (cached by
+        address) may still read it from the copy queue, where torch's allocator would not
+        see the use and could hand its memory out again."""
         key = ("zeros", device.type, device.index)
         with self._lock:
             z = self._extras.get(key)
+            if z is not None and z.numel() < nbytes:
+                self._extras.setdefault(("zeros-outgrown", device.type, device.index), []).append(z)
             if z is None or z.numel() < nbytes:
                 if z is None and device.type == "cuda":  # the fill kernel's first launch may load it
                     device_wide.before("the zero buffer's first fill (torch may load its kernel)",

@@ -148,7 +148,15 @@ class _Prepared:
 
     def _begin(self, stream: object, async_op: bool) -> bool:
         """The run's preconditions, on this rank (before anything moves); returns whether the
-        run is being captured into a CUDA graph."""
+        run is being captured into a CUDA graph.
+
+        A run is not agreed with the peers (that is what makes it cheap), so they do not learn
+        of an error here before they move: their run goes on and waits for this rank's tokens,
+        and this rank's *next* run would satisfy them -- every run after it paired with the
+        peer's previous one, wrong sums and no error.  So every error of a run, its own
+        arguments' included, counts as a failure once the call has begun (``Call.moving`` set
+        first): the abort is published, the group breaks, the peers' waits end in an error
+        naming this rank and its next run raises ``GroupBrokenError``."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
         self.g.check_own_stream(stream, self.device)
@@ -191,6 +199,7 @@ class _Prepared:
         first, second, key = self._held
         g = self.g
         with g.call(self.name) as c:
+            c.moving = True  # no agreement: see _begin
             captured = self._begin(stream, async_op)
             if check_addresses:
                 for ts, ptrs, what in zip((first, second), key[:2], self._names):
@@ -204,7 +213,6 @@ class _Prepared:
             binding = self._bindings[key]
             if captured:
                 self._keep_for_graph(key, binding)
-            c.moving = True
             return self._launch(key, binding, stream, async_op, captured)
 
     def _run_on(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], *, stream: object = None,
@@ -215,6 +223,7 @@ class _Prepared:
         tables; nothing of the peers'), a known one is run as bound."""
         g = self.g
         with g.call(self.name) as c:
+            c.moving = True  # no agreement: see _begin
             captured = self._begin(stream, async_op)
             key = self._key(first, second)
             binding = self._bindings.get(key) or self._captured.get(key)
@@ -238,7 +247,6 @@ class _Prepared:
                 self._bindings.move_to_end(key)
             if captured:
                 self._keep_for_graph(key, binding)
-            c.moving = True
             return self._launch(key, binding, stream, async_op, captured)
 
     def _launch(self, key: tuple, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
@@ -271,7 +279,7 @@ class _Prepared:
         """Launch a recorded run on the caller's stream.  It starts after this rank's earlier
         runs' quiescent ends (an eager run leaves that on the copy queue: the caller's stream
         waits for it first) and, being recorded joined, ends with its own; the copy queue's
-        later work comes after it (:meth:`_after_replay`)."""
+        later work -- and so every later run, on any stream -- comes after it."""
         g = self.g
         t = g.transport(self.device)
         st = Streams(g, t, self.device, stream, async_op)
@@ -279,6 +287,11 @@ class _Prepared:
         t.fence_to(cs)
         self._before_replay(t, cs)
         rg.replay(t, cs)
+        # The copy queue goes on after the replay's quiescent end: a later run on another
+        # stream starts behind the copy queue (fence_to), so it cannot push into a slot this
+        # replay's reads or a peer's still need (a recorded run forks its copies from ``cs``,
+        # not from the copy queue).
+        t.fence_from(cs)
         self._after_replay(t, cs)
         return st.finish()
 
@@ -290,7 +303,8 @@ class _Prepared:
         """What a recorded run cannot hold and a replay needs first (the all-gather's block)."""
 
     def _after_replay(self, t: Any, cs: object) -> None:
-        """What a replay leaves for later runs (the all-gather's block-free point)."""
+        """What a replay leaves for later runs, the copy queue already behind it (the
+        all-gather's block-free point)."""
 
 
 class PreparedReduceScatter(_Prepared):
@@ -463,8 +477,7 @@ class PreparedAllGather(_Prepared):
         t.wait_mark(self._block_free()[0], cs)  # another all-gather of this block may end elsewhere
 
     def _after_replay(self, t: Any, cs: object) -> None:
-        t.fence_from(cs)  # the replay ended quiescent: its end is where the block is free again
-        self._block_free()[0] = t.mark()
+        self._block_free()[0] = t.mark()  # the replay ended quiescent: the block is free again there
 
     def _block_free(self) -> list:
         """The event after the last run's quiescent end on this rank's block (shared by the
