@@ -12,7 +12,9 @@ wrong results).  Each case below failed on the code before this file existed:
 6. the process aborted at exit without ``group.close()``;
 7. a heap file of a killed process stayed in /dev/shm;
 8. two threads on one group aborted the process inside gloo;
-9. NaN ``op`` and a non-stream ``stream`` were accepted; the errors were not exported.
+9. NaN ``op`` and a non-stream ``stream`` were accepted; the errors were not exported;
+10. a kernel variant loaded while a peer was late stopped the host inside the driver (GPU);
+11. a KeyboardInterrupt inside a call left the group usable: its next call summed stale data.
 
 Every case runs on the host transport (CPU, gloo); the data-path cases run with CUDA tensors
 too where a GPU exists (processes sharing it).
@@ -576,3 +578,54 @@ def test_a_kernel_load_while_a_peer_is_late_ends_in_an_error_naming_it() -> None
     assert "before loading a kernel variant" in r0["outcome"], r0
     assert r0["seconds"] < 9, r0  # the deadline plus a compile, not rank 1's ~10 s
     assert out[1]["outcome"].startswith(_ERRORS), out[1]  # rank 1 ends in an error too, never a value
+
+
+# ---- 11. an interrupt (KeyboardInterrupt) inside a call ------------------------------------
+def _interrupted_by_a_signal(rank: int, W: int) -> dict:
+    import signal
+
+    import tide_triton as tt
+
+    g = tt.init(timeout_s=8)
+    shapes = [(8, 4)]
+    layout = tt.ShardLayout(shapes, W)
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+    tt.reduce_scatter([torch.ones(shapes[0], dtype=torch.bfloat16)], shards, op="sum")  # warm
+    t = g.transport(torch.device("cpu"))
+    out: dict = {}
+    if rank == 1:  # slow: its pushes of call 2 start 2 s late, so rank 0 is inside its waits
+        real = t.copy_prepared
+
+        def slow(*a, **k):
+            time.sleep(2.0)
+            return real(*a, **k)
+        t.copy_prepared = slow
+    else:  # Ctrl-C one second into call 2, after rank 0 pushed its own slices
+        def on_alarm(*_):
+            raise KeyboardInterrupt("simulated Ctrl-C")
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+    for call, scale in (("call2", 100.0), ("call3", 1000.0)):  # expected sums 300, 3000
+        shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+        try:
+            tt.reduce_scatter([torch.full(shapes[0], scale * (rank + 1), dtype=torch.bfloat16)], shards, op="sum")
+            out[call] = ("ok", shards[0].unique().tolist())
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test's subject
+            out[call] = (type(e).__name__, str(e)[:200])
+        if rank == 1:
+            t.copy_prepared = real
+    return out
+
+
+def test_an_interrupted_call_breaks_the_group_and_its_next_call_never_pairs() -> None:
+    """A KeyboardInterrupt inside a collective (a script that catches Ctrl-C and checkpoints
+    goes on calling) used to neither publish an abort nor break the group (only ``Exception``
+    was handled): rank 0's next reduce-scatter reused the interrupted call's flags and summed
+    rank 1's stale slot -- 1200 where 3000 was due, no error (found by review, session 17).
+    Now the interrupt propagates, the group breaks, and the peer learns it by name."""
+    out = run_multiprocess(_interrupted_by_a_signal, 2, timeout=120)
+    r0, r1 = out
+    assert r0["call2"][0] == "KeyboardInterrupt", r0
+    assert r0["call3"][0] == "GroupBrokenError" and "KeyboardInterrupt" in r0["call3"][1], r0
+    assert r1["call2"] in (("ok", [300.0]),) or r1["call2"][0] in ("PeerAbortedError", "PeerTimeoutError"), r1
+    assert r1["call3"][0] in ("PeerAbortedError", "PeerTimeoutError") and "rank 0" in r1["call3"][1], r1

@@ -256,6 +256,11 @@ class Call:
                 if isinstance(e, TimeoutError):  # a stuck wait: did the peer abandon this call?
                     better = g.explain_timeout(e, self.seq)
                 self._failed(better or e)
+            elif e is not None:  # KeyboardInterrupt, SystemExit: the call stops mid-way all the same
+                try:
+                    self._failed(e)
+                except Exception:  # noqa: BLE001 - the interrupt is what propagates
+                    log.exception("rank %d: publishing the abort of an interrupted call failed", g.rank)
         finally:
             g._call = None
             g._call_lock.release()
@@ -264,7 +269,7 @@ class Call:
         if better is not None:
             raise better from e
 
-    def _failed(self, e: Exception) -> None:
+    def _failed(self, e: BaseException) -> None:
         """Publish the abort (peers waiting on this call raise at once instead of timing
         out) and, unless nothing can have moved, mark the group broken."""
         g = self.g
