@@ -1,5 +1,7 @@
 """reduce_scatter / all_gather inside a CUDA graph capture: a clear error at once, never a
-recorded graph that hangs or reads early on replay, and the group stays usable.
+recorded graph that hangs or reads early on replay; the refusal takes the call's number and is
+published like an argument error (peers in the same call raise PeerArgumentError), and the group
+stays usable.
 
 Why they refuse (see ``collectives._refuse_capture``): the flags carry per-call values
 (call identity, chunk sequence, all-gather epoch) that a graph would bake in, the pacing
@@ -7,6 +9,8 @@ waits on events from the host, and a first call exchanges with the peers on the 
 CPU test mocks the capturing state; the GPU test captures for real on one GPU with the
 single-process mode (2 ranks)."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -62,23 +66,80 @@ def _check(out, grads, layout):
 _MATCH = r"cannot be captured in a CUDA graph.*per-call values.*host \(group._Pacer\)"
 
 
+def _refused_calls(groups, grads, layout, device, capturing_ranks, capture) -> list:
+    """Every rank makes a reduce-scatter and an all-gather, the ranks in ``capturing_ranks``
+    inside ``capture(r)`` (a context: a capture, real or mocked); what each call raised."""
+    def body(r: int):
+        got = []
+        shards = [torch.empty(s, device=device) for s in layout.shard_shapes(r, padded=True)]
+        params = [torch.empty(s, dtype=torch.bfloat16, device=device) for s in SHAPES]
+        for fn in (lambda: tt.reduce_scatter(grads[r], shards, group=groups[r]),
+                   lambda: tt.all_gather([x.to(torch.bfloat16) for x in shards], params, group=groups[r])):
+            try:
+                if r in capturing_ranks:
+                    with capture(r):
+                        fn()
+                else:
+                    fn()
+                    if device.type == "cuda":
+                        tt.synchronize(groups[r], timeout_s=60)
+                got.append(("ok", ""))
+            except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+                got.append((type(e).__name__, str(e)))
+        return got
+    return run_threads(body, W, timeout=120)
+
+
+def _assert_refused(out, capturing_ranks) -> None:
+    """A capturing rank: RuntimeError naming the collective and why; every other rank:
+    PeerArgumentError naming a capturing rank -- in the same call, never the next."""
+    for r, got in enumerate(out):
+        for name, (kind, msg) in zip(("reduce_scatter", "all_gather"), got):
+            if r in capturing_ranks:
+                assert kind == "RuntimeError" and re.search(f"tide_triton.{name} " + _MATCH, msg), (r, kind, msg)
+            else:
+                assert kind == "PeerArgumentError", (r, kind, msg)
+                assert f"rank {min(capturing_ranks)} rejected" in msg and "cannot be captured" in msg, (r, msg)
+
+
+class _MockCapture:
+    """``collectives._capturing`` answers True on the threads inside ``with mock(r):``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+        from contextlib import contextmanager
+
+        self.tls = threading.local()
+        monkeypatch.setattr(coll, "_capturing", lambda stream: getattr(self.tls, "on", False))
+
+        @contextmanager
+        def on(r: int):
+            self.tls.on = True
+            try:
+                yield
+            finally:
+                self.tls.on = False
+        self.on = on
+
+
 @pytest.mark.multiproc
-def test_capture_refused_clearly_and_group_stays_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("capturing", [(0, 1), (0,)], ids=["every-rank", "one-rank"])
+def test_capture_refused_clearly_and_group_stays_usable(monkeypatch: pytest.MonkeyPatch, capturing) -> None:
+    """Every rank inside a capture: each refuses at once.  One rank inside a capture while the
+    others make the call for real (found by review, session 17): the refusal used to come
+    before the call took its number, so that rank's *next* call paired with the peers' call
+    -- wrong sums, no error; now it takes the number and is published like an argument
+    error (the peers raise ``PeerArgumentError`` naming it in the same call).  Either way
+    the group stays usable and the next calls are exact."""
     dev = torch.device("cpu")
     grads, layout = _data(dev)
     groups = tt.local_groups(W, timeout_s=30, ring_bytes=512 * W)
     try:
         _check(_eager(groups, grads, layout, dev), grads, layout)  # agreed and prepared first
-        monkeypatch.setattr(coll, "_capturing", lambda stream: True)
-        shards = [torch.empty(s) for s in layout.shard_shapes(0, padded=True)]
-        with pytest.raises(RuntimeError, match="tide_triton.reduce_scatter " + _MATCH):
-            tt.reduce_scatter(grads[0], shards, group=groups[0])
-        params = [torch.empty(s, dtype=torch.bfloat16) for s in SHAPES]
-        with pytest.raises(RuntimeError, match="tide_triton.all_gather " + _MATCH):
-            tt.all_gather([x.to(torch.bfloat16) for x in shards], params, group=groups[0])
-        monkeypatch.setattr(coll, "_capturing", lambda stream: False)
-        assert groups[0].broken is None
-        _check(_eager(groups, grads, layout, dev), grads, layout)  # rank 0 took no call number
+        mock = _MockCapture(monkeypatch)
+        _assert_refused(_refused_calls(groups, grads, layout, dev, capturing, mock.on), capturing)
+        assert all(g.broken is None for g in groups)
+        _check(_eager(groups, grads, layout, dev), grads, layout)  # the calls stay paired
     finally:
         for g in groups:
             g.close()
@@ -93,22 +154,29 @@ def test_capturing_is_false_without_cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.multiproc
 def test_capture_on_gpu_raises_without_hang() -> None:
+    """Every rank's thread captures on its own stream (thread-local capture mode, as the
+    library's own recordings do): each call refuses at once, the captures end empty, and the
+    next eager calls are exact."""
+    from contextlib import contextmanager
+
     dev = torch.device("cuda", 0)
     grads, layout = _data(dev)
     groups = tt.local_groups(W, timeout_s=60, ring_bytes=512 * W, devices=[dev] * W)
+
+    @contextmanager
+    def capture(r: int):
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()
+
     try:
         _check(_eager(groups, grads, layout, dev), grads, layout)
-        shards = [torch.empty(s, device=dev) for s in layout.shard_shapes(0, padded=True)]
-        params = [torch.empty(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
-        side = torch.cuda.Stream(dev)
-        for name, fn in [("reduce_scatter", lambda: tt.reduce_scatter(grads[0], shards, group=groups[0])),
-                         ("all_gather", lambda: tt.all_gather([x.to(torch.bfloat16) for x in shards], params,
-                                                              group=groups[0]))]:
-            graph = torch.cuda.CUDAGraph()
-            with pytest.raises(RuntimeError, match=f"tide_triton.{name} " + _MATCH):
-                with torch.cuda.graph(graph, stream=side):
-                    fn()
-        assert groups[0].broken is None
+        _assert_refused(_refused_calls(groups, grads, layout, dev, (0, 1), capture), (0, 1))
+        assert all(g.broken is None for g in groups)
         _check(_eager(groups, grads, layout, dev), grads, layout)
     finally:
         for g in groups:

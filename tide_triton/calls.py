@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from . import stall_watch
 from .bootstrap import Abort
@@ -207,6 +207,7 @@ class Call:
         here on leaves the group broken."""
         self._watched: list[Any] = []
         self._stall: stall_watch.section | None = None
+        self._refusal: BaseException | None = None
 
     def set_signature(self, signature: object) -> None:
         self.signature = signature
@@ -214,6 +215,16 @@ class Call:
         keys = self.g._keys
         keys[self.seq] = (self.key, describe(signature))
         keys.pop(self.seq - 64, None)
+
+    def refuse(self, e: BaseException) -> NoReturn:
+        """Raise ``e``: this rank refuses the call before anything moved (e.g. it is being
+        captured into a CUDA graph).  Like an argument error it takes the call's number and is
+        published to the peers, who raise ``PeerArgumentError`` naming this rank in the same
+        call; the group stays usable.  Refusing *before* taking a number would shift this
+        rank's calls against the peers' when they made the call: each later call paired with
+        a neighbour."""
+        self._refusal = e
+        raise e
 
     def watch(self, t: Any) -> None:
         """Let ``t``'s host-side waits see the peers' aborts of this call."""
@@ -273,7 +284,7 @@ class Call:
         """Publish the abort (peers waiting on this call raise at once instead of timing
         out) and, unless nothing can have moved, mark the group broken."""
         g = self.g
-        argument = isinstance(e, (TypeError, ValueError)) and not self.moving
+        argument = (isinstance(e, (TypeError, ValueError)) or e is self._refusal) and not self.moving
         g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}")
         if not argument:
             g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")

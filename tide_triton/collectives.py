@@ -69,12 +69,12 @@ def _scale(op: object, world: int) -> float | None:
     raise ValueError(f'op must be "sum", "avg" or a float (pre-multiplied sum), got {op!r}')
 
 
-def _refuse_capture(name: str, stream: object) -> None:
-    """A collective enqueued into a CUDA graph capture raises this at once (before it takes
-    a call number, so the group stays usable) instead of recording a graph that hangs or
-    reads early when replayed."""
+def _refuse_capture(c: Any, name: str, stream: object) -> None:
+    """A collective enqueued into a CUDA graph capture raises this at once (call ``c``'s
+    refusal: published to the peers, the group stays usable) instead of recording a graph
+    that hangs or reads early when replayed."""
     if _capturing(stream):
-        raise RuntimeError(
+        c.refuse(RuntimeError(
             f"tide_triton.{name} cannot be captured in a CUDA graph (torch.cuda.graph / "
             "torch.cuda.CUDAGraph.capture_begin): (1) its flags carry per-call values -- the call number "
             "(call identity), the reduce-scatter chunk sequence, the all-gather epoch -- which a graph would "
@@ -83,7 +83,7 @@ def _refuse_capture(name: str, stream: object) -> None:
             "cannot do; (3) a first call of a signature, heap growth or a new transport exchange with the "
             "peers on the host.  Capture a prepared collective instead (tide_triton.prepare_reduce_scatter / "
             "prepare_all_gather, then .run() inside the capture: fixed tensors, token flags), or call this one "
-            "outside the captured region")
+            "outside the captured region"))
 
 
 def _check_stream(g: Group, stream: object, device: torch.device) -> None:
@@ -158,8 +158,8 @@ def reduce_scatter(
     its own copy, before or during this call, or its peers wait for it.
     """
     g = resolve(group)
-    _refuse_capture("reduce_scatter", stream)
-    with g.call("reduce_scatter"):
+    with g.call("reduce_scatter") as c:
+        _refuse_capture(c, "reduce_scatter", stream)
         return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging)
 
 
@@ -308,8 +308,8 @@ def all_gather(
     it) waits for it too.
     """
     g = resolve(group)
-    _refuse_capture("all_gather", stream)
-    with g.call("all_gather"):
+    with g.call("all_gather") as c:
+        _refuse_capture(c, "all_gather", stream)
         return _all_gather(g, shards, params, stream, async_op, params_region)
 
 
