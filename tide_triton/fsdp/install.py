@@ -168,6 +168,8 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         for pg in param_groups(m):
             if pg._training_state.name != "IDLE" or pg._all_gather_result is not None:
                 raise RuntimeError(f"enable: {name} is in {pg._training_state.name}; call enable between steps")
+            if slot_reuse and (held := _unreduced_grad(pg)) is not None:
+                raise RuntimeError(_UNREDUCED.format(what="enable(slot_reuse=True)", name=name, param=held))
             have = _state.GROUPS.get(pg)
             if have is not None and (slot_reuse or have.slot is not None):
                 raise RuntimeError(f"enable(slot_reuse={slot_reuse}): {name} is enabled already"
@@ -197,6 +199,23 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     return result
 
 
+_UNREDUCED = ("{what}: {name} holds gradients accumulated without a reduce-scatter ({param}'s, "
+              "set_requires_gradient_sync(False)) on its unsharded parameters, which Slot-Reuse moves "
+              "into or out of a heap slot -- they would be lost; switch after the synced backward")
+
+
+def _unreduced_grad(pg: Any) -> str | None:
+    """The name of a parameter of ``pg`` whose gradient of micro-batches run without sync is
+    held on its unsharded parameter (FSDP2 keeps it there when it reduces in the parameter's
+    dtype, else in ``unsharded_accumulated_grad``), or None."""
+    for fp in pg.fsdp_params:
+        unsharded = fp.__dict__.get("_unsharded_param")
+        if (unsharded is not None and unsharded.grad is not None) or \
+                getattr(fp, "unsharded_accumulated_grad", None) is not None:
+            return getattr(fp, "_param_fqn", None) or "a parameter"
+    return None
+
+
 def disable(module: nn.Module) -> None:
     """Put every FSDP2 module inside ``module`` back on the stock path (between steps).
     Once no group anywhere is enabled, FSDP2's own functions are restored."""
@@ -210,6 +229,8 @@ def disable(module: nn.Module) -> None:
             if st is not None and st.slot is not None and _why_no_slot(pg) is not None:
                 raise RuntimeError(f"disable: {name} holds unsharded parameters in a heap slot; "
                                    "call disable between steps")
+            if st is not None and st.slot is not None and (held := _unreduced_grad(pg)) is not None:
+                raise RuntimeError(_UNREDUCED.format(what="disable", name=name, param=held))
     for _, m in fsdp_modules(module):
         for pg in param_groups(m):
             _drop(pg)

@@ -74,8 +74,12 @@ class Slot:
         self.freed: list = []  # CUDA events: a member's reshard (its compute is done with it)
 
     def live_others(self, pg: Any) -> list:
-        """Members other than ``pg`` whose parameters are unsharded (in the slot) now."""
-        return [m for m in self.members if m is not pg and not all_sharded(m.fsdp_params)]
+        """Members other than ``pg`` whose parameters are in the slot now: unsharded, or with
+        an all-gather issued and not yet waited for (``unshard(async_op=True)``, explicit
+        forward prefetch -- FSDP2 marks them unsharded only at the wait, while the slot
+        already holds, or is about to receive, their rows)."""
+        return [m for m in self.members if m is not pg
+                and (not all_sharded(m.fsdp_params) or getattr(m, "_all_gather_result", None) is not None)]
 
 
 def release_idle() -> list[str]:

@@ -63,7 +63,8 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
             other = _state.GROUPS.get(live[0])
             raise RuntimeError(
                 f"tide_triton.fsdp slot_reuse: all-gather of {st.fqn} into heap slot "
-                f"{slot.region.key!r}, which {other.fqn if other else 'another group'} still uses (unsharded); "
+                f"{slot.region.key!r}, which {other.fqn if other else 'another group'} still uses (unsharded, or "
+                f"its all-gather issued and not yet waited for); "
                 f"more groups are unsharded at once than tide_triton.fsdp.SLOT_POOL={slot.pool} slots "
                 "allow -- raise it before enable()")
         slots.restore(slot)  # released after the last backward: memory again (collective)
@@ -243,10 +244,17 @@ def _release_after_backward() -> None:
 def _prepared_reduce_scatter(st: GroupState, grads: list, shards: list, op: str | float, accumulate: bool,
                              stream: Any) -> None:
     """The group's reduce-scatter as a prepared collective, one per (op, accumulate, dtypes):
-    made at that kind's first call (the same call on every rank), run on this call's tensors."""
+    made at that kind's first call (the same call on every rank), run on this call's tensors.
+    A step in which some of the group's parameters got no gradient (FSDP2 leaves them out,
+    the same on every rank) has fewer tensors: its shapes join the key, so it gets a
+    program of its own -- run on the full one, the shapes' check would fail, and a run's
+    error breaks the group (runs are not agreed)."""
     from ..collectives import prepared_reduce_scatter_call
 
-    key = ("rs", repr(op), accumulate, grads[0].dtype, shards[0].dtype)
+    key: tuple = ("rs", repr(op), accumulate, grads[0].dtype, shards[0].dtype)
+    pg = st.pg_ref()
+    if pg is None or len(grads) != len(pg.fsdp_params):  # a subset: rare, O(its parameters)
+        key += (tuple(tuple(x.shape) for x in grads),)
     prep = st.prepared.get(key)
     if prep is None:
         prep = st.prepared[key] = prepared_reduce_scatter_call(st.group, grads, shards, op, accumulate, hold=False)

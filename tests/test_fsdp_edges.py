@@ -1,0 +1,146 @@
+"""FSDP2 uses the drop-in mishandled without an error (found by review, session 17), each run
+on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2:
+
+1. Slot-Reuse with two groups of one heap slot unsharded by ``unshard(async_op=True)``
+   (FSDP2's documented early unshard) before either is waited for: the second all-gather
+   overwrote the first's parameters (FSDP2 marks a group unsharded only at the wait), and
+   the layer computed with another layer's weights. Now it raises, naming both.
+2. ``enable(prepared=True)``: a step in which a parameter got no gradient (the same on every
+   rank) gave the prepared reduce-scatter fewer tensors than it was made for; its run raised,
+   breaking the group. Now such a step gets a program of its own: every step matches stock.
+3. Slot-Reuse switched on or off between micro-batches run without sync: the gradients
+   FSDP2 held on the unsharded parameters were dropped. Now the switch is refused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+try:
+    from _dist import run_multiprocess
+except ImportError:  # pragma: no cover
+    from tests._dist import run_multiprocess
+
+pytestmark = pytest.mark.multiproc
+W = 2
+
+
+class _Net(nn.Module):
+    def __init__(self, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d, bias=False)
+        self.extra = nn.Linear(d, d, bias=False)  # in the root's group; unused in some steps
+        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = self.inp(x)
+        if use_extra:
+            x = self.extra(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def _build(tide: bool, **enable):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import tide_triton as tt
+
+    torch.manual_seed(0)
+    m = _Net()
+    mesh = init_device_mesh("cpu", (W,))
+    for layer in m.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    if tide:
+        tt.fsdp.enable(m, **enable)
+    return m
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    local = t.to_local().detach().float().contiguous()
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return torch.cat(parts)[: t.shape[0]].reshape(t.shape).clone()
+
+
+def _early_unshards(rank: int, world: int) -> dict:
+    out = {}
+    for name, tide, slot in (("stock", False, False), ("tide", True, False), ("slot", True, True)):
+        m = _build(tide, **({"slot_reuse": True} if slot else {}))
+        try:
+            m.layers[0].unshard(async_op=True)  # layers 0 and 2 share heap slot 0 (SLOT_POOL = 2)
+            m.layers[2].unshard(async_op=True)
+            out[name] = ("ok", round(m(torch.ones(2, 8) * (rank + 1)).item(), 5))
+        except RuntimeError as e:
+            out[name] = ("RuntimeError", str(e))
+    return out
+
+
+def test_two_pending_unshards_into_one_heap_slot_raise_instead_of_overwriting() -> None:
+    for rank, out in enumerate(run_multiprocess(_early_unshards, W, timeout=300)):
+        assert out["tide"] == out["stock"] and out["stock"][0] == "ok", (rank, out)
+        kind, msg = out["slot"]
+        assert kind == "RuntimeError", (rank, out)  # before the fix: "ok" with another loss
+        assert "layers.2" in msg and "layers.0" in msg and "not yet waited for" in msg, (rank, msg)
+
+
+def _unused_parameter_steps(rank: int, world: int) -> dict:
+    out = {}
+    for name, tide, prepared in (("stock", False, False), ("tide", True, False), ("prepared", True, True)):
+        m = _build(tide, **({"prepared": True} if prepared else {}))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        log = []
+        for use_extra in (True, False, True, False):  # extra.weight gets no gradient in steps 1, 3
+            m(torch.ones(2, 8) * (rank + 1), use_extra).backward()
+            opt.step()
+            opt.zero_grad()
+            log.append({n: _full(p) for n, p in m.named_parameters()})
+        out[name] = log
+    return out
+
+
+def test_prepared_steps_with_an_unused_parameter_match_stock() -> None:
+    for rank, out in enumerate(run_multiprocess(_unused_parameter_steps, W, timeout=300)):
+        for step, (want, tide, prep) in enumerate(zip(out["stock"], out["tide"], out["prepared"])):
+            for n in want:
+                torch.testing.assert_close(tide[n], want[n], msg=f"rank {rank} step {step} {n} (tide)")
+                torch.testing.assert_close(prep[n], want[n], msg=f"rank {rank} step {step} {n} (prepared)")
+
+
+def _switch_between_micro_batches(rank: int, world: int) -> dict:
+    import tide_triton as tt
+
+    out = {}
+    for name in ("stock", "disable-mid", "enable-mid"):
+        m = _build(name == "disable-mid", **({"slot_reuse": True} if name == "disable-mid" else {}))
+        x0, x1 = torch.ones(2, 8) * (rank + 1), torch.ones(2, 8) * (rank + 3)
+        m.set_requires_gradient_sync(False)
+        m(x0).backward()  # micro-batch 0: no reduce-scatter; FSDP2 keeps the gradient unsharded
+        refused = None
+        try:
+            if name == "disable-mid":
+                tt.fsdp.disable(m)
+            elif name == "enable-mid":
+                tt.fsdp.enable(m, slot_reuse=True)
+        except RuntimeError as e:
+            refused = str(e)
+        m.set_requires_gradient_sync(True)
+        m(x1).backward()
+        out[name] = (refused, _full(m.layers[1].weight.grad))
+        tt.fsdp.disable(m) if tt.fsdp.is_enabled(m) else None
+    return out
+
+
+def test_slot_reuse_is_not_switched_between_micro_batches_without_sync() -> None:
+    for rank, out in enumerate(run_multiprocess(_switch_between_micro_batches, W, timeout=300)):
+        want = out["stock"][1]
+        for name in ("disable-mid", "enable-mid"):
+            refused, grad = out[name]
+            assert refused is not None and "accumulated without a reduce-scatter" in refused, (rank, name, refused)
+            # refused: nothing switched, the accumulated gradient kept (before: micro-batch 1's alone)
+            torch.testing.assert_close(grad, want, msg=f"rank {rank} {name}")
