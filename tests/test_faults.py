@@ -629,3 +629,30 @@ def test_an_interrupted_call_breaks_the_group_and_its_next_call_never_pairs() ->
     assert r0["call3"][0] == "GroupBrokenError" and "KeyboardInterrupt" in r0["call3"][1], r0
     assert r1["call2"] in (("ok", [300.0]),) or r1["call2"][0] in ("PeerAbortedError", "PeerTimeoutError"), r1
     assert r1["call3"][0] in ("PeerAbortedError", "PeerTimeoutError") and "rank 0" in r1["call3"][1], r1
+
+
+# ---- 12. group options that differ between ranks ----------------------------------------
+def _options_differ(rank: int, W: int, name: str) -> str:
+    import tide_triton as tt
+
+    values = {"ring_bytes": (1 << 20, 2 << 20), "stages": (2, 3), "agree": ("always", "first")}[name]
+    try:
+        tt.init(timeout_s=20, **{name: values[rank]})
+    except ValueError as e:
+        return f"ValueError: {e}"
+    layout = tt.ShardLayout([(8, 4)], W)  # only reached before the fix
+    shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
+    return _outcome(lambda: tt.reduce_scatter([torch.ones((8, 4), dtype=torch.bfloat16)], shards, op="sum")
+                    and None, "cpu") + f" {shards[0].unique().tolist()}"
+
+
+@pytest.mark.parametrize("name", ["ring_bytes", "stages", "agree"])
+def test_group_options_that_differ_between_ranks_raise_at_creation(name: str) -> None:
+    """``tt.init(ring_bytes=...)`` with another value on one rank: the heap layout, the ring
+    plan and the flag map are each rank's own reading of the options, so the ranks read each
+    other's data at the wrong places -- an all-gather returned zeros, a reduce-scatter wrong
+    sums on one rank, no error (found by review, session 17).  Now every rank raises at
+    creation, naming the option and both values."""
+    out = run_multiprocess(_options_differ, 2, name, timeout=120)
+    for r, o in enumerate(out):
+        assert o.startswith(f"ValueError: ranks disagree on the group option {name} (rank 0: "), (r, o)

@@ -147,21 +147,30 @@ class Group(CallIdentity):
         return Topology(self.world_size, mine)
 
     def _agree_topology(self, local_size: int | None) -> Topology:
-        """Every rank's topology, agreed: an error on any rank raises on every rank."""
+        """Every rank's topology and the options every rank must share, agreed: an error on
+        any rank, or a difference, raises on every rank."""
         err: BaseException | None = None
         topo: Topology | None = None
         try:
             topo = self._topology_here(local_size)
         except (TypeError, ValueError) as e:
             err = e
+        shared = tuple(getattr(self.options, f) for f in _SHARED_OPTIONS)
         got = self.exchange((None if topo is None else (topo.world_size, topo.local_size),
-                             None if err is None else f"{type(err).__name__}: {err}"))
+                             None if err is None else f"{type(err).__name__}: {err}", shared))
         if err is not None:
             raise err
-        for r, (_, m) in enumerate(got):
+        for r, (_, m, _o) in enumerate(got):
             if m is not None:
                 raise ValueError(f"rank {r} rejected the topology: {m}")
-        bad = [r for r, (t, _) in enumerate(got) if t != got[0][0]]
+        for i, name in enumerate(_SHARED_OPTIONS):
+            values = [o[i] for _t, _m, o in got]
+            if any(v != values[0] for v in values):
+                by = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                raise ValueError(
+                    f"ranks disagree on the group option {name} ({by}): it lays out the heap, the ring or "
+                    f"the flags every rank reads of the others -- pass the same {name} on every rank")
+        bad = [r for r, (t, _, _o) in enumerate(got) if t != got[0][0]]
         if bad:
             raise ValueError(f"ranks disagree on the topology (world_size, local_size): rank 0 has "
                              f"{got[0][0]}, rank {bad[0]} has {got[bad[0]][0]}; pass the same local_size "
@@ -658,6 +667,13 @@ def _lazy_loading_problem(world_size: int, lazy: bool) -> str | None:
             f"environment before the process's first CUDA call (the driver reads it once, at "
             f"cuInit: torch.cuda.is_available() is already too late), or run one process per "
             f"rank (torchrun)")
+
+
+_SHARED_OPTIONS = ("ring_bytes", "stages", "agree", "chunk_bytes", "inflight_chunks", "inter_node", "multicast")
+"""The options every rank of a group must share (agreed at creation): they lay out the heap,
+the ring and the flag map, choose the protocol of the calls or the hop across nodes.  The
+others (``timeout_s``, ``max_ctas``, ``max_inflight_chunks``, ``nccl_library``) are this
+rank's own affair."""
 
 
 def local_groups(world_size: int, *, local_size: int | None = None,
