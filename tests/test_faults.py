@@ -656,3 +656,39 @@ def test_group_options_that_differ_between_ranks_raise_at_creation(name: str) ->
     out = run_multiprocess(_options_differ, 2, name, timeout=120)
     for r, o in enumerate(out):
         assert o.startswith(f"ValueError: ranks disagree on the group option {name} (rank 0: "), (r, o)
+
+
+# ---- 13. a tensor whose storage was freed --------------------------------------------------
+def test_a_freed_parameter_storage_is_refused_naming_it_on_every_rank() -> None:
+    """FSDP2 frees unsharded parameters with ``untyped_storage().resize_(0)``: shape, dtype and
+    contiguity stay, the address becomes 0.  Such a parameter passed every check and the
+    all-gather copied to address 0 -- the process died (SIGSEGV) and its peer only timed out
+    (found by review, session 17).  Now the rank raises ValueError naming ``params[0]``, its
+    peer an error naming it, and the next call on allocated storage is exact."""
+    import tide_triton as tt
+
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    W = 2
+    layout = tt.ShardLayout([(8, 4)], W)
+    groups = tt.local_groups(W, timeout_s=10)
+
+    def body(r: int):
+        shards = [torch.full(s, 1.0 + r) for s in layout.shard_shapes(r)]
+        params = [torch.zeros(8, 4)]
+        freed = torch.zeros(8, 4)
+        freed.untyped_storage().resize_(0)
+        got = _outcome(lambda: tt.all_gather(shards, [freed] if r == 0 else params, group=groups[r]), "cpu")
+        tt.all_gather(shards, params, group=groups[r])
+        return got, params[0][:4].unique().tolist() + params[0][4:].unique().tolist()
+
+    try:
+        out = run_threads(body, W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    assert out[0][0].startswith("own error: params[0] views 128 bytes of a storage that holds 0"), out[0]
+    assert out[1][0].startswith(("peer argument 0", "aborted by 0")), out[1]
+    assert out[0][1] == out[1][1] == [1.0, 2.0], out

@@ -93,6 +93,26 @@ def check_uniform(
     return dtype, dev
 
 
+def check_storage(name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Each non-empty tensor's bytes lie inside its storage.  A storage resized to 0 (FSDP2
+    frees unsharded parameters so: ``untyped_storage().resize_(0)``) or shrunk keeps the
+    tensor's shape, dtype and contiguity -- the other checks pass -- while its address is 0 or
+    its bytes belong to something else: a copy there writes into memory it does not own.
+    Run where a set of addresses is prepared (a cache miss), not per call: a freed storage
+    has address 0, which no prepared set holds."""
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n == 0:
+            continue
+        need = (t.storage_offset() + n) * t.element_size()
+        have = t.untyped_storage().nbytes()
+        if have < need or t.data_ptr() == 0:
+            raise ValueError(
+                f"{name}[{i}] views {need} bytes of a storage that holds {have}: its storage was freed or "
+                f"resized (FSDP2 frees unsharded parameters with untyped_storage().resize_(0)); pass tensors "
+                f"whose storage is allocated")
+
+
 def same_shapes(tensors: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]) -> bool:
     """Whether ``tensors[i]`` has shape ``shapes[i]`` for every i (and the counts match).
     Streams the comparison: each tensor's shape object dies before the next is made, where a
