@@ -692,3 +692,37 @@ def test_a_freed_parameter_storage_is_refused_naming_it_on_every_rank() -> None:
     assert out[0][0].startswith("own error: params[0] views 128 bytes of a storage that holds 0"), out[0]
     assert out[1][0].startswith(("peer argument 0", "aborted by 0")), out[1]
     assert out[0][1] == out[1][1] == [1.0, 2.0], out
+
+
+# ---- 14. outputs that share bytes ------------------------------------------------------------
+def test_outputs_that_overlap_are_refused_naming_both() -> None:
+    """One tensor passed as two shards (or two params) received both parameters' rows: 23
+    where 3 was due for the first, no error (found by review, session 17).  Now the rank
+    raises ValueError naming both outputs, its peer an error naming it."""
+    import tide_triton as tt
+
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    W, shapes = 2, [(8, 4), (8, 4)]
+    layout = tt.ShardLayout(shapes, W)
+    groups = tt.local_groups(W, timeout_s=10)
+
+    def body(r: int):
+        grads = [torch.full(s, float(r + 1 + 10 * i), dtype=torch.bfloat16) for i, s in enumerate(shapes)]
+        one = torch.zeros(layout.shard_shapes(r)[0])
+        rs = _outcome(lambda: tt.reduce_scatter(grads, [one, one], op="sum", group=groups[r]), "cpu")
+        shards = [torch.full(s, float(r + 1 + 10 * i)) for i, s in enumerate(layout.shard_shapes(r))]
+        both = torch.zeros(8, 4)
+        ag = _outcome(lambda: tt.all_gather(shards, [both, both.view(8, 4)], group=groups[r]), "cpu")
+        return rs, ag
+
+    try:
+        out = run_threads(body, W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    for r, (rs, ag) in enumerate(out):
+        assert rs.startswith("own error: shards[0] and shards[1] overlap in memory"), (r, rs)
+        assert ag.startswith("own error: params[0] and params[1] overlap in memory"), (r, ag)

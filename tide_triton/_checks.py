@@ -113,6 +113,20 @@ def check_storage(name: str, tensors: Sequence[torch.Tensor]) -> None:
                 f"whose storage is allocated")
 
 
+def check_disjoint(name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """No two non-empty outputs share a byte (a collective writes each as if it were alone:
+    two views of one buffer would receive each other's rows).  Run where a set of addresses
+    is prepared, like :func:`check_storage`; sorting by address, O(n log n)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                   for i, t in enumerate(tensors) if t.numel())
+    for (_a0, a1, i), (b0, _b1, j) in zip(spans, spans[1:]):
+        if b0 < a1:  # sorted by start: any overlap shows between neighbours
+            i, j = min(i, j), max(i, j)
+            raise ValueError(f"{name}[{i}] and {name}[{j}] overlap in memory: the collective writes each of "
+                             f"them whole, so each needs bytes of its own (pass separate tensors, or "
+                             f"non-overlapping views of one buffer)")
+
+
 def same_shapes(tensors: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]) -> bool:
     """Whether ``tensors[i]`` has shape ``shapes[i]`` for every i (and the counts match).
     Streams the comparison: each tensor's shape object dies before the next is made, where a

@@ -21,8 +21,8 @@ import torch
 
 from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
-from ._checks import (FLOAT_DTYPES, check_gather_shards, check_shapes, check_storage, check_tensor_list,
-                      check_uniform, dtype_name)
+from ._checks import (FLOAT_DTYPES, check_disjoint, check_gather_shards, check_shapes, check_storage,
+                      check_tensor_list, check_uniform, dtype_name)
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .executor import capturing as _capturing  # the name the capture tests patch
 from .group import Group, resolve
@@ -234,6 +234,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     if prep is None:
         check_storage("grads", grads_l)
         check_storage("shards", shards_l)
+        check_disjoint("shards", shards_l)
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,
@@ -380,6 +381,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     pulls = g.cached(key)
     if pulls is None:
         check_storage("params", params_l)
+        check_disjoint("params", params_l)
         pulls = g.cache(key, node_prepare.prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
     skey = ("ag-stage", layout, sdt, pdt, device, sptrs, snumels, where, pptrs if source is not None else None)
     stage = g.cached(skey)
