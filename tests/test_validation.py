@@ -526,3 +526,22 @@ def test_binding_tensor_counts() -> None:
     program = SegmentProgram((Span(0, 0, 0, 0, 4),), n_dst=1, n_src=1, tile_numel=256)
     with pytest.raises(ValueError, match=r"binding needs 1 destinations and 2 x 1 sources, got 1 and 1"):
         Binding(program, (torch.zeros(4),), (torch.zeros(4),), 2, None)
+
+
+def test_tensors_on_another_gpu_than_the_groups_are_refused_naming_both() -> None:
+    """One process per rank: a group's CUDA transport (heap, streams, context) is the GPU of
+    its first CUDA call; a later call with tensors on another GPU reused it with no error
+    naming the argument (found by review, session 17).  Stand-in transport: no GPU needed."""
+    import types
+
+    import tide_triton as tt
+
+    (g,) = tt.local_groups(1)
+    try:
+        g._transports["cuda"] = types.SimpleNamespace(device=torch.device("cuda", 0))
+        assert g.transport(torch.device("cuda", 0)) is g._transports["cuda"]
+        with pytest.raises(ValueError, match=r"tensors on cuda:1, but rank 0 of this group drives cuda:0"):
+            g.transport(torch.device("cuda", 1))
+    finally:
+        g._transports.pop("cuda", None)
+        g.close()

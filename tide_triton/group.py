@@ -290,6 +290,13 @@ class Group(CallIdentity):
                 else:
                     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
                 self._transports[key] = t
+        if key == "cuda" and device.index is not None:
+            have = getattr(getattr(t, "inner", t), "device", None)
+            if have is not None and have != device:  # its heap, streams and context are that GPU's
+                raise ValueError(
+                    f"tensors on {device}, but rank {self.rank} of this group drives {have} (where its first "
+                    f"CUDA collective ran): a group moves one GPU's tensors per rank -- put them on {have}, or "
+                    f"make another group for {device}")
         return t
 
     def _node_transport(self, device: torch.device):
