@@ -10,6 +10,8 @@ on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2
    breaking the group. Now such a step gets a program of its own: every step matches stock.
 3. Slot-Reuse switched on or off between micro-batches run without sync: the gradients
    FSDP2 held on the unsharded parameters were dropped. Now the switch is refused.
+4. Ranks deciding differently between tide_triton and stock FSDP2 for a group (another torch
+   build on one node): their collectives never paired. Now ``enable`` raises on every rank.
 """
 from __future__ import annotations
 
@@ -144,3 +146,27 @@ def test_slot_reuse_is_not_switched_between_micro_batches_without_sync() -> None
             assert refused is not None and "accumulated without a reduce-scatter" in refused, (rank, name, refused)
             # refused: nothing switched, the accumulated gradient kept (before: micro-batch 1's alone)
             torch.testing.assert_close(grad, want, msg=f"rank {rank} {name}")
+
+
+def _split_decision(rank: int, world: int) -> str:
+    import tide_triton as tt
+    from tide_triton.fsdp import _torch_adapter
+
+    m = _build(False)
+    if rank == 1:  # this rank's torch is not served (another build, stripped sources): stock
+        _torch_adapter._API, _torch_adapter._API_ERROR = None, "torch build not served here"
+    try:
+        tt.fsdp.enable(m)
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"
+    return "enabled"
+
+
+def test_ranks_that_would_take_different_paths_raise_in_enable() -> None:
+    """4. The tide-or-stock decision is each rank's own reading; one rank on stock FSDP2
+    against tide_triton on the others paired nothing: a timeout naming nobody useful on one
+    side, a wait in the process group's collective on the other (found by review, session
+    17).  Now ``enable`` agrees the decisions and raises on every rank, naming both."""
+    for rank, out in enumerate(run_multiprocess(_split_decision, W, timeout=120)):
+        assert out.startswith("RuntimeError: enable: ") and "on rank 0 and stock FSDP2's on rank 1" in out, (rank, out)
+        assert "torch build not served here" in out, (rank, out)

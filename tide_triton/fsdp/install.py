@@ -162,8 +162,11 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     try:
         api = load_api()
     except RuntimeError as e:
-        log.warning("tide_triton.fsdp: stock FSDP2 for all modules: %s", e)
-        return {name: str(e) for name, _ in mods}
+        api, unserved = None, str(e)
+    if api is None:  # the peers learn it (they would run tide_triton's collectives against stock ones)
+        _agree_decisions([(name, name, pg, unserved) for name, m in mods for pg in param_groups(m)])
+        log.warning("tide_triton.fsdp: stock FSDP2 for all modules: %s", unserved)
+        return {name: unserved for name, _ in mods}
     for name, m in mods:
         for pg in param_groups(m):
             if pg._training_state.name != "IDLE" or pg._all_gather_result is not None:
@@ -174,29 +177,63 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
             if have is not None and (slot_reuse or have.slot is not None):
                 raise RuntimeError(f"enable(slot_reuse={slot_reuse}): {name} is enabled already"
                                    f"{' with Slot-Reuse' if have.slot is not None else ''}; disable it first")
-    result: dict[str, str | None] = {}
+    plan = []  # (module name, group label, FSDPParamGroup, why it stays stock or None)
     for name, m in mods:
         groups = param_groups(m)
-        reasons = []
         for i, pg in enumerate(groups):
-            label = name if len(groups) == 1 else f"{name}[{i}]"
             why = why_stock(pg, api)
             if why is None and slot_reuse:
                 why = _why_no_slot(pg)
-            if why is None:
-                g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
-                _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg), use_prepared=prepared))
-            else:
-                _drop(pg)
-                log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
-                reasons.append(why)
-        if groups:
-            result[name] = "; ".join(reasons) if reasons else None
+            plan.append((name, name if len(groups) == 1 else f"{name}[{i}]", pg, why))
+    _agree_decisions(plan)
+    result: dict[str, str | None] = {}
+    for name, label, pg, why in plan:
+        if why is None:
+            g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
+            _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg), use_prepared=prepared))
+        else:
+            _drop(pg)
+            log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
+        if why is None:
+            result.setdefault(name, None)
+        else:
+            result[name] = why if result.get(name) is None else f"{result[name]}; {why}"
     if slot_reuse:
         slots.assign_slots(mods, slot_pool, release_slots)
     if len(_state.GROUPS):
         _install(api)
     return result
+
+
+def _agree_decisions(plan: list) -> None:
+    """Every rank of each FSDP2 process group takes the same path for each parameter group:
+    tide_triton's collectives on one rank against stock ones on another pair nothing -- one
+    side times out naming nobody useful, the other waits in the process group's collective.
+    A decision is each rank's own reading (its torch build, its sources, its settings), so
+    it is exchanged (``all_gather_object`` over the group's all-gather process group, once,
+    in ``enable``) and a difference raises on every rank, naming the group, the ranks and
+    why."""
+    by_pg: dict[Any, list] = {}
+    for _name, label, pg, why in plan:
+        by_pg.setdefault(pg._all_gather_process_group, []).append((label, why))
+    for apg, mine in by_pg.items():
+        if apg is None or dist.get_world_size(apg) == 1:
+            continue
+        got: list = [None] * dist.get_world_size(apg)
+        dist.all_gather_object(got, mine, group=apg)
+        for r, theirs in enumerate(got):
+            if [lab for lab, _ in theirs] != [lab for lab, _ in mine]:
+                raise RuntimeError(f"enable: rank {r} of the process group holds other FSDP2 groups "
+                                   f"({[lab for lab, _ in theirs]}) than rank {dist.get_rank(apg)} "
+                                   f"({[lab for lab, _ in mine]}); call enable on the same model on every rank")
+            for (label, why), (_, their) in zip(mine, theirs):
+                if (why is None) != (their is None):
+                    tide, stock = (dist.get_rank(apg), r) if why is None else (r, dist.get_rank(apg))
+                    reason = their if why is None else why
+                    raise RuntimeError(
+                        f"enable: {label} would run tide_triton's collectives on rank {tide} and stock "
+                        f"FSDP2's on rank {stock} ({reason}); their collectives would never pair -- make the "
+                        f"ranks agree (the same torch build, sources and settings) or disable it everywhere")
 
 
 _UNREDUCED = ("{what}: {name} holds gradients accumulated without a reduce-scatter ({param}'s, "
