@@ -12,6 +12,8 @@ on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2
    FSDP2 held on the unsharded parameters were dropped. Now the switch is refused.
 4. Ranks deciding differently between tide_triton and stock FSDP2 for a group (another torch
    build on one node): their collectives never paired. Now ``enable`` raises on every rank.
+5. Ranks running other same-shaped modules at the same position paired their data. The
+   drop-in's calls now carry the module's name in their signature.
 """
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ class _Net(nn.Module):
         self.extra = nn.Linear(d, d, bias=False)  # in the root's group; unused in some steps
         self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
 
-    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_extra: bool = True, only: int | None = None) -> torch.Tensor:
         x = self.inp(x)
         if use_extra:
             x = self.extra(x)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        for i, layer in enumerate(self.layers):
+            if only is None or i == only:
+                x = torch.tanh(layer(x))
         return x.sum()
 
 
@@ -170,3 +173,21 @@ def test_ranks_that_would_take_different_paths_raise_in_enable() -> None:
     for rank, out in enumerate(run_multiprocess(_split_decision, W, timeout=120)):
         assert out.startswith("RuntimeError: enable: ") and "on rank 0 and stock FSDP2's on rank 1" in out, (rank, out)
         assert "torch build not served here" in out, (rank, out)
+
+
+def _other_modules(rank: int, world: int) -> str:
+    m = _build(True)
+    try:
+        m(torch.ones(2, 8), only=rank).backward()  # rank r runs only layers.r: same shapes
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def test_ranks_running_other_same_shaped_modules_raise_naming_both() -> None:
+    """5. Rank 0 runs only ``layers.0``, rank 1 only ``layers.1`` (same shapes: conditional
+    blocks, experts): their all-gathers paired -- each layer computed with the other's rows,
+    no error (stock FSDP2 does the same; found by review, session 17).  The drop-in's calls
+    now carry their module's name in the signature: every rank raises, naming both."""
+    for rank, out in enumerate(run_multiprocess(_other_modules, W, timeout=120)):
+        assert out.startswith("ArgumentMismatchError") and "layers.0" in out and "layers.1" in out, (rank, out)

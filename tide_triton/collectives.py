@@ -175,6 +175,8 @@ def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate):
     sig = (name, ("grads shapes", layout.shapes), ("grads dtype", dtype_name(gdt)),
            ("shards dtype", dtype_name(sdt)), ("op", repr(op)), ("accumulate", bool(accumulate)),
            ("device", device.type))
+    if g.call_label is not None:  # the FSDP2 drop-in: which parameter group (Group.labelled)
+        sig += (("FSDP2 group", g.call_label),)
     return grads_l, shards_l, gdt, sdt, device, layout, scale, sig
 
 
@@ -327,6 +329,8 @@ def _ag_arguments(g: Group, name: str, shards, params):
     sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
     sig = (name, ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
            ("shards dtype", dtype_name(sdt)), ("device", device.type))
+    if g.call_label is not None:
+        sig += (("FSDP2 group", g.call_label),)
     return params_l, shards_l, pdt, sdt, device, layout, sig
 
 

@@ -25,7 +25,8 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -90,6 +91,8 @@ class Group(CallIdentity):
         self._call_lock = threading.Lock()
         self._setup_index = 0  # exchanges outside any call (creation): call number 0
         self._sig_names: dict[int, str] = {}
+        self.call_label: str | None = None
+        """Joins the signature of the calls made inside :meth:`labelled`."""
         if _local is not None:  # single-process multi-rank mode (see local_groups)
             self.pg = None
             self.rank, self.world_size = _rank, _local.world_size
@@ -251,6 +254,19 @@ class Group(CallIdentity):
     def broken(self) -> str | None:
         """Why the group is broken (see :class:`~tide_triton.errors.GroupBrokenError`), or None."""
         return self._broken
+
+    @contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """The calls made inside carry ``label`` in their signature (agreed, and in every
+        call's identity): the FSDP2 drop-in labels each parameter group's collectives with
+        its module's name, so ranks running other same-shaped modules at the same position
+        (conditional blocks, experts) raise ``ArgumentMismatchError`` naming both instead of
+        pairing their data."""
+        before, self.call_label = self.call_label, label
+        try:
+            yield
+        finally:
+            self.call_label = before
 
     # ---- transports ---------------------------------------------------------------------
     def transport(self, device: torch.device):

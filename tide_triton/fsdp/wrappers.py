@@ -83,10 +83,12 @@ def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
         # Slot-Reuse on one node: the peers read this rank's rows straight from its slot (no
         # all-gather block; the slot's vacate before a staged reduce-scatter waits for them).
         region = slot.region if slot is not None and st.group.nodes == 1 else None
-        if st.use_prepared and slot is None and st.group.nodes == 1:
-            _prepared_all_gather(st, shards, outs, ag_stream if cuda else None)
-        else:
-            tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None, params_region=region)
+        with st.group.labelled(st.fqn):  # in the signature: other modules' calls never pair with it
+            if st.use_prepared and slot is None and st.group.nodes == 1:
+                _prepared_all_gather(st, shards, outs, ag_stream if cuda else None)
+            else:
+                tide_all_gather(shards, outs, group=st.group, stream=ag_stream if cuda else None,
+                                params_region=region)
         st.all_gathers += 1
         st.slot_all_gathers += region is not None
         event = ag_stream.record_event()
@@ -317,11 +319,12 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
             # (on a GPU: once the work the reduce-scatter stream waited for is done).
             staging = st.slot.region
             staging.vacate(stream=rs_stream if cuda else None)
-        if st.use_prepared and staging is None and st.group.nodes == 1:
-            _prepared_reduce_scatter(st, grads, shards, op, direct, rs_stream if cuda else None)
-        else:
-            reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
-                           stream=rs_stream if cuda else None, staging=staging)
+        with st.group.labelled(st.fqn):
+            if st.use_prepared and staging is None and st.group.nodes == 1:
+                _prepared_reduce_scatter(st, grads, shards, op, direct, rs_stream if cuda else None)
+            else:
+                reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
+                               stream=rs_stream if cuda else None, staging=staging)
         st.reduce_scatters += 1
         if st.slot is not None and st.slot.release:
             _queue_release()
