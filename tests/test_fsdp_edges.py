@@ -14,6 +14,8 @@ on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2
    build on one node): their collectives never paired. Now ``enable`` raises on every rank.
 5. Ranks running other same-shaped modules at the same position paired their data. The
    drop-in's calls now carry the module's name in their signature.
+6. ``enable(slot_reuse=True)`` past a group's 64 heap regions raised half-way: slots bound,
+   wrappers not installed, the next step failed. Now it raises before making any region.
 """
 from __future__ import annotations
 
@@ -47,18 +49,18 @@ class _Net(nn.Module):
         return x.sum()
 
 
-def _build(tide: bool, **enable):
+def _build(tide: bool, n: int = 3, shard_kw: dict | None = None, **enable):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import tide_triton as tt
 
     torch.manual_seed(0)
-    m = _Net()
+    m = _Net(n)
     mesh = init_device_mesh("cpu", (W,))
     for layer in m.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(m, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **(shard_kw or {}))
+    fully_shard(m, mesh=mesh, **(shard_kw or {}))
     if tide:
         tt.fsdp.enable(m, **enable)
     return m
@@ -191,3 +193,22 @@ def test_ranks_running_other_same_shaped_modules_raise_naming_both() -> None:
     now carry their module's name in the signature: every rank raises, naming both."""
     for rank, out in enumerate(run_multiprocess(_other_modules, W, timeout=120)):
         assert out.startswith("ArgumentMismatchError") and "layers.0" in out and "layers.1" in out, (rank, out)
+
+
+def _too_many_private_slots(rank: int, world: int) -> dict:
+    import tide_triton as tt
+
+    m = _build(False, n=70, shard_kw={"reshard_after_forward": False})  # each a private slot
+    try:
+        tt.fsdp.enable(m, slot_reuse=True)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    m(torch.ones(2, 8)).backward()  # stock FSDP2 again, whole
+    return {"error": err, "enabled": tt.fsdp.is_enabled(m), "grad": _full(m.layers[3].weight.grad)}
+
+
+def test_slot_reuse_past_the_region_limit_raises_before_changing_anything() -> None:
+    for rank, out in enumerate(run_multiprocess(_too_many_private_slots, W, timeout=300)):
+        assert out["error"] is not None and "needs 71 heap regions" in out["error"], (rank, out["error"])
+        assert out["enabled"] is False and out["grad"].abs().sum() > 0, (rank, out)

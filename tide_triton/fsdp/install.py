@@ -199,7 +199,13 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         else:
             result[name] = why if result.get(name) is None else f"{result[name]}; {why}"
     if slot_reuse:
-        slots.assign_slots(mods, slot_pool, release_slots)
+        try:
+            slots.assign_slots(mods, slot_pool, release_slots)
+        except Exception:  # nothing of this enable stays: the groups go back to stock FSDP2
+            for _name, _label, pg, why in plan:
+                if why is None:
+                    _drop(pg)
+            raise
     if len(_state.GROUPS):
         _install(api)
     return result

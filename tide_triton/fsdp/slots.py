@@ -173,6 +173,21 @@ def assign_slots(mods: list[tuple[str, nn.Module]], pool: int, release: bool = T
     def floor(g: Any) -> int:  # a staged reduce-scatter needs >= 16 bytes per slot and peer
         return 16 * g.options.stages * max(1, g.world_size - 1)
 
+    # Every region this needs fits, or nothing is made (each rank decides the same)
+    need: dict[int, list] = {}
+    for _, st in private:
+        need.setdefault(id(st.group), [st.group, 0, 0])[1] += 1
+    for members in pools.values():
+        need.setdefault(id(members[0][1].group), [members[0][1].group, 0, 0])[2] += min(pool, len(members))
+    for g, n_private, n_pool in need.values():
+        room = g.flags.regions - len(g._heap_regions)
+        if n_private + n_pool > room:
+            raise ValueError(
+                f"enable(slot_reuse=True) needs {n_private + n_pool} heap regions in one tide_triton group -- "
+                f"{n_private} private slots (the root and every group without a reshard after forward) and "
+                f"{n_pool} shared ones -- but the group has room for {room} (of {g.flags.regions}); reshard "
+                "more groups after forward, or enable Slot-Reuse on part of the model")
+
     for pg, st in private:
         g = st.group
         nbytes = max(group_layout(pg, g.world_size)[2], floor(g))
