@@ -716,13 +716,17 @@ def test_outputs_that_overlap_are_refused_naming_both() -> None:
         shards = [torch.full(s, float(r + 1 + 10 * i)) for i, s in enumerate(layout.shard_shapes(r))]
         both = torch.zeros(8, 4)
         ag = _outcome(lambda: tt.all_gather(shards, [both, both.view(8, 4)], group=groups[r]), "cpu")
-        return rs, ag
+        # prepared: the first set of addresses is bound at preparation (found by a later review)
+        prep = _outcome(lambda: tt.prepare_all_gather(shards, [both, both.view(8, 4)], group=groups[r])
+                        and None, "cpu")
+        return rs, ag, prep
 
     try:
         out = run_threads(body, W, timeout=60)
     finally:
         for g in groups:
             g.close()
-    for r, (rs, ag) in enumerate(out):
+    for r, (rs, ag, prep) in enumerate(out):
         assert rs.startswith("own error: shards[0] and shards[1] overlap in memory"), (r, rs)
         assert ag.startswith("own error: params[0] and params[1] overlap in memory"), (r, ag)
+        assert prep.startswith("own error: params[0] and params[1] overlap in memory"), (r, prep)

@@ -469,6 +469,9 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
             _check_preparable(g)
             grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
                 g, "prepare_reduce_scatter", grads, shards, op, accumulate)
+            check_storage("grads", grads_l)  # the first set of addresses is bound from these
+            check_storage("shards", shards_l)
+            check_disjoint("shards", shards_l)
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e
@@ -500,6 +503,9 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
             _check_preparable(g)
             params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "prepare_all_gather", shards,
                                                                               params)
+            check_storage("params", params_l)  # the first set of addresses is bound from these
+            check_storage("shards", shards_l)
+            check_disjoint("params", params_l)
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e
@@ -511,13 +517,15 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
 def synchronize(group: object = None, *, device: object = None, stream: object = None,
                 timeout_s: float | None = None) -> None:
     """Block the host until the group's queued collective work on ``device`` (default: the
-    current CUDA device) and ``stream`` (default: the current stream) is done.  GPU-side
+    GPU of the group's CUDA calls, else the current CUDA device) and ``stream`` (default: the
+    current stream) is done.  GPU-side
     waits on peers cannot time out by themselves: this is where a dead or stuck peer
     surfaces, as :class:`~tide_triton.transport.base.PeerTimeoutError` naming it, after
     ``timeout_s`` (default: the group's).  A no-op for the host transport."""
     g = resolve(group)
     dev = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        g.cuda_device() or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                            else torch.device("cpu")))
     if dev.type != "cuda":
         return
     t = g.transport(dev)

@@ -269,6 +269,11 @@ class Group(CallIdentity):
             self.call_label = before
 
     # ---- transports ---------------------------------------------------------------------
+    def cuda_device(self) -> torch.device | None:
+        """The GPU this rank's CUDA transport drives (its first CUDA call's), or None."""
+        t = self._transports.get("cuda")
+        return None if t is None else getattr(getattr(t, "inner", t), "device", None)
+
     def transport(self, device: torch.device):
         self._check_open()
         key = device.type
@@ -307,7 +312,7 @@ class Group(CallIdentity):
                     raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
                 self._transports[key] = t
         if key == "cuda" and device.index is not None:
-            have = getattr(getattr(t, "inner", t), "device", None)
+            have = self.cuda_device()
             if have is not None and have != device:  # its heap, streams and context are that GPU's
                 raise ValueError(
                     f"tensors on {device}, but rank {self.rank} of this group drives {have} (where its first "

@@ -211,8 +211,9 @@ class _Prepared:
                         i = next(i for i, (a, b) in enumerate(zip(now, ptrs)) if a != b)
                         raise ValueError(
                             f"{self.name}: {what}[{i}] moved (data_ptr {hex(ptrs[i])} when prepared, "
-                            f"{hex(now[i])} now; e.g. its storage was resized or swapped): prepare the "
-                            f"collective again for the new storage")
+                            f"{hex(now[i])} now; e.g. its storage was resized or swapped); a run is not "
+                            f"agreed with the peers, so this breaks the group: make a new group and prepare "
+                            f"the collective for the new storage")
             binding = self._bindings[key]
             if captured:
                 self._keep_for_graph(key, binding)

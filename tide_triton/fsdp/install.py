@@ -221,7 +221,7 @@ def _agree_decisions(plan: list) -> None:
     why."""
     by_pg: dict[Any, list] = {}
     for _name, label, pg, why in plan:
-        by_pg.setdefault(pg._all_gather_process_group, []).append((label, why))
+        by_pg.setdefault(getattr(pg, "_all_gather_process_group", None), []).append((label, why))
     for apg, mine in by_pg.items():
         if apg is None or dist.get_world_size(apg) == 1:
             continue
