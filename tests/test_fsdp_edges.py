@@ -16,6 +16,8 @@ on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2
    drop-in's calls now carry the module's name in their signature.
 6. ``enable(slot_reuse=True)`` past a group's 64 heap regions raised half-way: slots bound,
    wrappers not installed, the next step failed. Now it raises before making any region.
+7. ``disable()`` after an eval forward (which maps the released slots again) left them mapped
+   until the group closed (a leak). Now it releases the slots no group holds.
 """
 from __future__ import annotations
 
@@ -212,3 +214,23 @@ def test_slot_reuse_past_the_region_limit_raises_before_changing_anything() -> N
     for rank, out in enumerate(run_multiprocess(_too_many_private_slots, W, timeout=300)):
         assert out["error"] is not None and "needs 71 heap regions" in out["error"], (rank, out["error"])
         assert out["enabled"] is False and out["grad"].abs().sum() > 0, (rank, out)
+
+
+def _disable_after_eval(rank: int, world: int) -> dict:
+    import tide_triton as tt
+    from tide_triton.fsdp import slots
+
+    m = _build(True, slot_reuse=True)
+    m(torch.ones(2, 8)).backward()  # the slots are released after backward
+    with torch.no_grad():
+        m(torch.ones(2, 8))  # an eval forward maps them again
+    m.reshard()
+    mine = [s for s in (ref() for ref in slots._SLOTS) if s is not None and s.members]
+    tt.fsdp.disable(m)
+    m(torch.ones(2, 8)).backward()  # stock again
+    return {"slots": len(mine), "mapped after disable": [s.region.key for s in mine if not s.region.released]}
+
+
+def test_disable_releases_the_slots_it_empties() -> None:
+    for rank, out in enumerate(run_multiprocess(_disable_after_eval, W, timeout=300)):
+        assert out["slots"] >= 2 and out["mapped after disable"] == [], (rank, out)

@@ -274,9 +274,14 @@ def disable(module: nn.Module) -> None:
                                    "call disable between steps")
             if st is not None and st.slot is not None and (held := _unreduced_grad(pg)) is not None:
                 raise RuntimeError(_UNREDUCED.format(what="disable", name=name, param=held))
+    dropped = set()
     for _, m in fsdp_modules(module):
         for pg in param_groups(m):
+            st = _state.GROUPS.get(pg)
+            if st is not None and st.slot is not None:
+                dropped.add(id(st.slot))
             _drop(pg)
+    slots.release_emptied(dropped)  # collective: slots no group holds any more give back their memory
     if not len(_state.GROUPS) and _state.active is not None:
         _uninstall(_state.active)
 

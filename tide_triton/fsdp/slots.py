@@ -202,6 +202,20 @@ def assign_slots(mods: list[tuple[str, nn.Module]], pool: int, release: bool = T
             _bind(pg, st, slots[i % len(slots)])
 
 
+def release_emptied(ids: set[int]) -> None:
+    """Collective (``disable``): release every slot of ``ids`` (``id(slot)``) that no group
+    holds any more, in creation order (the same on every rank).  An eval forward after the
+    last backward maps a released slot again; without this, ``disable`` left it mapped until
+    the group closed (``heap_bytes`` said 0)."""
+    for ref in list(_SLOTS):
+        slot = ref()
+        if (slot is None or id(slot) not in ids or len(slot.members) or slot.region.released
+                or slot.region.group.closed):
+            continue
+        slot.region.release()
+        slot.freed.clear()
+
+
 def _new_slot(region: Any, private: bool, pool: int, release: bool) -> Slot:
     slot = Slot(region, private, pool, release)
     _SLOTS.append(weakref.ref(slot))
