@@ -127,6 +127,15 @@ def check_disjoint(name: str, tensors: Sequence[torch.Tensor]) -> None:
                              f"non-overlapping views of one buffer)")
 
 
+def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
+                outputs: Sequence[torch.Tensor]) -> None:
+    """The checks of a new set of addresses, before it is bound: every tensor's storage is
+    allocated (:func:`check_storage`) and no two outputs share a byte (:func:`check_disjoint`)."""
+    check_storage(in_name, inputs)
+    check_storage(out_name, outputs)
+    check_disjoint(out_name, outputs)
+
+
 def same_shapes(tensors: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]) -> bool:
     """Whether ``tensors[i]`` has shape ``shapes[i]`` for every i (and the counts match).
     Streams the comparison: each tensor's shape object dies before the next is made, where a

@@ -21,8 +21,8 @@ import torch
 
 from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
-from ._checks import (FLOAT_DTYPES, check_disjoint, check_gather_shards, check_shapes, check_storage,
-                      check_tensor_list, check_uniform, dtype_name)
+from ._checks import (FLOAT_DTYPES, check_bound, check_gather_shards, check_shapes, check_tensor_list,
+                      check_uniform, dtype_name)
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .executor import capturing as _capturing  # the name the capture tests patch
 from .group import Group, resolve
@@ -234,9 +234,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, snumels, S, ring_bytes, reg.ring_off, scale, acc)
     prep = g.cached(key)
     if prep is None:
-        check_storage("grads", grads_l)
-        check_storage("shards", shards_l)
-        check_disjoint("shards", shards_l)
+        check_bound("grads", grads_l, "shards", shards_l)
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,
@@ -383,14 +381,13 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     where = reg.ag_off if source is None else ("region", source[0])  # the block moves when regions are added
     key = ("ag", layout, pdt, device, pptrs, where)
     pulls = g.cached(key)
-    if pulls is None:
-        check_storage("params", params_l)
-        check_disjoint("params", params_l)
-        pulls = g.cache(key, node_prepare.prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
     skey = ("ag-stage", layout, sdt, pdt, device, sptrs, snumels, where, pptrs if source is not None else None)
     stage = g.cached(skey)
+    if pulls is None or stage is None:
+        check_bound("shards", shards_l, "params", params_l)
+    if pulls is None:
+        pulls = g.cache(key, node_prepare.prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
     if stage is None:
-        check_storage("shards", shards_l)
         if source is None:  # my place in my block
             block = t.address(me, reg.ag_off)
             dsts = tuple(block + o * es for o in layout.flat_offsets)
@@ -469,9 +466,7 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
             _check_preparable(g)
             grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
                 g, "prepare_reduce_scatter", grads, shards, op, accumulate)
-            check_storage("grads", grads_l)  # the first set of addresses is bound from these
-            check_storage("shards", shards_l)
-            check_disjoint("shards", shards_l)
+            check_bound("grads", grads_l, "shards", shards_l)  # the first set of addresses is bound from these
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e
@@ -503,9 +498,7 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
             _check_preparable(g)
             params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "prepare_all_gather", shards,
                                                                               params)
-            check_storage("params", params_l)  # the first set of addresses is bound from these
-            check_storage("shards", shards_l)
-            check_disjoint("params", params_l)
+            check_bound("shards", shards_l, "params", params_l)  # the first set of addresses is bound from these
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e

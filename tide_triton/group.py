@@ -754,6 +754,15 @@ def _default_store() -> Any:
                            f"exchanges, and none is reachable ({e}); call init_process_group first") from e
 
 
+def exchange_once(pg: Any, obj: object, *, what: str, timeout_s: float) -> list:
+    """One all-gather of a small picklable object over ``pg``'s ranks (in their order there),
+    through the bootstrap store like a group's exchanges -- with a deadline naming the ranks
+    that did not arrive, and no collective of ``pg`` itself (no NCCL communicator made)."""
+    ex = Exchange(StoreKeyValue(_default_store()), _store_prefix(pg) + "once/", dist.get_rank(pg),
+                  dist.get_world_size(pg))
+    return ex.exchange(obj, call=0, index=1, timeout_s=timeout_s, what=what)
+
+
 def _store_prefix(pg: Any) -> str:
     """Keys of one group instance: the process group's name and how many groups this process
     made for it before (every rank makes them in the same order: creation is collective)."""

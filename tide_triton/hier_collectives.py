@@ -49,7 +49,7 @@ from functools import lru_cache
 
 import torch
 
-from ._checks import check_disjoint, check_storage
+from ._checks import check_bound
 from .executor import Streams, Work, prepare_padding_zeros, wait_vacated
 from .group import Group
 from .heap import CrossNode, ag_block_end
@@ -303,9 +303,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, snumels, reg.rs_off, ring_bytes, g.options.stages)
     prep = g.cached(key)
     if prep is None:  # with the zero-fill of padded shards' padding (used without accumulate)
-        check_storage("grads", grads_l)
-        check_storage("shards", shards_l)
-        check_disjoint("shards", shards_l)
+        check_bound("grads", grads_l, "shards", shards_l)
         prep = g.cache(key, (_prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device),
                              prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                    sdt.itemsize, device)))
@@ -443,9 +441,7 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
            g.options.inflight_chunks)
     prep = g.cached(key)
     if prep is None:
-        check_storage("params", params_l)
-        check_storage("shards", shards_l)
-        check_disjoint("params", params_l)
+        check_bound("shards", shards_l, "params", params_l)
         prep = g.cache(key, _prepare_ag(g, t, reg, plan, layout, pptrs, sptrs, have, zero, pdt, sdt, device))
     t.warm_replays([prep.own if pdt == sdt else None, prep.pads, prep.publish,
                     *(copies for _r, copies, _n in prep.pickups)])  # graphs before any flag wait

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import check_disjoint, check_gather_shards, check_shapes, check_storage, check_uniform, same_shapes
+from ._checks import check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -133,9 +133,10 @@ class _Prepared:
                          why=lambda i: layout.shard_rule(i, me))
         else:
             check_gather_shards(shards, layout, me)
-        check_storage(name, full)
-        check_storage("shards", shards)
-        check_disjoint(*((("shards", shards)) if self._full_first else (name, full)))
+        if self._full_first:
+            check_bound(name, full, "shards", shards)
+        else:
+            check_bound("shards", shards, name, full)
         check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
         check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
 

@@ -191,12 +191,10 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         if why is None:
             g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
             _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg), use_prepared=prepared))
+            result.setdefault(name, None)
         else:
             _drop(pg)
             log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
-        if why is None:
-            result.setdefault(name, None)
-        else:
             result[name] = why if result.get(name) is None else f"{result[name]}; {why}"
     if slot_reuse:
         try:
@@ -216,17 +214,20 @@ def _agree_decisions(plan: list) -> None:
     tide_triton's collectives on one rank against stock ones on another pair nothing -- one
     side times out naming nobody useful, the other waits in the process group's collective.
     A decision is each rank's own reading (its torch build, its sources, its settings), so
-    it is exchanged (``all_gather_object`` over the group's all-gather process group, once,
-    in ``enable``) and a difference raises on every rank, naming the group, the ranks and
-    why."""
+    it is exchanged over the group's all-gather process group (once, in ``enable``; the
+    bootstrap store, with the default deadline) and a difference raises on every rank,
+    naming the group, the ranks and why."""
+    from ..group import exchange_once
+    from ..options import GroupOptions
+
     by_pg: dict[Any, list] = {}
     for _name, label, pg, why in plan:
         by_pg.setdefault(getattr(pg, "_all_gather_process_group", None), []).append((label, why))
     for apg, mine in by_pg.items():
         if apg is None or dist.get_world_size(apg) == 1:
             continue
-        got: list = [None] * dist.get_world_size(apg)
-        dist.all_gather_object(got, mine, group=apg)
+        got = exchange_once(apg, mine, what="tide_triton.fsdp.enable's decisions",
+                            timeout_s=GroupOptions().timeout_s)
         for r, theirs in enumerate(got):
             if [lab for lab, _ in theirs] != [lab for lab, _ in mine]:
                 raise RuntimeError(f"enable: rank {r} of the process group holds other FSDP2 groups "
