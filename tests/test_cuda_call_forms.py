@@ -164,6 +164,8 @@ class Recording:
         self.real, self.writes = real, []
     def __getattr__(self, name):
         f = getattr(self.real, name)
+        if name == "cuStreamQuery":  # 0x5000 is still busy, every other stream idle
+            return lambda s: (cu.CUresult(600 if int(s) == 0x5000 else 0),)
         if name != "cuStreamWriteValue64":
             return f
         def write(s, addr, value, flags):
@@ -172,12 +174,23 @@ class Recording:
         return write
 t._cu = Recording(cu)
 t._host_stream, t.host_stream_int = cu.CUstream(0x6000), 0x6000
-t._pending = {1: (5, 1, 0x5000, ""), 2: (6, 2, 0x5000, ""), 3: (7, 3, 0x5000, ""), 4: (8, 3, 0x5000, "")}
-t._equal = {3, 4}
-cur = {1: 9, 2: 2, 3: 12, 4: 8}             # 1 passed; 2 short; 3 another identity; 4 passed
+t._pending = {1: (5, 1, 0x5000, ""), 2: (6, 2, 0x5000, ""), 3: (7, 3, 0x5000, ""), 4: (8, 3, 0x5000, ""),
+              5: (9, 1, 0x5100, "")}
+t._equal = {3, 4, 5}
+cur = {1: 9, 2: 2, 3: 12, 4: 8, 5: 0}       # 1 passed; 2 short; 3 another identity; 4 passed;
+                                            # 5 reset by its reader, on an idle stream: finished
 t.read_flag = lambda slot: cur[slot]
 import time
 assert t.stuck_peers() == {2, 3}, t.stuck_peers()   # the peers of the short waits
+# A stream stuck behind another stream's wait (the copy queue fenced behind a replay on the
+# caller's stream) names that wait's peer, not "no pending flag wait is short".
+from tide_triton.errors import PeerTimeoutError
+try:
+    t.raise_stuck(1.0, 0x5100)
+except PeerTimeoutError as e:
+    assert e.peer == 2, e
+else:
+    raise AssertionError("raise_stuck named no peer")
 assert t.release_own_waits(time.monotonic() + 1.0) == 2
 assert t._cu.writes == [(t.flag_addr(0, 2), 6), (t.flag_addr(0, 3), 7)], t._cu.writes
 t._cu = cu

@@ -529,8 +529,9 @@ def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() ->
         def __init__(self, by: dict) -> None:
             self.by = by
 
-        def abort_of(self, r: int):
-            return self.by.get(r)
+        def abort_of(self, r: int, since: int = 0):
+            a = self.by.get(r)
+            return a if a is not None and a.call >= since else None
 
     g = object.__new__(CallIdentity)
     g.rank = 0
@@ -538,6 +539,42 @@ def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() ->
     assert g._all_aborted({1}) and g._all_aborted({1, 3})
     assert not g._all_aborted({1, 2})  # rank 2 published nothing: maybe only slow
     assert not g._all_aborted({0})     # never "released" on this rank's own account
+
+
+# ---- 9b. a peer's abort names the call it abandoned, and ends a wait on that call at once -
+def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals() -> None:
+    """A rank that refused call #3 (bad arguments) and then, its group broken by its next call,
+    refused #5 ("broken"): a peer explaining its wait on #3 reads the refusal of #3 -- before,
+    the store held only the latest abort, so the peer reported "abandoned call #5: its group is
+    broken" (seen on the GPU, session 18) instead of the argument error that caused it."""
+    from collections import deque
+
+    from tide_triton.bootstrap import Exchange, LocalKeyValue
+    from tide_triton.calls import CallIdentity
+    from tide_triton.errors import PeerArgumentError
+
+    kv = LocalKeyValue()
+    ex1, ex0 = Exchange(kv, "g/", 1, 2), Exchange(kv, "g/", 0, 2)
+    assert ex0.abort_of(1) is None
+    ex1.publish_abort(3, "argument", "ValueError: grads must hold at least one tensor")
+    ex1.publish_abort(5, "broken", "its group is broken: ...")
+    assert ex0.abort_of(1, 3) == (3, "argument", "ValueError: grads must hold at least one tensor")
+    assert ex0.abort_of(1, 4).call == 5 and ex0.abort_of(1, 6) is None
+    for seq in range(100):  # the history is bounded
+        ex1.publish_abort(10 + seq, "broken", "x")
+    assert ex0.abort_of(1, 0).call == 109 - 15
+
+    # synchronize()'s poll: raises for a peer's abort of a call this rank returned from (its
+    # GPU work waits for that peer), never for one this rank refused too (nothing enqueued)
+    g = object.__new__(CallIdentity)
+    g.rank, g.world_size, g._returned = 0, 2, deque([7], maxlen=64)
+    g._exchange = Exchange(kv, "h/", 0, 2)
+    Exchange(kv, "h/", 1, 2).publish_abort(6, "argument", "ValueError: refused on both ranks")
+    g.raise_if_abandoned(6)  # call 6 failed here too: nothing to wait for
+    Exchange(kv, "h/", 1, 2).publish_abort(7, "argument", "ValueError: only rank 1")
+    with pytest.raises(PeerArgumentError, match="rank 1 rejected its arguments: ValueError: only rank 1"):
+        g.raise_if_abandoned(6)
+    g.raise_if_abandoned(8)  # calls before the last synchronize are not looked at
 
 
 # ---- 10. a kernel variant's first load while a peer is late -----------------------------

@@ -563,3 +563,52 @@ def test_local_wide_strided_runs_exact_as_3d_sub_rows(group4):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(outs, expected()))
+
+
+def test_local_copies_over_adjacent_allocations_are_cut_and_exact(group4):
+    """The driver refuses a copy (1-D, 2-D or 3-D, eager or captured) whose source or
+    destination spans two cuMemAlloc allocations (bench/strided_capture_probe.py).  Eight
+    4 MiB tensors fill the caching allocator's 20 MiB segments five at a time: a strided run
+    over the eight tensors' second halves, and one copy over two neighbours at a segment's
+    seam, are cut where the segment ends -- exact, eagerly and replayed from a graph (before:
+    CUDA_ERROR_INVALID_VALUE, seen in a recorded reduce-scatter, session 18)."""
+    from cuda.bindings import driver as cu
+
+    def base(p):
+        err, b, _size = cu.cuMemGetAddressRange(cu.CUdeviceptr(p))
+        assert int(err) == 0
+        return int(b)
+
+    n = _MIB
+    pool = torch.cuda.MemPool()  # fresh segments, whatever other tests left cached
+    with torch.cuda.use_mem_pool(pool):
+        xs = [torch.arange(n, dtype=torch.int32, device="cuda").add_(i * 7919) for i in range(8)]  # 4 MiB each
+    ptrs = [x.data_ptr() for x in xs]
+    seams = [i for i in range(7) if ptrs[i + 1] == ptrs[i] + 4 * n and base(ptrs[i + 1]) != base(ptrs[i])]
+    if len(set(ptrs[i + 1] - ptrs[i] for i in range(7))) != 1 or not seams:
+        pytest.skip(f"the caching allocator placed the tensors otherwise ({[hex(p) for p in ptrs]})")
+    t = group4[0]
+    half = 2 * n  # bytes: the second half of each tensor
+    rows = torch.zeros(8 * half, dtype=torch.uint8, device="cuda")
+    pair = torch.zeros(8 * n, dtype=torch.uint8, device="cuda")
+    i = seams[0]
+    prep = t.prepare_copies([pair.data_ptr()], [ptrs[i]], [8 * n],
+                            strided=[(rows.data_ptr(), ptrs[0] + half, half, 8, half, 4 * n)])
+    assert len(prep.strided) + len(prep.nbytes) >= 3  # cut: two runs (or rows) and two copies
+
+    def check():
+        torch.cuda.synchronize()
+        want_rows = torch.cat([x.view(torch.uint8)[half:] for x in xs])
+        want_pair = torch.cat([xs[i].view(torch.uint8), xs[i + 1].view(torch.uint8)])
+        assert torch.equal(rows, want_rows) and torch.equal(pair, want_pair)
+
+    t.fence_from()
+    t.copy_prepared(prep)
+    t.fence_to()
+    check()
+    rows.zero_(), pair.zero_()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=side):
+        t.copy_prepared(prep, stream=side, capturable=True)
+    graph.replay()
+    check()

@@ -115,6 +115,10 @@ class LocalKeyValue:
             self._data.pop(key, None)
 
 
+ABORTS_KEPT = 16
+"""How many of a rank's latest aborts its peers can read (:meth:`Exchange.abort_of`)."""
+
+
 class Abort(tuple):
     """What a rank published when it abandoned a call: ``(call, kind, message)``.  ``kind``:
     ``"argument"`` (its arguments were bad; nothing of the call moved), ``"failed"`` (it
@@ -148,6 +152,7 @@ class Exchange:
         self.world_size = world_size
         self.name = name
         self._mine: list[str] = []  # my keys not yet deleted, oldest first
+        self._aborts: list[Abort] = []  # what this rank published, oldest first
 
     # ---- aborts -------------------------------------------------------------------------
     def _abort_key(self, r: int) -> str:
@@ -155,21 +160,25 @@ class Exchange:
 
     def publish_abort(self, call: int, kind: str, message: str) -> None:
         """Tell every peer that this rank abandoned call ``call`` (best effort: a store that
-        is gone cannot be told)."""
+        is gone cannot be told).  The last :data:`ABORTS_KEPT` aborts stay readable: a
+        peer explaining a wait on call ``n`` needs the abort *of* call ``n`` (its cause),
+        not a later call's refusal on the group that abort broke."""
+        self._aborts = (self._aborts + [Abort((call, kind, message))])[-ABORTS_KEPT:]
         try:
-            self.kv.set(self._abort_key(self.rank), pickle.dumps(Abort((call, kind, message))))
+            self.kv.set(self._abort_key(self.rank), pickle.dumps(self._aborts))
         except Exception:  # noqa: BLE001 -- the store may be gone with its host
             pass
 
-    def abort_of(self, r: int) -> Abort | None:
-        """What rank ``r`` published last when it abandoned a call, or None."""
+    def abort_of(self, r: int, since: int = 0) -> Abort | None:
+        """The first abort rank ``r`` published of call ``since`` or later, or None."""
         key = self._abort_key(r)
         try:
             if not self.kv.present(key):
                 return None
-            return pickle.loads(self.kv.get_many([key])[0])
+            aborts = pickle.loads(self.kv.get_many([key])[0])
         except Exception:  # noqa: BLE001
             return None
+        return next((a for a in aborts if a.call >= since), None)
 
     # ---- the exchange -------------------------------------------------------------------
     def exchange(self, obj: object, *, call: int, index: int, timeout_s: float, what: str,

@@ -29,7 +29,8 @@ log = logging.getLogger("tide_triton")
 class CallIdentity:
     """Call identity, aborts and the broken state of a group (mixed into ``Group``, whose
     attributes it uses: ``rank``, ``world_size``, ``flags``, ``options``, ``_exchange``,
-    ``_transports``, ``_call``, ``_seq``, ``_keys``, ``_sig_names``, ``_broken``)."""
+    ``_transports``, ``_call``, ``_seq``, ``_keys``, ``_sig_names``, ``_broken``,
+    ``_returned``)."""
 
     def _break(self, why: str) -> None:
         if self._broken is None:
@@ -37,8 +38,7 @@ class CallIdentity:
             log.error("tide_triton group (rank %d of %d) is broken: %s", self.rank, self.world_size, why)
 
     def _peer_abort(self, r: int, seq: int) -> Abort | None:
-        a = self._exchange.abort_of(r)
-        return a if a is not None and a.call >= seq else None
+        return self._exchange.abort_of(r, seq)
 
     def _raise_abort(self, r: int, a: Abort) -> None:
         if a.kind == "argument":
@@ -58,6 +58,22 @@ class CallIdentity:
         for r in ranks:
             a = self._peer_abort(r, c.seq)
             if a is not None:
+                self._raise_abort(r, a)
+
+    def raise_if_abandoned(self, since: int) -> None:
+        """Raise the error of a peer that published an abort of a call this rank made and
+        returned from (enqueued) since call ``since``: that call's GPU work waits for the
+        peer, which will never come (the poll of :func:`tide_triton.synchronize`, so that the
+        wait ends at once, naming the peer, instead of at its deadline).  A call that failed
+        here too was reported by its own error and enqueued nothing to wait for."""
+        mine = [seq for seq in self._returned if seq >= since]
+        if not mine:
+            return
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            a = self._peer_abort(r, since)
+            if a is not None and a.call in mine:
                 self._raise_abort(r, a)
 
     def explain_timeout(self, e: BaseException, since: int) -> Exception | None:
@@ -267,7 +283,9 @@ class Call:
                 if isinstance(e, TimeoutError):  # a stuck wait: did the peer abandon this call?
                     better = g.explain_timeout(e, self.seq)
                 self._failed(better or e)
-            elif e is not None:  # KeyboardInterrupt, SystemExit: the call stops mid-way all the same
+            elif e is None:
+                g._returned.append(self.seq)
+            else:  # KeyboardInterrupt, SystemExit: the call stops mid-way all the same
                 try:
                     self._failed(e)
                 except Exception:  # noqa: BLE001 - the interrupt is what propagates

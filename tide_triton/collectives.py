@@ -13,7 +13,7 @@ policy, padding rows, the staging hand-over) is :mod:`tide_triton.executor`.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import chain
 from typing import Any, Sequence
 
@@ -23,6 +23,7 @@ from . import hier_collectives, multicast_exec, node_prepare, programs, stall_wa
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import (FLOAT_DTYPES, check_bound, check_gather_shards, check_shapes, check_tensor_list,
                       check_uniform, dtype_name)
+from .errors import PeerAbortedError, PeerArgumentError
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .executor import capturing as _capturing  # the name the capture tests patch
 from .group import Group, resolve
@@ -528,11 +529,17 @@ def synchronize(group: object = None, *, device: object = None, stream: object =
 
 
 def _synchronize(g: Group, t: Any, dev: torch.device, stream: object, limit: float) -> None:
+    since = g._synced + 1
+    poll = partial(g.raise_if_abandoned, since)  # a peer that gave up ends the wait at once
     try:
         if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
             hier_collectives.synchronize_side(g, dev, limit)
-        t.synchronize(timeout_s=limit)
-        t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev))
+        t.synchronize(timeout_s=limit, poll=poll)
+        t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev),
+                      poll=poll)
+    except (PeerArgumentError, PeerAbortedError) as e:  # from the poll: this GPU work cannot finish
+        g._break(f"GPU work of call #{since}..#{g._seq} cannot finish: {e}")
+        raise
     except TimeoutError as e:
         # Queued work that cannot finish: the group is broken (its flags and staging hold a
         # half-done call); name the peer's own error where it published one.

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -85,6 +85,7 @@ class Group(CallIdentity):
         self._seq = 0
         """Collective calls started on this group (every rank counts the same calls)."""
         self._synced = 0  # calls whose GPU work synchronize() has seen finish
+        self._returned: deque[int] = deque(maxlen=64)  # recent calls that returned on this rank
         self._keys: dict[int, tuple[int, str]] = {}  # recent calls: identity word, description
         self._call: Call | None = None
         self._broken: str | None = None

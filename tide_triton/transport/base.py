@@ -136,10 +136,11 @@ class DeviceTransport(Transport, Protocol):
     def copy_stream(self) -> Any:
         """The ``torch.cuda`` stream every copy (and by default every signal and wait) goes on."""
 
-    def synchronize(self, *, timeout_s: float, stream: Any = None) -> None:
+    def synchronize(self, *, timeout_s: float, stream: Any = None, poll: Any = None) -> None:
         """Block the host until the copy stream (or ``stream``) is idle; after ``timeout_s``
         raise ``PeerTimeoutError`` naming the peer of a pending wait still short, else
-        ``TimeoutError``."""
+        ``TimeoutError``.  ``poll()``, where given, runs now and then during the wait and
+        may raise (a peer's published abort)."""
 
     def host_wait_flag(self, slot: int, value: int, peer: int, timeout_s: float, what: str = "") -> int:
         """Block the host until local flag ``slot`` >= ``value``; returns the value read;

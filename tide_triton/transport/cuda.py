@@ -844,12 +844,14 @@ class CudaTransport:
         Raises ``PeerTimeoutError(peer)`` after ``timeout_s`` (``what`` says what for)."""
         return self._sig.host_wait_flag(slot, value, peer, timeout_s, what)
 
-    def synchronize(self, *, timeout_s: float, stream: torch.cuda.Stream | None = None) -> None:
+    def synchronize(self, *, timeout_s: float, stream: torch.cuda.Stream | None = None,
+                    poll: Callable[[], None] | None = None) -> None:
         """Block the host until the copy stream (or ``stream``) is idle.  After
         ``timeout_s``, raises ``PeerTimeoutError`` naming the peer of a pending
-        :meth:`wait` whose flag is still short, else ``TimeoutError``."""
+        :meth:`wait` whose flag is still short, else ``TimeoutError``.  ``poll`` runs every
+        50 ms of the wait and may raise (the group's look for a peer's published abort)."""
         self._check_open()
-        self._sig.synchronize(timeout_s=timeout_s, stream=stream)
+        self._sig.synchronize(timeout_s=timeout_s, stream=stream, poll=poll)
 
     # ------------------------------------------------------------------------------------
     # teardown

@@ -12,7 +12,9 @@ Copies
     captured once into a CUDA graph of its copies and replayed with one ``cuGraphLaunch``:
     host time per call no longer grows with its descriptors (``$TIDE_TRITON_COPY_GRAPHS``).
     Addresses may lie on another GPU (a peer's heap mapped with peer access): the copy
-    engines of this rank's device move the bytes.
+    engines of this rank's device move the bytes.  No copy or strided run spans two
+    allocations: the driver refuses that, so prepared lists are cut where one ends
+    (:mod:`tide_triton.transport.allocations`).
 
 Signals
     ``signal`` writes a flag of a peer with ``cuStreamWriteValue64`` -- straight to the
@@ -45,7 +47,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -54,6 +56,7 @@ from .._checks import is_int
 from ..errors import PeerTimeoutError
 from ..ranges import host_range, in_host_range
 from ._once import log_once, round_up
+from .allocations import AllocationRanges, split_copies, split_strided
 from .driver import CtxGuard, CudaError, Transaction, check, driver_version
 
 log = logging.getLogger("tide_triton")
@@ -71,6 +74,8 @@ _MEMOPS_PER_CALL = 255
 GRAPH_MIN_DESCRIPTORS = 8
 """Under ``$TIDE_TRITON_COPY_GRAPHS=auto``, the smallest prepared list replayed as a graph:
 below it the descriptors cost less host time than a graph launch saves."""
+POLL_S = 0.05
+"""How often a host wait on a stream runs its ``poll`` (a look for peers' published aborts)."""
 
 
 SUB_ROWS_MIN_ROW_BYTES = 128 << 10
@@ -348,16 +353,33 @@ class CopyEngine:
         d = [int(dsts[i]) for i in keep]
         x = [int(srcs[i]) for i in keep]
         b = [int(nbytes[i]) for i in keep]
+        for run in strided:
+            self._check_run(*run)
+        # no copy may span two allocations (the driver refuses it): cut where one ends
+        ends = AllocationRanges(self._address_range)
+        runs, rows = split_strided([tuple(map(int, run)) for run in strided], ends.end_of)
+        d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows], b + [r[2] for r in rows],
+                               ends.end_of)
         dp = self._cu.CUdeviceptr
         return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x],
-                              tuple(self._strided_struct(*run) for run in strided))
+                              tuple(self._strided_struct(*run) for run in runs))
+
+    def _address_range(self, address: int) -> tuple[int, int] | None:
+        """``(base, size)`` of the allocation holding ``address`` (None where the driver
+        does not know it: host memory)."""
+        with self._guard:
+            err, base, size = self._cu.cuMemGetAddressRange(self._cu.CUdeviceptr(address))
+        return (int(base), int(size)) if int(err) == 0 else None
+
+    @staticmethod
+    def _check_run(dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> None:
+        if not (nbytes > 0 and rows > 0 and nbytes <= dst_pitch and nbytes <= src_pitch):
+            raise ValueError(f"strided copy must have nbytes > 0, rows > 0 and pitches >= nbytes, got "
+                             f"nbytes={nbytes}, rows={rows}, dst_pitch={dst_pitch}, src_pitch={src_pitch}")
 
     def _strided_struct(self, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
         """The driver struct of one strided run: :func:`memcpy3d_struct` of sub-rows where both
         ends are on this GPU and :func:`sub_row_bytes` finds a size, else :func:`memcpy2d_struct`."""
-        if not (nbytes > 0 and rows > 0 and nbytes <= dst_pitch and nbytes <= src_pitch):
-            raise ValueError(f"strided copy must have nbytes > 0, rows > 0 and pitches >= nbytes, got "
-                             f"nbytes={nbytes}, rows={rows}, dst_pitch={dst_pitch}, src_pitch={src_pitch}")
         sub = sub_row_bytes(nbytes, dst_pitch, src_pitch)
         if sub is not None and self._on_this_gpu(dst) and self._on_this_gpu(src):
             return memcpy3d_struct(self._cu, dst, src, nbytes, rows, dst_pitch, src_pitch, sub)
@@ -694,9 +716,13 @@ class CopyEngine:
                 nap = min(nap * 2, 1e-3)
 
     @in_host_range("tide_triton::synchronize")
-    def synchronize(self, *, timeout_s: float, stream: Any = None) -> None:
+    def synchronize(self, *, timeout_s: float, stream: Any = None,
+                    poll: Callable[[], None] | None = None) -> None:
+        """Block until stream ``s`` (default: the copy stream) is idle; ``poll`` runs every
+        :data:`POLL_S` while it is not (it may raise: a peer that gave up)."""
         s = self.stream_int(stream)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, next_poll = start + timeout_s, start + POLL_S
         nap = 20e-6
         while True:
             res = self._cu.cuStreamQuery(s)
@@ -706,23 +732,27 @@ class CopyEngine:
                 return
             if code != _CUDA_ERROR_NOT_READY:
                 check(res, f"cuStreamQuery(rank={self.rank})")
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 break
+            if poll is not None and now >= next_poll:
+                poll()
+                next_poll = now + POLL_S
             time.sleep(nap)
             nap = min(nap * 2, 2e-3)
         self.raise_stuck(timeout_s, s)
 
     def raise_stuck(self, timeout_s: float, s: int | None) -> None:
-        """Raise ``PeerTimeoutError`` for a pending wait (on stream ``s``, or any) whose
-        flag is still short, else ``TimeoutError``."""
-        for slot, (value, peer, sh, what) in sorted(self._pending.items()):
-            if s is not None and sh != s:
-                continue
-            cur = self.read_flag(slot)
-            if cur < value or (slot in self._eq_slots() and cur != value):
-                raise PeerTimeoutError(
-                    peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
-                    f"last read {cur}", timeout_s)
+        """Raise ``PeerTimeoutError`` for a pending wait whose flag is still short -- on
+        stream ``s`` first, then on any stream (a stream can be stuck behind another's wait:
+        the copy queue fenced behind a replay on the caller's stream) -- else
+        ``TimeoutError``."""
+        short = self._short_waits()
+        for slot, value, peer in sorted(short, key=lambda w: self._pending[w[0]][2] != s):
+            what = self._pending[slot][3]
+            raise PeerTimeoutError(
+                peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
+                f"last read {self.read_flag(slot)}", timeout_s)
         raise TimeoutError(f"rank {self.rank + self.rank_offset}: GPU work still busy after {timeout_s:.1f} s "
                            "(no pending flag wait is short)")
 
@@ -752,9 +782,17 @@ class CopyEngine:
 
     def _short_waits(self) -> list[tuple[int, int, int]]:
         """``(slot, value, peer)`` of the pending waits whose flag is still short of their
-        value (``peer``: the global rank that was to write it)."""
+        value (``peer``: the global rank that was to write it).  A wait on a stream that is
+        idle has finished, whatever its word reads now (a token word is reset by its reader):
+        dropped, never named."""
         out = []
-        for slot, (value, peer, _s, _what) in sorted(self._pending.items()):
+        idle: dict[int, bool] = {}
+        for slot, (value, peer, sh, _what) in sorted(self._pending.items()):
+            if sh not in idle:
+                with self._guard:
+                    idle[sh] = int(self._cu.cuStreamQuery(sh)[0]) != _CUDA_ERROR_NOT_READY
+            if idle[sh]:
+                continue
             cur = self.read_flag(slot)
             if (cur != value) if slot in self._eq_slots() else (cur < value):
                 out.append((slot, value, peer))
