@@ -941,3 +941,32 @@ def test_ranks_replaying_different_captured_collectives_raise_naming_the_peer(mo
     for r, (_, seconds, untouched) in enumerate(out):
         assert seconds < 20, (r, seconds)
         assert untouched, f"rank {r}: a replay wrote shards while its peers ran another collective"
+
+
+def test_a_run_on_another_stream_than_the_last_waits_for_it() -> None:
+    """Every run of a prepared collective uses one token, taken on the compute stream: a run
+    after an ``async_op=True`` one (on the group's side stream) must wait for that stream, or
+    its waits take the tokens the peers pushed for the first run (a hang or the other run's
+    sums; H200, session 18).  Runs on one stream add no wait; a capture adds none."""
+    import types
+
+    from tide_triton.programs import PreparedReduceScatter
+
+    class S:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+    p = object.__new__(PreparedReduceScatter)
+    p.device, p._last_compute = types.SimpleNamespace(type="cuda"), None
+    caller, side = S("caller"), S("side")
+    p._follow(caller, False)
+    p._follow(caller, False)
+    assert caller.waited == []
+    p._follow(side, False)  # async run
+    p._follow(caller, False)  # the next, on the caller's stream: behind the side stream
+    assert side.waited == ["caller"] and caller.waited == ["side"]
+    p._follow(side, True)  # captured: ordered by its replay instead
+    assert side.waited == ["caller"] and p._last_compute is caller

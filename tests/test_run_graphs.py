@@ -559,3 +559,70 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
         assert not caplog.messages
     elif raises is None:
         assert rg is None and len([m for m in caplog.messages if "could not be recorded" in m]) == 1, caplog.messages
+
+
+def _evicted_under_replay_child(rank: int, world_size: int, rounds: int) -> list:
+    """One process per rank on CUDA, the drop-in's path (``_run_on``) with one binding kept:
+    each round binds set A, records it, replays it with ``async_op=True`` behind a sleep on
+    the group's side stream, and at once binds set C -- evicting A, whose tables the caching
+    allocator hands to C's upload unless the replay's stream was recorded on them.  A's
+    shards must hold A's sums, C's C's."""
+    import tide_triton as tt_
+    from tide_triton import programs
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    programs._BINDINGS_KEPT = 1
+    g = tt_.init(timeout_s=20)
+    shapes = [(512, 256)] * 6
+    layout = ShardLayout(shapes, world_size)
+    ga = [torch.full(s, 1.0, dtype=torch.bfloat16, device=dev) for s in shapes]
+    sa = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+    from tide_triton.collectives import prepared_reduce_scatter_call
+
+    p = prepared_reduce_scatter_call(g, ga, sa, "sum", False, hold=False)  # the drop-in's form
+    side = g.side_stream(dev)
+    wrong = []
+    for i in range(rounds):
+        gc = [torch.full(s, 3.0 + i, dtype=torch.bfloat16, device=dev) for s in shapes]  # new addresses
+        sc = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+        for x in sa:
+            x.zero_()
+        p._run_on(ga, sa)  # bound again (evicted last round), run op by op
+        p._run_on(ga, sa)  # recorded
+        for x in sa:
+            x.zero_()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(5e7))  # ~25 ms: the replay waits behind it on the side stream
+        work = p._run_on(ga, sa, async_op=True)  # replayed on the side stream
+        p._run_on(gc, sc)  # binds C now: evicts A, uploads C's tables
+        work.wait()
+        tt_.synchronize(g, timeout_s=60)
+        for name, shards, want in (("A", sa, 1.0 * world_size), ("C", sc, (3.0 + i) * world_size)):
+            bad = [q for q, x in enumerate(shards) if not bool((x == want).all())]
+            if bad:
+                wrong.append((i, name, bad[:3]))
+    g.close()
+    return wrong
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_binding_evicted_while_its_replay_waits_on_the_side_stream_keeps_its_tables() -> None:
+    """Found by review (session 17), fixed in session 18: the replay's stream is recorded on
+    the binding's kernel tables (``Binding.keep_tables_for``), so an eviction cannot hand
+    them to the next binding's upload before the replay read them."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    out = run_multiprocess(_evicted_under_replay_child, 2, 6, timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                "TIDE_TRITON_RUN_GRAPHS": "all"})
+    for r, wrong in enumerate(out):
+        assert not wrong, (r, wrong)

@@ -110,6 +110,8 @@ class _Prepared:
         """Eager runs recorded once per binding (:mod:`tide_triton.run_graph`); None: refused."""
         self._uses: dict[tuple, int] = {}
         """Eager runs made per binding not recorded yet."""
+        self._last_compute: Any = None
+        """The stream the last run's waits and sums went on (CUDA; see :meth:`_follow`)."""
 
     @staticmethod
     def _key(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> tuple:
@@ -278,9 +280,9 @@ class _Prepared:
                         t.host_wait_event(ev, timeout_s=g.options.timeout_s)
         if rg is None:  # the driver refused to record it (logged): eager
             return self._run(g, binding, stream, async_op, captured)
-        return self._replay(rg, stream, async_op)
+        return self._replay(rg, binding, stream, async_op)
 
-    def _replay(self, rg: run_graph.RunGraph, stream: object, async_op: bool) -> Work:
+    def _replay(self, rg: run_graph.RunGraph, binding: Any, stream: object, async_op: bool) -> Work:
         """Launch a recorded run on the caller's stream.  It starts after this rank's earlier
         runs' quiescent ends (an eager run leaves that on the copy queue: the caller's stream
         waits for it first) and, being recorded joined, ends with its own; the copy queue's
@@ -289,6 +291,9 @@ class _Prepared:
         t = g.transport(self.device)
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
+        self._follow(cs, False)
+        for kernel in self._kernels(binding):  # its tables outlive an eviction until cs is past them
+            kernel.keep_tables_for(cs)
         t.fence_to(cs)
         self._before_replay(t, cs)
         rg.replay(t, cs)
@@ -303,6 +308,23 @@ class _Prepared:
     def _kernels(self, binding: Any) -> list:
         """The kernel bindings (``tide_triton.kernels.Binding``) of ``binding``."""
         raise NotImplementedError
+
+    def _follow(self, cs: Any, captured: bool) -> None:
+        """Order this run's stream-side waits and sums (on ``cs``) after the previous run's
+        when that one went on another stream.  Every run of a prepared collective uses the
+        same token (a recording cannot vary it), and a rank's readers take their peers'
+        "ready" tokens on the compute stream: a run with ``async_op=True`` (its waits on the
+        group's side stream) followed by a run on the caller's stream had the second run's
+        waits take the tokens the peers pushed for the first -- sums of the wrong run, or a
+        wait that never ends (found on the H200, session 18).  The copy queue's side was
+        ordered already (:meth:`_replay`, the eager run's fences).  A capture is ordered by
+        its replay's stream, not here."""
+        if captured or self.device.type != "cuda":
+            return
+        last = self._last_compute
+        if last is not None and last != cs:
+            cs.wait_stream(last)
+        self._last_compute = cs
 
     def _before_replay(self, t: Any, cs: object) -> None:
         """What a recorded run cannot hold and a replay needs first (the all-gather's block)."""
@@ -352,6 +374,7 @@ class PreparedReduceScatter(_Prepared):
             t.warm_replays([*pushes, padding[0] if padding else None])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
+        self._follow(cs, captured)
         fm, T, timeout = g.flags, self.token, g.options.timeout_s
         me, S, plan, peers = g.rank, self.plan.stages, self.plan, self.peers
         pace = None if captured else g.pacer(self.device)  # a capture neither fills queues nor waits on the host
@@ -439,6 +462,7 @@ class PreparedAllGather(_Prepared):
             t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
+        self._follow(cs, captured)
         fm, T, timeout = g.flags, self.token, g.options.timeout_s
         me, W = g.rank, g.world_size
         ranks = list(range(W))

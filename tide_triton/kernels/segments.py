@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -314,6 +314,7 @@ class Binding:
         self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
         self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
         self._streams_seen: set = set()
+        self._streams_kept: set = set()  # streams replays of a recorded launch ran on
         self._compiled: dict = {}
         self._same_dtype = src0.dtype == dst0.dtype
         self._static = dict(
@@ -331,6 +332,20 @@ class Binding:
             self._static["enable_fp_fusion"] = False
         self._grid = (grid,)
         self._n_iters = -(-n_tiles // grid)
+
+    def keep_tables_for(self, stream: Any) -> None:
+        """A graph that recorded this binding's launch is being replayed on ``stream``: keep
+        the tables' memory from being reused before ``stream`` is done with them.  Without
+        it, a binding dropped while its replay still waited on another stream than the
+        uploads' (``async_op``: the group's side stream) freed its tables to the caching
+        allocator, whose next allocation on the upload stream -- the next binding's tables --
+        could overwrite them before the replayed kernel read them.  (The uploads themselves
+        had finished: the host waited for them before the first replay.)"""
+        if not getattr(self, "_cuda", False) or stream == self._upload_stream or stream in self._streams_kept:
+            return
+        for t in self._tables:
+            t.record_stream(stream)
+        self._streams_kept.add(stream)
 
     @property
     def upload_events(self) -> tuple:
