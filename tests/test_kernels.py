@@ -845,3 +845,29 @@ def test_bindings_sharing_one_pointer_upload_match_their_own_tables(offset: int,
     with pytest.raises(ValueError, match="shared pointer tables need known_ptrs of the same lengths"):
         Binding(own[0].program, own[0].dsts, own[0].srcs, 3, None, known_ptrs=(dst_ptrs, src_lists[0][:-1]),
                 shared=tables[0])
+
+
+def test_a_replay_keeps_the_tables_for_its_stream() -> None:
+    """A graph that recorded a binding's launch may be replayed on another stream than the
+    tables' upload (``async_op``: the group's side stream) and the binding dropped before
+    that replay ran: the replay's stream is recorded on every table once (the caching
+    allocator then keeps the blocks until that stream is past them), never the upload
+    stream, and nothing on the host."""
+    from tide_triton.kernels.segments import Binding
+
+    class Table:
+        def __init__(self):
+            self.streams = []
+
+        def record_stream(self, s):
+            self.streams.append(s)
+
+    b = object.__new__(Binding)
+    b._cuda, b._upload_stream, b._streams_kept = True, "upload", set()
+    b._tables = (Table(), Table(), Table())
+    for s in ("side", "side", "upload", "other"):
+        b.keep_tables_for(s)
+    assert all(t.streams == ["side", "other"] for t in b._tables), [t.streams for t in b._tables]
+    host = object.__new__(Binding)
+    host._cuda = False
+    host.keep_tables_for("side")  # the host transport: nothing to keep

@@ -614,9 +614,14 @@ def _evicted_under_replay_child(rank: int, world_size: int, rounds: int) -> list
 @pytest.mark.multiproc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_binding_evicted_while_its_replay_waits_on_the_side_stream_keeps_its_tables() -> None:
-    """Found by review (session 17), fixed in session 18: the replay's stream is recorded on
-    the binding's kernel tables (``Binding.keep_tables_for``), so an eviction cannot hand
-    them to the next binding's upload before the replay read them."""
+    """An ``async_op=True`` replay (side stream, held back by a sleep) followed at once by a
+    run on new addresses that evicts the replayed binding: every round exact.  Before
+    session 18's ``_Prepared._follow`` the second run's waits, on the caller's stream, took
+    the peers' tokens for the first and the ranks hung (this test, on the H200).  The replay
+    also records its stream on the evicted binding's tables (``Binding.keep_tables_for``,
+    found by review in session 17); with that switched off this test still passed on the
+    H200 (the allocator did not hand those blocks out in time), so the tables' part is
+    checked by ``test_kernels.py::test_a_replay_keeps_the_tables_for_its_stream``."""
     try:
         from _dist import run_multiprocess
     except ImportError:  # pragma: no cover
