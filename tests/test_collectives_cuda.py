@@ -142,6 +142,45 @@ def test_single_process_ranks_sharing_a_stream_are_refused_on_every_rank() -> No
             g.close()
 
 
+def test_side_streams_are_the_librarys_own_and_distinct_per_rank() -> None:
+    """A group's side stream (``async_op``) is made by the driver, never taken from torch's
+    pool (which hands the same 32 streams to every ``torch.cuda.Stream()`` in turn: a side
+    stream that is also a caller's -- another rank's, in the single-process mode -- puts the
+    group's flag waits in front of that caller's work).  Each rank of the single-process mode
+    gets its own; an idle one is reused by a later group; async calls stay exact."""
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    import tide_triton as tt
+
+    W, dev = 2, torch.device("cuda", 0)
+    pooled = {torch.cuda.Stream(dev).cuda_stream for _ in range(70)}  # every pooled stream, twice over
+    groups = tt.local_groups(W, timeout_s=30, devices=[dev] * W)
+    sides = [g.side_stream(dev).cuda_stream for g in groups]
+    try:
+        assert len(set(sides)) == W and not set(sides) & pooled, (sides, len(pooled))
+        grads = [[torch.ones(8, 4, dtype=torch.bfloat16, device=dev)] for _ in range(W)]
+        shards = [[torch.empty(4, 4, device=dev)] for _ in range(W)]
+
+        def run(r: int) -> list:
+            with torch.cuda.stream(torch.cuda.Stream(dev)):
+                work = tt.reduce_scatter(grads[r], shards[r], group=groups[r], op="sum", async_op=True)
+                work.wait()
+                tt.synchronize(groups[r], timeout_s=30)
+                return shards[r][0].cpu().tolist()
+        assert all(x == [[2.0] * 4] * 4 for x in run_threads(run, W, timeout=60))
+    finally:
+        for g in groups:
+            g.close()
+    again = tt.local_groups(W, timeout_s=30, devices=[dev] * W)
+    try:
+        assert sorted(g.side_stream(dev).cuda_stream for g in again) == sorted(sides)  # idle: reused
+    finally:
+        for g in again:
+            g.close()
+
+
 @pytest.fixture(autouse=True)
 def _collect_after_each_test():
     # Finalisers of CUDA resources run here, attributed to the test that left them.

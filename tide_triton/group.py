@@ -39,6 +39,7 @@ from .calls import Call, CallIdentity, check_same, describe, fingerprint, sig32_
 from .errors import ArgumentMismatchError, PeerArgumentError
 from .options import GroupOptions
 from .regions import heap_region
+from .transport import own_streams
 from .envs import cuda_module_loading
 from .transport.driver import wait_with_deadline
 from .schedule import FlagMap
@@ -417,8 +418,9 @@ class Group(CallIdentity):
             s = self._extras.get(key)
             if s is None:
                 # the lowest priority CUDA offers (priority_range()[0], 0 today: the default's),
-                # named so that it stays below a caller's higher-priority compute streams
-                s = self._extras[key] = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+                # named so that it stays below a caller's higher-priority compute streams; the
+                # driver's, not torch's pool, which hands the same streams to callers
+                s = self._extras[key] = own_streams.take(device, torch.cuda.Stream.priority_range()[0])
         return s
 
     def cached(self, key: tuple) -> Any:
@@ -525,6 +527,12 @@ class Group(CallIdentity):
             else:
                 t.close()
         self._transports.clear()
+        for key, x in list(self._extras.items()):  # the side streams: idle ones serve later groups
+            if isinstance(key, tuple) and key[:1] == ("stream",) and key[1] == "cuda":
+                del self._extras[key]
+                if not own_streams.give_back(x):
+                    log.warning("rank %d: its side stream on cuda:%s is still busy at close; not reused",
+                                self.rank, key[2])
         if self.pg is not None and _GROUPS.get(id(self.pg)) is self:
             _GROUPS.pop(id(self.pg), None)
         _ALL.discard(self)
