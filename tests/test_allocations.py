@@ -34,11 +34,11 @@ def test_a_copy_over_two_allocations_is_cut_at_the_seam_on_either_side() -> None
     query, calls = _query(ALLOCS)
     ends = AllocationRanges(query)
     # source 50..150 spans allocations 0 and 100; destination 1000.. lies in one
-    assert split_copies([1000], [50], [100], ends.end_of) == ([1000, 1050], [50, 100], [50, 50])
+    assert split_copies([1000], [50], [100], ends) == ([1000, 1050], [50, 100], [50, 50])
     # destination 290..310 crosses 300 (the gap 300 is an allocation start); source unknown memory
-    assert split_copies([290], [400], [20], ends.end_of) == ([290, 300], [400, 410], [10, 10])
+    assert split_copies([290], [400], [20], ends) == ([290, 300], [400, 410], [10, 10])
     # memory the driver does not know (host memory): left whole
-    assert split_copies([5000], [6000], [64], ends.end_of) == ([5000], [6000], [64])
+    assert split_copies([5000], [6000], [64], ends) == ([5000], [6000], [64])
 
 
 def test_the_driver_is_asked_once_per_allocation() -> None:
@@ -48,6 +48,17 @@ def test_the_driver_is_asked_once_per_allocation() -> None:
         ends.end_of(a)
     known = [c for c in calls if _alloc_of(c) is not None]
     assert len(known) == 3 and ends.queries == len(calls), calls  # 0, 100, 1000: once each
+    # on arrays: one query per allocation, whatever the number of addresses
+    import numpy as np
+
+    from tide_triton.transport.allocations import UNBOUNDED
+
+    query, calls = _query(ALLOCS)
+    ends = AllocationRanges(query)
+    addrs = np.array([1100, 10, 6000, 99, 150, 0, 120, 6000, 299, 1200], dtype=np.int64)
+    got = ends.ends_of(addrs)
+    assert got.tolist() == [5096, 100, UNBOUNDED, 100, 300, 100, 300, UNBOUNDED, 300, 5096]
+    assert len([c for c in calls if _alloc_of(c) is not None]) == 3 and len(calls) == 4, calls
 
 
 def test_a_strided_run_over_two_allocations_becomes_two_runs_and_lone_rows_plain_copies() -> None:
@@ -63,7 +74,7 @@ def test_a_strided_run_over_two_allocations_becomes_two_runs_and_lone_rows_plain
     # a row that itself crosses the seam (3584..4608) is a plain copy, cut later by split_copies
     runs, plain = split_strided([(1 << 20, 2560, 1024, 2, 1024, 1024)], ends.end_of)
     assert runs == [] and plain == [(1 << 20, 2560, 1024), ((1 << 20) + 1024, 3584, 1024)]
-    assert split_copies(*zip(*plain[1:]), ends.end_of) == ([(1 << 20) + 1024, (1 << 20) + 1536], [3584, 4096],
+    assert split_copies(*zip(*plain[1:]), ends) == ([(1 << 20) + 1024, (1 << 20) + 1536], [3584, 4096],
                                                            [512, 512])
 
 
@@ -104,15 +115,15 @@ def test_cut_copies_move_exactly_the_same_bytes_and_each_lies_in_one_allocation(
     ends = AllocationRanges(query)
     cut_runs, rows = split_strided(runs, ends.end_of)
     d, x, b = split_copies([c[0] for c in copies + rows], [c[1] for c in copies + rows],
-                           [c[2] for c in copies + rows], ends.end_of)
+                           [c[2] for c in copies + rows], ends)
     # the same bytes: the runs and copies do not overlap on the destination side in general,
     # so compare each uncut copy / run with its own cut pieces, one at a time
     for c in copies:
-        pd, px, pb = split_copies([c[0]], [c[1]], [c[2]], AllocationRanges(_query(allocs)[0]).end_of)
+        pd, px, pb = split_copies([c[0]], [c[1]], [c[2]], AllocationRanges(_query(allocs)[0]))
         assert torch.equal(apply(list(zip(pd, px, pb)), []), apply([c], []))
     for run in runs:
-        e = AllocationRanges(_query(allocs)[0]).end_of
-        rr, rp = split_strided([run], e)
+        e = AllocationRanges(_query(allocs)[0])
+        rr, rp = split_strided([run], e.end_of)
         pd, px, pb = split_copies([c[0] for c in rp], [c[1] for c in rp], [c[2] for c in rp], e)
         assert torch.equal(apply(list(zip(pd, px, pb)), rr), apply([], [run]))
 

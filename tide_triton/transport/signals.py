@@ -358,8 +358,7 @@ class CopyEngine:
         # no copy may span two allocations (the driver refuses it): cut where one ends
         ends = AllocationRanges(self._address_range)
         runs, rows = split_strided([tuple(map(int, run)) for run in strided], ends.end_of)
-        d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows], b + [r[2] for r in rows],
-                               ends.end_of)
+        d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows], b + [r[2] for r in rows], ends)
         dp = self._cu.CUdeviceptr
         return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x],
                               tuple(self._strided_struct(*run) for run in runs))
