@@ -355,10 +355,13 @@ class CopyEngine:
         b = [int(nbytes[i]) for i in keep]
         for run in strided:
             self._check_run(*run)
-        # no copy may span two allocations (the driver refuses it): cut where one ends
+        # no copy may span two allocations (the driver refuses it): cut where one ends; the
+        # context held once for all the queries (one driver call each, not three)
         ends = AllocationRanges(self._address_range)
-        runs, rows = split_strided([tuple(map(int, run)) for run in strided], ends.end_of)
-        d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows], b + [r[2] for r in rows], ends)
+        with self._guard:
+            runs, rows = split_strided([tuple(map(int, run)) for run in strided], ends.end_of)
+            d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows], b + [r[2] for r in rows],
+                                   ends)
         dp = self._cu.CUdeviceptr
         return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x],
                               tuple(self._strided_struct(*run) for run in runs))
