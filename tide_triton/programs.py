@@ -149,6 +149,9 @@ class _Prepared:
         """Whether this run is being recorded into a graph: a CUDA graph (the caller's stream is
         capturing), or on the host a :class:`~tide_triton.host_capture.HostGraph` (tests)."""
         if self.device.type == "cuda":
+            t = self.g.transport(self.device)
+            if hasattr(t, "stream_capturing"):
+                return t.stream_capturing(stream)
             return capturing(stream, self.device)
         return host_capture.recording() is not None
 

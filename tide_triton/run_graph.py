@@ -41,18 +41,26 @@ class RunGraph:
     transport) and, on CUDA, the flag waits it holds (slot -> value, peer, stream, what: the
     transport's pending-wait entries, noted again at each replay)."""
 
-    __slots__ = ("graph", "waits")
+    __slots__ = ("graph", "waits", "exec_handle")
 
     def __init__(self, graph: Any, waits: dict) -> None:
         self.graph, self.waits = graph, waits
+        raw = getattr(graph, "raw_cuda_graph_exec", None)  # torch >= 2.8
+        self.exec_handle = raw() if raw is not None and not isinstance(graph, host_capture.HostGraph) else None
 
     def replay(self, t: Any, stream: Any) -> None:
-        """Launch the recorded run on ``stream`` (CUDA: after the work already there)."""
+        """Launch the recorded run on ``stream`` (CUDA: after the work already there): one
+        ``cuGraphLaunch`` through the transport where it has one (``CUDAGraph.replay`` adds
+        stream and device switches around the same launch; the recordings hold no RNG state
+        for it to advance)."""
         if isinstance(self.graph, host_capture.HostGraph):
             self.graph.replay()
             return
-        with torch.cuda.stream(stream):
-            self.graph.replay()
+        if self.exec_handle is not None and hasattr(t, "launch_graph_exec"):
+            t.launch_graph_exec(self.exec_handle, stream)
+        else:
+            with torch.cuda.stream(stream):
+                self.graph.replay()
         t.note_waits(self.waits, stream)
 
 

@@ -788,6 +788,16 @@ class CudaTransport:
         """This rank's own stream for recording prepared runs (not a pooled one)."""
         return self._sig.recording_stream()
 
+    def launch_graph_exec(self, handle: int, stream: torch.cuda.Stream) -> None:
+        """Launch an instantiated CUDA graph (its ``cudaGraphExec_t``) on ``stream``."""
+        self._check_open()
+        self._sig.launch_graph_exec(handle, stream)
+
+    def stream_capturing(self, stream: torch.cuda.Stream | None) -> bool:
+        """Whether ``stream`` (default: the current stream of this rank's device) is being
+        captured into a CUDA graph -- one driver call, where torch's query costs several."""
+        return self._sig.stream_capturing(stream if stream is not None else torch.cuda.current_stream(self.device))
+
     def note_waits(self, waits: dict, stream: torch.cuda.Stream) -> None:
         """A replay of a graph holding ``waits`` (:meth:`recording_waits`) was launched on
         ``stream``: its waits are pending there (what :meth:`synchronize` names when stuck)."""

@@ -638,6 +638,21 @@ class CopyEngine:
         finally:
             self._waits_into = None
 
+    def launch_graph_exec(self, handle: int, stream: Any) -> None:
+        """``cuGraphLaunch`` of an instantiated graph (``CUDAGraph.raw_cuda_graph_exec()``) on
+        ``stream``: what ``CUDAGraph.replay()`` does, without its stream and device switches."""
+        s = self.stream_int(stream)
+        with self._guard:
+            check(self._cu.cuGraphLaunch(self._cu.CUgraphExec(int(handle)), s),
+                  f"cuGraphLaunch(rank={self.rank}, recorded run)")
+
+    def stream_capturing(self, stream: Any) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (one driver call)."""
+        with self._guard:
+            err, status = self._cu.cuStreamIsCapturing(self.stream_int(stream))
+        check((err,), f"cuStreamIsCapturing(rank={self.rank})")
+        return status != self._cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
     def note_waits(self, waits: dict[int, tuple[int, int, int, str]], stream: Any) -> None:
         """A replayed graph's waits (:meth:`recording_waits`), pending on ``stream``."""
         s = self.stream_int(stream)
