@@ -95,14 +95,17 @@ _counting = threading.local()
 
 def _count_replays() -> None:
     """Make ``RunGraph.replay`` count one call into this thread's :func:`driver_calls` counter
-    (a replay is one graph launch, made through torch); installed once, by the first count."""
+    where it launches through torch (``CUDAGraph.replay``: one graph launch the transport's
+    counter does not see; a launch through the transport is counted there); installed once, by
+    the first count."""
     real = run_graph.RunGraph.replay
     if getattr(real, "counts_replays", False):
         return
 
     def counted(self, *a, **k):
         counter = getattr(_counting, "counter", None)
-        if counter is not None:
+        if counter is not None and not (self.exec_handle is not None and hasattr(a[0] if a else None,
+                                                                                  "launch_graph_exec")):
             counter.calls += 1
         return real(self, *a, **k)
 
@@ -112,8 +115,8 @@ def _count_replays() -> None:
 
 def driver_calls(g, fn) -> int:
     """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call); a
-    prepared run replayed from its recording (``tide_triton.run_graph``) counts one, its graph
-    launch (made through torch, not the transport's driver module)."""
+    prepared run replayed from its recording (``tide_triton.run_graph``) counts its graph
+    launch once, made through the transport or (older torch) through ``CUDAGraph.replay``."""
     sig = g.transport(torch.device("cuda", torch.cuda.current_device()))._sig
     counter = sig._cu = _CountCalls(sig._cu)
     _count_replays()
