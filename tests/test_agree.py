@@ -120,3 +120,29 @@ def test_agreement_exchanges_a_fingerprint_not_the_signature() -> None:
         for g in groups:
             g.close()
     assert sizes and max(sizes) < 1024, sorted(sizes)[-5:]
+
+
+def test_thousands_of_signatures_stay_fingerprinted_and_calls_describe_none() -> None:
+    """The FSDP2 drop-in labels each parameter group's signatures with its module: a model of
+    a few thousand groups has as many signatures, and each call looks its own up.  All of them
+    stay cached (a second pass over 5,000 costs no fingerprint again), and a call's identity
+    keeps its signature, described only for an error message -- ``describe`` of a 771-parameter
+    signature is a ``repr`` of every shape (~0.2 ms) and its cache is small."""
+    from tide_triton import calls
+
+    sigs = [("reduce_scatter", ("FSDP2 group", f"layers.{i}"), ("shapes", ((512, 1024),) * 3)) for i in range(5000)]
+    for s in sigs:
+        calls.fingerprint(s)
+    before = calls.fingerprint.cache_info()
+    for s in sigs:
+        calls.fingerprint(s)
+    after = calls.fingerprint.cache_info()
+    assert after.misses == before.misses and after.hits - before.hits == len(sigs), (before, after)
+
+    class G:
+        _keys: dict = {}
+    c = calls.Call(G(), "reduce_scatter")
+    c.seq = 7
+    described = calls.describe.cache_info()
+    c.set_signature(("reduce_scatter", ("shapes", ((3, 5),) * 771), ("new", 1)))
+    assert calls.describe.cache_info() == described and G._keys[7][1][0] == "reduce_scatter"

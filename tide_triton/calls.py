@@ -103,7 +103,7 @@ class CallIdentity:
                         theirs = self._sig_names.get(sig, f"a signature this rank has not seen (hash {sig:#010x})")
                         return ArgumentMismatchError(
                             f"ranks {self.rank} and {r} made different collectives as call #{seq} of this group: "
-                            f"rank {self.rank}: {mine[1]}; rank {r}: {theirs}")
+                            f"rank {self.rank}: {describe(mine[1])}; rank {r}: {theirs}")
         # A timeout that names its peer is explained by that peer's abort only: the others
         # may have aborted because of the same missing rank, and it is the one to blame.
         named = getattr(e, "peer", None)
@@ -229,7 +229,7 @@ class Call:
         self.signature = signature
         self.key = (self.seq << 32) | sig32(signature)
         keys = self.g._keys
-        keys[self.seq] = (self.key, describe(signature))
+        keys[self.seq] = (self.key, signature)  # described only for an error message
         keys.pop(self.seq - 64, None)
 
     def refuse(self, e: BaseException) -> NoReturn:
@@ -308,7 +308,13 @@ class Call:
             g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")
 
 
-@lru_cache(maxsize=1024)
+FINGERPRINTS_KEPT = 16384
+"""Signatures whose fingerprints stay cached: the FSDP2 drop-in labels each parameter group's
+signatures with its module, so a model has a few per group -- 1,024 (the first size) was
+exceeded by ~300 groups, and then every call paid a ``repr`` of its signature again."""
+
+
+@lru_cache(maxsize=FINGERPRINTS_KEPT)
 def fingerprint(signature: object) -> bytes:
     """A 128-bit fingerprint of a signature, the same in every process (blake2b of its
     ``repr``).  Cached: a call's signature holds its layout's shapes (the same tuple object

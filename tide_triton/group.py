@@ -87,7 +87,7 @@ class Group(CallIdentity):
         """Collective calls started on this group (every rank counts the same calls)."""
         self._synced = 0  # calls whose GPU work synchronize() has seen finish
         self._returned: deque[int] = deque(maxlen=64)  # recent calls that returned on this rank
-        self._keys: dict[int, tuple[int, str]] = {}  # recent calls: identity word, description
+        self._keys: dict[int, tuple[int, object]] = {}  # recent calls: identity word, signature
         self._call: Call | None = None
         self._broken: str | None = None
         self._call_lock = threading.Lock()
