@@ -547,11 +547,9 @@ def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals()
     refused #5 ("broken"): a peer explaining its wait on #3 reads the refusal of #3 -- before,
     the store held only the latest abort, so the peer reported "abandoned call #5: its group is
     broken" (seen on the GPU, session 18) instead of the argument error that caused it."""
-    from collections import deque
-
     from tide_triton.bootstrap import Exchange, LocalKeyValue
     from tide_triton.calls import CallIdentity
-    from tide_triton.errors import PeerArgumentError
+    from tide_triton.errors import PeerAbortedError
 
     kv = LocalKeyValue()
     ex1, ex0 = Exchange(kv, "g/", 1, 2), Exchange(kv, "g/", 0, 2)
@@ -564,17 +562,27 @@ def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals()
         ex1.publish_abort(10 + seq, "broken", "x")
     assert ex0.abort_of(1, 0).call == 109 - 15
 
-    # synchronize()'s poll: raises for a peer's abort of a call this rank returned from (its
-    # GPU work waits for that peer), never for one this rank refused too (nothing enqueued)
+    # synchronize()'s poll: raises for a peer's abort of a call this rank did not fail (its
+    # GPU work waits for that peer), never for one this rank refused too (nothing enqueued) --
+    # and an earlier such refusal does not hide a later abort (found by review)
     g = object.__new__(CallIdentity)
-    g.rank, g.world_size, g._returned = 0, 2, deque([7], maxlen=64)
+    g.rank, g.world_size, g._seq, g._failed_calls, g._keys, g._broken = 0, 2, 300, (), {}, None
     g._exchange = Exchange(kv, "h/", 0, 2)
-    Exchange(kv, "h/", 1, 2).publish_abort(6, "argument", "ValueError: refused on both ranks")
+    peer = Exchange(kv, "h/", 1, 2)
+    g._note_failed(6)
+    peer.publish_abort(6, "argument", "ValueError: refused on both ranks")
     g.raise_if_abandoned(6)  # call 6 failed here too: nothing to wait for
-    Exchange(kv, "h/", 1, 2).publish_abort(7, "argument", "ValueError: only rank 1")
-    with pytest.raises(PeerArgumentError, match="rank 1 rejected its arguments: ValueError: only rank 1"):
+    peer.publish_abort(7, "failed", "RuntimeError: only rank 1")
+    with pytest.raises(PeerAbortedError, match="rank 1 abandoned collective call #7: RuntimeError: only rank 1"):
         g.raise_if_abandoned(6)
+    err = g.explain_timeout(TimeoutError("x"), 6)  # the timeout's cause: call 7, not the refusal of 6
+    assert isinstance(err, PeerAbortedError) and err.call == 7, err
     g.raise_if_abandoned(8)  # calls before the last synchronize are not looked at
+    # any number of calls since the last synchronize (the drop-in never calls it): call 250
+    g._failed_calls = ()
+    peer.publish_abort(250, "failed", "RuntimeError: late")
+    with pytest.raises(PeerAbortedError, match="call #250"):
+        g.raise_if_abandoned(8)
 
 
 # ---- 10. a kernel variant's first load while a peer is late -----------------------------

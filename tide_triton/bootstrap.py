@@ -169,16 +169,19 @@ class Exchange:
         except Exception:  # noqa: BLE001 -- the store may be gone with its host
             pass
 
-    def abort_of(self, r: int, since: int = 0) -> Abort | None:
-        """The first abort rank ``r`` published of call ``since`` or later, or None."""
+    def aborts_of(self, r: int) -> list[Abort]:
+        """The aborts rank ``r`` published (its last :data:`ABORTS_KEPT`), oldest first."""
         key = self._abort_key(r)
         try:
             if not self.kv.present(key):
-                return None
-            aborts = pickle.loads(self.kv.get_many([key])[0])
+                return []
+            return list(pickle.loads(self.kv.get_many([key])[0]))
         except Exception:  # noqa: BLE001
-            return None
-        return next((a for a in aborts if a.call >= since), None)
+            return []
+
+    def abort_of(self, r: int, since: int = 0) -> Abort | None:
+        """The first abort rank ``r`` published of call ``since`` or later, or None."""
+        return next((a for a in self.aborts_of(r) if a.call >= since), None)
 
     # ---- the exchange -------------------------------------------------------------------
     def exchange(self, obj: object, *, call: int, index: int, timeout_s: float, what: str,

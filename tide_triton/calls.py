@@ -25,12 +25,21 @@ __all__ = ["Call", "CallIdentity", "describe", "fingerprint", "sig32", "sig32_of
 
 log = logging.getLogger("tide_triton")
 
+FAILED_KEPT = 256
+"""This rank's failed calls remembered (:meth:`CallIdentity._note_failed`): a peer's abort of
+an older one is taken as of a call this rank completed -- only ever in an error message."""
+
 
 class CallIdentity:
     """Call identity, aborts and the broken state of a group (mixed into ``Group``, whose
     attributes it uses: ``rank``, ``world_size``, ``flags``, ``options``, ``_exchange``,
     ``_transports``, ``_call``, ``_seq``, ``_keys``, ``_sig_names``, ``_broken``,
-    ``_returned``)."""
+    ``_failed_calls``)."""
+
+    def _note_failed(self, seq: int) -> None:
+        """Call ``seq`` failed on this rank (it enqueued nothing a peer's abort could strand).
+        A tuple replaced whole: :meth:`raise_if_abandoned` may read it from another thread."""
+        self._failed_calls = (self._failed_calls + (seq,))[-FAILED_KEPT:]
 
     def _break(self, why: str) -> None:
         if self._broken is None:
@@ -60,20 +69,26 @@ class CallIdentity:
             if a is not None:
                 self._raise_abort(r, a)
 
+    def _abandoned_here(self, r: int, since: int) -> Abort | None:
+        """The first abort peer ``r`` published of a call in ``since..`` (this rank's latest)
+        that did not fail on this rank -- a call whose work this rank enqueued and which waits
+        for ``r``.  Every published abort is looked at: an earlier one of a call that failed
+        here too (a refusal both ranks raised, the group still usable) hides nothing."""
+        failed = self._failed_calls
+        return next((a for a in self._exchange.aborts_of(r)
+                     if since <= a.call <= self._seq and a.call not in failed), None)
+
     def raise_if_abandoned(self, since: int) -> None:
-        """Raise the error of a peer that published an abort of a call this rank made and
-        returned from (enqueued) since call ``since``: that call's GPU work waits for the
-        peer, which will never come (the poll of :func:`tide_triton.synchronize`, so that the
-        wait ends at once, naming the peer, instead of at its deadline).  A call that failed
-        here too was reported by its own error and enqueued nothing to wait for."""
-        mine = [seq for seq in self._returned if seq >= since]
-        if not mine:
-            return
+        """Raise the error of a peer that published an abort of a call this rank made without
+        failing (its work enqueued) since call ``since``: that work waits for the peer, which
+        will never come (the poll of :func:`tide_triton.synchronize`, so that the wait ends at
+        once, naming the peer, instead of at its deadline).  A call that failed here too was
+        reported by its own error and enqueued nothing to wait for."""
         for r in range(self.world_size):
             if r == self.rank:
                 continue
-            a = self._peer_abort(r, since)
-            if a is not None and a.call in mine:
+            a = self._abandoned_here(r, since)
+            if a is not None:
                 self._raise_abort(r, a)
 
     def explain_timeout(self, e: BaseException, since: int) -> Exception | None:
@@ -110,7 +125,7 @@ class CallIdentity:
         for r in ([named] if isinstance(named, int) else range(self.world_size)):
             if r == self.rank:
                 continue
-            a = self._peer_abort(r, since)
+            a = self._abandoned_here(r, since) or self._peer_abort(r, since)
             if a is not None:
                 self._break(f"rank {r} abandoned call #{a.call}: {a.message}")
                 return PeerArgumentError(r, a.message) if a.kind == "argument" else \
@@ -259,6 +274,7 @@ class Call:
         self.seq = g._seq
         if g._broken is not None:
             why = g._broken
+            g._note_failed(self.seq)
             try:
                 g._publish_abort(self.seq, "broken", f"its group is broken: {why}")
             finally:
@@ -283,9 +299,7 @@ class Call:
                 if isinstance(e, TimeoutError):  # a stuck wait: did the peer abandon this call?
                     better = g.explain_timeout(e, self.seq)
                 self._failed(better or e)
-            elif e is None:
-                g._returned.append(self.seq)
-            else:  # KeyboardInterrupt, SystemExit: the call stops mid-way all the same
+            elif e is not None:  # KeyboardInterrupt, SystemExit: the call stops mid-way all the same
                 try:
                     self._failed(e)
                 except Exception:  # noqa: BLE001 - the interrupt is what propagates
@@ -302,6 +316,7 @@ class Call:
         """Publish the abort (peers waiting on this call raise at once instead of timing
         out) and, unless nothing can have moved, mark the group broken."""
         g = self.g
+        g._note_failed(self.seq)
         argument = (isinstance(e, (TypeError, ValueError)) or e is self._refusal) and not self.moving
         g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}")
         if not argument:

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -86,7 +86,7 @@ class Group(CallIdentity):
         self._seq = 0
         """Collective calls started on this group (every rank counts the same calls)."""
         self._synced = 0  # calls whose GPU work synchronize() has seen finish
-        self._returned: deque[int] = deque(maxlen=64)  # recent calls that returned on this rank
+        self._failed_calls: tuple[int, ...] = ()  # calls that failed on this rank (CallIdentity._note_failed)
         self._keys: dict[int, tuple[int, object]] = {}  # recent calls: identity word, signature
         self._call: Call | None = None
         self._broken: str | None = None

@@ -763,9 +763,14 @@ class CopyEngine:
         """Raise ``PeerTimeoutError`` for a pending wait whose flag is still short -- on
         stream ``s`` first, then on any stream (a stream can be stuck behind another's wait:
         the copy queue fenced behind a replay on the caller's stream) -- else
-        ``TimeoutError``."""
+        ``TimeoutError``.  Known gap: an exact-value (token) wait that finished and whose word
+        its reader reset reads short until its stream is idle, so the peer named can be one
+        that did its part (a progress word per wait batch would tell; not built)."""
         short = self._short_waits()
-        for slot, value, peer in sorted(short, key=lambda w: self._pending[w[0]][2] != s):
+        eq = self._eq_slots()
+        # this stream's waits first; counters before token words (a token word its reader
+        # reset reads "short" until its stream is idle: the weaker evidence)
+        for slot, value, peer in sorted(short, key=lambda w: (self._pending[w[0]][2] != s, w[0] in eq)):
             what = self._pending[slot][3]
             raise PeerTimeoutError(
                 peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
