@@ -27,41 +27,19 @@ def _base(p: int) -> tuple[int, int]:
     return (int(base), int(size)) if int(err) == 0 else (-1, -1)
 
 
-def _try(form: str, dst: int, src: int, nbytes: int, rows: int, dpitch: int, spitch: int, capture: bool) -> str:
-    if form == "1d":
-        s = torch.cuda.Stream()
-        if not capture:
-            err = cu.cuMemcpyAsync(dst, src, nbytes, s.cuda_stream)[0]
-            torch.cuda.synchronize()
-            return "ok" if int(err) == 0 else f"{err}"
-        g = torch.cuda.CUDAGraph()
-        err = None
-        try:
-            with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-                err = cu.cuMemcpyAsync(dst, src, nbytes, torch.cuda.current_stream().cuda_stream)[0]
-        except Exception as e:  # noqa: BLE001 - a probe reports
-            return f"capture raised {type(e).__name__}: {str(e)[:80]} (call: {err})"
-        if int(err) != 0:
-            return f"{err}"
-        g.replay()
-        torch.cuda.synchronize()
-        return "ok (replayed)"
-    sub = sub_row_bytes(nbytes, dpitch, spitch)
-    if form == "3d" and sub is None:
-        return "no sub-row size divides the pitches"
-    m = (memcpy3d_struct(cu, dst, src, nbytes, rows, dpitch, spitch, sub) if form == "3d"
-         else memcpy2d_struct(cu, dst, src, nbytes, rows, dpitch, spitch))
-    fn = cu.cuMemcpy3DAsync if form == "3d" else cu.cuMemcpy2DAsync
+def _eager_or_captured(enqueue, capture: bool) -> str:
+    """``enqueue(stream_handle) -> CUresult`` made on a side stream, or recorded into a CUDA
+    graph there (``thread_local``) and replayed."""
     s = torch.cuda.Stream()
     if not capture:
-        err = fn(m, s.cuda_stream)[0]
+        err = enqueue(s.cuda_stream)
         torch.cuda.synchronize()
         return "ok" if int(err) == 0 else f"{err}"
     g = torch.cuda.CUDAGraph()
     err = None
     try:
         with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-            err = fn(m, torch.cuda.current_stream().cuda_stream)[0]
+            err = enqueue(torch.cuda.current_stream().cuda_stream)
     except Exception as e:  # noqa: BLE001 - a probe reports
         return f"capture raised {type(e).__name__}: {str(e)[:80]} (call: {err})"
     if int(err) != 0:
@@ -69,6 +47,18 @@ def _try(form: str, dst: int, src: int, nbytes: int, rows: int, dpitch: int, spi
     g.replay()
     torch.cuda.synchronize()
     return "ok (replayed)"
+
+
+def _try(form: str, dst: int, src: int, nbytes: int, rows: int, dpitch: int, spitch: int, capture: bool) -> str:
+    if form == "1d":
+        return _eager_or_captured(lambda h: cu.cuMemcpyAsync(dst, src, nbytes, h)[0], capture)
+    sub = sub_row_bytes(nbytes, dpitch, spitch)
+    if form == "3d" and sub is None:
+        return "no sub-row size divides the pitches"
+    m = (memcpy3d_struct(cu, dst, src, nbytes, rows, dpitch, spitch, sub) if form == "3d"
+         else memcpy2d_struct(cu, dst, src, nbytes, rows, dpitch, spitch))
+    fn = cu.cuMemcpy3DAsync if form == "3d" else cu.cuMemcpy2DAsync
+    return _eager_or_captured(lambda h: fn(m, h)[0], capture)
 
 
 def _case(name: str, dst: torch.Tensor, srcs: list[int], nbytes: int) -> None:
