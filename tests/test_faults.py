@@ -775,3 +775,48 @@ def test_outputs_that_overlap_are_refused_naming_both() -> None:
         assert rs.startswith("own error: shards[0] and shards[1] overlap in memory"), (r, rs)
         assert ag.startswith("own error: params[0] and params[1] overlap in memory"), (r, ag)
         assert prep.startswith("own error: params[0] and params[1] overlap in memory"), (r, prep)
+
+
+# ---- 14b. reduce-scatter shards over gradient bytes ----------------------------------------
+def test_shards_over_gradient_bytes_are_refused_naming_both() -> None:
+    """A shard that is a view of the gradients (a peer's rows, or this rank's own) is written
+    while the reduce-scatter still reads those bytes -- on a GPU the peers' rows are pushed by
+    the copy queue while the sums are written from the caller's stream: the peer would receive
+    sums instead of gradients, with no error.  Refused on every path (eager, prepared, the
+    drop-in's binds), naming both tensors; the all-gather's shards may be views of its params
+    (they are staged before any row is written)."""
+    import tide_triton as tt
+
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    W, shapes = 2, [(8, 4), (6, 4)]
+    layout = tt.ShardLayout(shapes, W)
+    groups = tt.local_groups(W, timeout_s=10)
+
+    def body(r: int):
+        grads = [torch.full(s, float(r + 1), dtype=torch.float32) for s in shapes]
+        over_peer = [g[(1 - r) * (s[0] // W):(2 - r) * (s[0] // W)] for g, s in zip(grads, shapes)]
+        eager = _outcome(lambda: tt.reduce_scatter(grads, over_peer, op="sum", group=groups[r]), "cpu")
+        prep = _outcome(lambda: tt.prepare_reduce_scatter(grads, over_peer, op="sum", group=groups[r]) and None,
+                        "cpu")
+        shards = [torch.zeros(s) for s in layout.shard_shapes(r)]
+        ok = _outcome(lambda: tt.reduce_scatter(grads, shards, op="sum", group=groups[r])
+                      and sorted({v for x in shards for v in x.flatten().tolist()}), "cpu")
+        params = [torch.zeros(s) for s in shapes]
+        own_rows = [p[r * (s[0] // W):(r + 1) * (s[0] // W)].fill_(float(r + 1)) for p, s in zip(params, shapes)]
+        ag = _outcome(lambda: tt.all_gather(own_rows, params, group=groups[r])
+                      and [p[:, 0].tolist() for p in params], "cpu")
+        return eager, prep, ok, ag
+
+    try:
+        out = run_threads(body, W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    for r, (eager, prep, ok, ag) in enumerate(out):
+        assert eager.startswith("own error: shards[0] shares memory with grads[0]"), (r, eager)
+        assert prep.startswith("own error: shards[0] shares memory with grads[0]"), (r, prep)
+        assert ok == "ok [3.0]", (r, ok)
+        assert ag == "ok [[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]]", (r, ag)

@@ -545,3 +545,36 @@ def test_tensors_on_another_gpu_than_the_groups_are_refused_naming_both() -> Non
     finally:
         g._transports.pop("cuda", None)
         g.close()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_check_apart_finds_exactly_the_overlaps_between_inputs_and_outputs(seed: int) -> None:
+    """``_checks.check_apart`` (a reduce-scatter's shards against its gradients): one sorted
+    sweep, raising iff some output shares a byte with some input -- overlaps within one list do
+    not count -- checked against every pair, views of one buffer at random offsets."""
+    import random
+
+    from tide_triton._checks import check_apart
+
+    rng = random.Random(seed)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    for _ in range(50):
+        def views(n):
+            out = []
+            for _ in range(n):
+                a = rng.randrange(0, 4000)
+                out.append(buf[a:a + rng.randrange(0, 96)])
+            return out
+        ins, outs = views(rng.randrange(0, 6)), views(rng.randrange(0, 6))
+
+        def span(t):
+            return t.data_ptr(), t.data_ptr() + t.numel()
+        overlap = any(t.numel() and u.numel() and span(t)[0] < span(u)[1] and span(u)[0] < span(t)[1]
+                      for t in ins for u in outs)
+        try:
+            check_apart("grads", ins, "shards", outs, "why")
+            raised = False
+        except ValueError as e:
+            raised = True
+            assert "shares memory with grads[" in str(e) and "why; pass shards" in str(e), e
+        assert raised == overlap, (seed, [span(t) for t in ins], [span(u) for u in outs])

@@ -127,13 +127,41 @@ def check_disjoint(name: str, tensors: Sequence[torch.Tensor]) -> None:
                              f"non-overlapping views of one buffer)")
 
 
+def check_apart(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
+                outputs: Sequence[torch.Tensor], why: str) -> None:
+    """No output shares a byte with an input (``why``: what would go wrong).  One sweep over
+    both lists' spans sorted by start, O(n log n)."""
+    spans = sorted([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0, i)
+                    for i, t in enumerate(inputs) if t.numel()]
+                   + [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 1, j)
+                      for j, t in enumerate(outputs) if t.numel()])
+    reach = [(0, -1), (0, -1)]  # per kind: the furthest end seen so far, and whose
+    for start, end, kind, k in spans:
+        other_end, o = reach[1 - kind]
+        if start < other_end:  # sorted by start: it begins inside a span of the other list
+            i, j = (o, k) if kind else (k, o)
+            raise ValueError(f"{out_name}[{j}] shares memory with {in_name}[{i}]: {why}; pass {out_name} that "
+                             f"share no bytes with {in_name}")
+        if end > reach[kind][0]:
+            reach[kind] = (end, k)
+
+
 def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
-                outputs: Sequence[torch.Tensor]) -> None:
+                outputs: Sequence[torch.Tensor], *, apart: str | None = None) -> None:
     """The checks of a new set of addresses, before it is bound: every tensor's storage is
-    allocated (:func:`check_storage`) and no two outputs share a byte (:func:`check_disjoint`)."""
+    allocated (:func:`check_storage`), no two outputs share a byte (:func:`check_disjoint`)
+    and, where ``apart`` says why, no output shares a byte with an input (:func:`check_apart`)."""
     check_storage(in_name, inputs)
     check_storage(out_name, outputs)
     check_disjoint(out_name, outputs)
+    if apart is not None:
+        check_apart(in_name, inputs, out_name, outputs, apart)
+
+
+RS_APART = ("the reduce-scatter reads every rank's rows of the gradients -- pushing the peers' rows, "
+            "copy by copy, while it writes the sums -- so a shard over gradient bytes sends a peer sums "
+            "instead of gradients, or sums its own partial sums")
+"""Why a reduce-scatter's shards may not share memory with its gradients (:func:`check_apart`)."""
 
 
 def same_shapes(tensors: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]]) -> bool:

@@ -21,7 +21,7 @@ import torch
 
 from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
-from ._checks import (FLOAT_DTYPES, check_bound, check_gather_shards, check_shapes, check_tensor_list,
+from ._checks import (FLOAT_DTYPES, RS_APART, check_bound, check_gather_shards, check_shapes, check_tensor_list,
                       check_uniform, dtype_name)
 from .errors import PeerAbortedError, PeerArgumentError
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
@@ -235,7 +235,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, snumels, S, ring_bytes, reg.ring_off, scale, acc)
     prep = g.cached(key)
     if prep is None:
-        check_bound("grads", grads_l, "shards", shards_l)
+        check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,
@@ -467,7 +467,8 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
             _check_preparable(g)
             grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
                 g, "prepare_reduce_scatter", grads, shards, op, accumulate)
-            check_bound("grads", grads_l, "shards", shards_l)  # the first set of addresses is bound from these
+            # the first set of addresses is bound from these
+            check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:
             err = e

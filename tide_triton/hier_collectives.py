@@ -49,7 +49,7 @@ from functools import lru_cache
 
 import torch
 
-from ._checks import check_bound
+from ._checks import RS_APART, check_bound
 from .executor import Streams, Work, prepare_padding_zeros, wait_vacated
 from .group import Group
 from .heap import CrossNode, ag_block_end
@@ -303,7 +303,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     key = ("hier rs", layout, gdt, sdt, gptrs, shard_ptrs, snumels, reg.rs_off, ring_bytes, g.options.stages)
     prep = g.cached(key)
     if prep is None:  # with the zero-fill of padded shards' padding (used without accumulate)
-        check_bound("grads", grads_l, "shards", shards_l)
+        check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
         prep = g.cache(key, (_prepare_rs(g, t, reg, plan, layout, gptrs, shard_ptrs, gdt, sdt, device),
                              prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                    sdt.itemsize, device)))

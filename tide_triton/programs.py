@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes
+from ._checks import RS_APART, check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -136,7 +136,7 @@ class _Prepared:
         else:
             check_gather_shards(shards, layout, me)
         if self._full_first:
-            check_bound(name, full, "shards", shards)
+            check_bound(name, full, "shards", shards, apart=RS_APART)
         else:
             check_bound("shards", shards, name, full)
         check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
