@@ -815,8 +815,11 @@ def test_shards_over_gradient_bytes_are_refused_naming_both() -> None:
     finally:
         for g in groups:
             g.close()
+    import re
+
     for r, (eager, prep, ok, ag) in enumerate(out):
-        assert eager.startswith("own error: shards[0] shares memory with grads[0]"), (r, eager)
-        assert prep.startswith("own error: shards[0] shares memory with grads[0]"), (r, prep)
+        # any overlapping pair may be named (the first in address order): shard i over grads[i]
+        assert re.match(r"own error: shards\[(\d)\] shares memory with grads\[\1\]", eager), (r, eager)
+        assert re.match(r"own error: shards\[(\d)\] shares memory with grads\[\1\]", prep), (r, prep)
         assert ok == "ok [3.0]", (r, ok)
         assert ag == "ok [[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]]", (r, ag)
