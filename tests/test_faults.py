@@ -62,6 +62,23 @@ def _sync(kind: str) -> None:
         torch.cuda.synchronize()
 
 
+def _on_local_groups(W: int, body, *, timeout_s: float = 10) -> list:
+    """``body(r, groups)`` on every rank of a fresh single-process group of ``W`` ranks (one
+    thread each); the groups are closed after."""
+    import tide_triton as tt
+
+    try:
+        from _dist import run_threads
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_threads
+    groups = tt.local_groups(W, timeout_s=timeout_s)
+    try:
+        return run_threads(lambda r: body(r, groups), W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+
+
 def _outcome(fn, kind: str) -> str:
     """Run ``fn`` (a collective and its check); name what happened."""
     import tide_triton as tt
@@ -746,15 +763,10 @@ def test_outputs_that_overlap_are_refused_naming_both() -> None:
     raises ValueError naming both outputs, its peer an error naming it."""
     import tide_triton as tt
 
-    try:
-        from _dist import run_threads
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_threads
     W, shapes = 2, [(8, 4), (8, 4)]
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=10)
 
-    def body(r: int):
+    def body(r: int, groups: list):
         grads = [torch.full(s, float(r + 1 + 10 * i), dtype=torch.bfloat16) for i, s in enumerate(shapes)]
         one = torch.zeros(layout.shard_shapes(r)[0])
         rs = _outcome(lambda: tt.reduce_scatter(grads, [one, one], op="sum", group=groups[r]), "cpu")
@@ -766,12 +778,7 @@ def test_outputs_that_overlap_are_refused_naming_both() -> None:
                         and None, "cpu")
         return rs, ag, prep
 
-    try:
-        out = run_threads(body, W, timeout=60)
-    finally:
-        for g in groups:
-            g.close()
-    for r, (rs, ag, prep) in enumerate(out):
+    for r, (rs, ag, prep) in enumerate(_on_local_groups(W, body)):
         assert rs.startswith("own error: shards[0] and shards[1] overlap in memory"), (r, rs)
         assert ag.startswith("own error: params[0] and params[1] overlap in memory"), (r, ag)
         assert prep.startswith("own error: params[0] and params[1] overlap in memory"), (r, prep)
@@ -787,15 +794,10 @@ def test_shards_over_gradient_bytes_are_refused_naming_both() -> None:
     (they are staged before any row is written)."""
     import tide_triton as tt
 
-    try:
-        from _dist import run_threads
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_threads
     W, shapes = 2, [(8, 4), (6, 4)]
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=10)
 
-    def body(r: int):
+    def body(r: int, groups: list):
         grads = [torch.full(s, float(r + 1), dtype=torch.float32) for s in shapes]
         over_peer = [g[(1 - r) * (s[0] // W):(2 - r) * (s[0] // W)] for g, s in zip(grads, shapes)]
         eager = _outcome(lambda: tt.reduce_scatter(grads, over_peer, op="sum", group=groups[r]), "cpu")
@@ -810,14 +812,9 @@ def test_shards_over_gradient_bytes_are_refused_naming_both() -> None:
                       and [p[:, 0].tolist() for p in params], "cpu")
         return eager, prep, ok, ag
 
-    try:
-        out = run_threads(body, W, timeout=60)
-    finally:
-        for g in groups:
-            g.close()
     import re
 
-    for r, (eager, prep, ok, ag) in enumerate(out):
+    for r, (eager, prep, ok, ag) in enumerate(_on_local_groups(W, body)):
         # any overlapping pair may be named (the first in address order): shard i over grads[i]
         assert re.match(r"own error: shards\[(\d)\] shares memory with grads\[\1\]", eager), (r, eager)
         assert re.match(r"own error: shards\[(\d)\] shares memory with grads\[\1\]", prep), (r, prep)

@@ -46,9 +46,6 @@ class CallIdentity:
             self._broken = why
             log.error("tide_triton group (rank %d of %d) is broken: %s", self.rank, self.world_size, why)
 
-    def _peer_abort(self, r: int, seq: int) -> Abort | None:
-        return self._exchange.abort_of(r, seq)
-
     def _raise_abort(self, r: int, a: Abort) -> None:
         if a.kind == "argument":
             raise PeerArgumentError(r, a.message)
@@ -57,7 +54,7 @@ class CallIdentity:
     def _all_aborted(self, ranks: set[int]) -> bool:
         """Every rank of ``ranks`` published an abort (of any call): none of them signals or
         consumes data of this group any more."""
-        return all(r != self.rank and self._peer_abort(r, 0) is not None for r in ranks)
+        return all(r != self.rank and self._exchange.abort_of(r, 0) is not None for r in ranks)
 
     def _check_aborts(self, ranks: Sequence[int]) -> None:
         """Raise for the first of ``ranks`` that published an abort of this call or later."""
@@ -65,7 +62,7 @@ class CallIdentity:
         if c is None:
             return
         for r in ranks:
-            a = self._peer_abort(r, c.seq)
+            a = self._exchange.abort_of(r, c.seq)
             if a is not None:
                 self._raise_abort(r, a)
 
@@ -125,7 +122,7 @@ class CallIdentity:
         for r in ([named] if isinstance(named, int) else range(self.world_size)):
             if r == self.rank:
                 continue
-            a = self._abandoned_here(r, since) or self._peer_abort(r, since)
+            a = self._abandoned_here(r, since) or self._exchange.abort_of(r, since)
             if a is not None:
                 self._break(f"rank {r} abandoned call #{a.call}: {a.message}")
                 return PeerArgumentError(r, a.message) if a.kind == "argument" else \
@@ -139,7 +136,7 @@ class CallIdentity:
 
         def watch(peer: int) -> None:
             if t.read_flag(slot(peer)) >= seq:
-                a = self._peer_abort(peer, seq) or Abort((seq, "failed", "its call failed"))
+                a = self._exchange.abort_of(peer, seq) or Abort((seq, "failed", "its call failed"))
                 self._raise_abort(peer, a)
         return watch
 

@@ -736,9 +736,13 @@ class CudaTransport:
         """Enqueue byte copies ``srcs[i] -> dsts[i]`` (addresses) on the copy stream (or
         ``stream``), after everything already on it.  Pieces of one call may run in any
         order relative to each other.  Producers of the sources must be ordered before
-        (:meth:`fence_from`); consumers wait with :meth:`fence_to` or a flag."""
+        (:meth:`fence_from`); consumers wait with :meth:`fence_to` or a flag.  Each piece must
+        lie inside one allocation on either side (a tensor's bytes: the driver refuses a copy
+        across two); :meth:`prepare_copies` cuts lists that may not.
+        """
         self._check_open()
-        self._sig.copy_prepared(self._sig.prepare_copies(dsts, srcs, nbytes), stream=stream)
+        # raw pieces, each inside one tensor: no allocation cut (nor its driver queries) per call
+        self._sig.copy_prepared(self._sig.prepare_copies(dsts, srcs, nbytes, cut=False), stream=stream)
 
     def signal(self, rank: int, slot: int, value: int, *,
                stream: torch.cuda.Stream | None = None) -> None:

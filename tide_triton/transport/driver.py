@@ -210,15 +210,22 @@ def device_context(device: torch.device) -> tuple[Any, Any]:
     one torch's streams and allocations live in); the context is retained once, and the
     caller releases it with ``cuDevicePrimaryCtxRelease(dev)`` when done.
     """
-    mod = init()
     if device.type != "cuda" or device.index is None:
         raise ValueError(f"device must be a cuda device with an index, got {device}")
     torch.cuda.init()
     with torch.cuda.device(device.index):
         torch.cuda.synchronize(device)  # creates the primary context if torch had not yet
-    dev = check(mod.cuDeviceGet(device.index), f"cuDeviceGet({device.index})")
-    ctx = check(mod.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device.index})")
-    return dev, ctx
+    return primary_context(device.index)
+
+
+def primary_context(index: int) -> tuple[Any, Any]:
+    """``(CUdevice, CUcontext)``: device ``index``'s primary context, retained once -- no
+    device-wide synchronize (:func:`device_context` makes one to have torch create the context
+    first; where torch already runs on the device, that would wait, with no deadline, for
+    streams waiting on peers)."""
+    mod = init()
+    dev = check(mod.cuDeviceGet(index), f"cuDeviceGet({index})")
+    return dev, check(mod.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({index})")
 
 
 class CtxGuard:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .driver import check, cu, init
+from .driver import check, cu, primary_context
 
 __all__ = ["take", "give_back"]
 
@@ -40,12 +40,9 @@ def take(device: torch.device, priority: int) -> torch.cuda.ExternalStream:
         handle = free.pop() if free else None
         if handle is None:
             ctx = _ctx.get(key[0])
-            if ctx is None:  # the primary context, torch's: retained here, never synchronized
-                # (a device-wide synchronize would wait, without a deadline, for streams that
-                # wait on peers -- a side stream is made at a group's first async call)
-                mod = init()
-                dev = check(mod.cuDeviceGet(key[0]), f"cuDeviceGet({key[0]})")
-                ctx = _ctx[key[0]] = check(mod.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({key[0]})")
+            if ctx is None:  # torch's primary context, not synchronized: a side stream is made at
+                # a group's first async call, when its streams may wait on peers
+                ctx = _ctx[key[0]] = primary_context(key[0])[1]
             check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
             try:
                 nb = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)

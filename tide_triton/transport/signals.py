@@ -340,9 +340,12 @@ class CopyEngine:
 
     # ---- copies ---------------------------------------------------------------------------
     def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
-                       strided: Sequence[Any] = ()) -> PreparedCopies:
+                       strided: Sequence[Any] = (), cut: bool = True) -> PreparedCopies:
         """``strided``: ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` runs
-        (:class:`tide_triton.executor.Strided`), pitches >= nbytes."""
+        (:class:`tide_triton.executor.Strided`), pitches >= nbytes.  ``cut``: cut copies and
+        runs where an allocation ends (a list made once and kept, whose pieces the planner may
+        have merged across tensors); ``False`` for a raw per-call list of pieces that each lie
+        inside one tensor (:meth:`CudaTransport.copy`: no driver queries on that path)."""
         n = len(nbytes)
         if len(dsts) != n or len(srcs) != n:
             raise ValueError(f"dsts, srcs and nbytes must have one entry per copy, got "
@@ -357,11 +360,13 @@ class CopyEngine:
             self._check_run(*run)
         # no copy may span two allocations (the driver refuses it): cut where one ends; the
         # context held once for all the queries (one driver call each, not three)
-        ends = AllocationRanges(self._address_range)
-        with self._guard:
-            runs, rows = split_strided([tuple(map(int, run)) for run in strided], ends.end_of)
-            d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows], b + [r[2] for r in rows],
-                                   ends)
+        runs = [tuple(map(int, run)) for run in strided]
+        if cut:
+            ends = AllocationRanges(self._address_range)
+            with self._guard:
+                runs, rows = split_strided(runs, ends.end_of)
+                d, x, b = split_copies(d + [r[0] for r in rows], x + [r[1] for r in rows],
+                                       b + [r[2] for r in rows], ends)
         dp = self._cu.CUdeviceptr
         return PreparedCopies(d, x, b, [dp(v) for v in d], [dp(v) for v in x],
                               tuple(self._strided_struct(*run) for run in runs))
@@ -767,14 +772,14 @@ class CopyEngine:
         its reader reset reads short until its stream is idle, so the peer named can be one
         that did its part (a progress word per wait batch would tell; not built)."""
         short = self._short_waits()
-        eq = self._eq_slots()
-        # this stream's waits first; counters before token words (a token word its reader
-        # reset reads "short" until its stream is idle: the weaker evidence)
-        for slot, value, peer in sorted(short, key=lambda w: (self._pending[w[0]][2] != s, w[0] in eq)):
-            what = self._pending[slot][3]
+        if short:
+            eq = self._eq_slots()
+            # this stream's waits first; counters before token words (a token word its reader
+            # reset reads "short" until its stream is idle: the weaker evidence)
+            slot, value, peer = min(short, key=lambda w: (self._pending[w[0]][2] != s, w[0] in eq, w[0]))
             raise PeerTimeoutError(
-                peer, what or f"flag {slot} of rank {self.rank + self.rank_offset} to reach {value}, "
-                f"last read {self.read_flag(slot)}", timeout_s)
+                peer, self._pending[slot][3] or f"flag {slot} of rank {self.rank + self.rank_offset} to reach "
+                f"{value}, last read {self.read_flag(slot)}", timeout_s)
         raise TimeoutError(f"rank {self.rank + self.rank_offset}: GPU work still busy after {timeout_s:.1f} s "
                            "(no pending flag wait is short)")
 
