@@ -647,3 +647,45 @@ def test_templates_give_the_piece_by_piece_plans(model: str, W: int) -> None:
                     assert list(node_prepare._Addresses(gptrs).plus(param, own_off)) == \
                         [gptrs[pc.param] + (me * Sp[pc.param] + pc.start) * es for pc in pieces]
                     assert list(node_prepare._shifted(slot_off, 4096)) == [4096 + pc.slot_off * es for pc in pieces]
+
+
+# ---------------------------------------------------------------- a run's address check
+def test_first_moved_finds_the_moved_tensor_with_and_without_torchs_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``first_moved`` (a prepared run's check that no storage moved) names the first moved
+    tensor whichever way it compares: torch's C++ loop where present and right (CUDA
+    builds), a helper that answers wrong is never trusted, one that raises falls back."""
+    import tide_triton._checks as checks
+
+    ts = [torch.zeros(4) for _ in range(5)]
+    ptrs = [t.data_ptr() for t in ts]
+    idx = list(range(len(ts)))
+
+    def moved_copy(i: int) -> list[int]:
+        out = list(ptrs)
+        out[i] += 4
+        return out
+
+    def raises(*_a):  # noqa: ANN202 -- a private helper whose signature changed
+        raise TypeError("incompatible function arguments")
+
+    def always_unchanged(*_a):  # noqa: ANN202 -- a helper that answers wrong
+        return True
+
+    real = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    # (helper in torch._C, whether _fast_check trusts it, the helper first_moved then calls)
+    cases = {"absent": (None, False, None), "wrong": (always_unchanged, False, None),
+             "raises at its check": (raises, False, None),
+             "raises after its check": (None, False, raises)}
+    if real is not None:
+        cases["torch"] = (real, True, None)
+    for name, (helper, trusted, later) in cases.items():
+        monkeypatch.setattr(checks, "_fast_equal", False)
+        monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", helper, raising=False)
+        assert (checks._fast_check() is not None) == trusted, name
+        if later is not None:
+            monkeypatch.setattr(checks, "_fast_equal", later)
+        assert checks.first_moved(ts, ptrs, idx) == -1, name
+        for i in (0, 3, 4):
+            assert checks.first_moved(ts, moved_copy(i), idx) == i, (name, i)
+            assert checks.first_moved(tuple(ts), tuple(moved_copy(i))) == i, (name, i)
+    monkeypatch.setattr(checks, "_fast_equal", False)  # the next user checks the real one again
