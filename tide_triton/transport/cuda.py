@@ -812,19 +812,26 @@ class CudaTransport:
         current stream of this device)."""
         self._check_open()
         src = torch.cuda.current_stream(self.device) if stream is None else stream
-        self._sig.copy_stream.wait_stream(src)
+        sig = self._sig
+        sig.stream_waits_for(sig.copy_stream_int, sig.stream_int(src))
 
     def fence_to(self, stream: torch.cuda.Stream | None = None) -> None:
         """``stream`` (default: the current stream of this device) waits for work already
         enqueued on the copy stream."""
         self._check_open()
         dst = torch.cuda.current_stream(self.device) if stream is None else stream
-        dst.wait_stream(self._sig.copy_stream)
+        sig = self._sig
+        sig.stream_waits_for(sig.stream_int(dst), sig.copy_stream_int)
 
-    def mark(self) -> torch.cuda.Event:
-        """An event recorded on the copy stream now (see :meth:`wait_mark`)."""
+    def mark(self, reuse: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        """An event recorded on the copy stream now (see :meth:`wait_mark`): ``reuse``
+        (an earlier mark) re-recorded, else a new event.  A wait takes an event's latest
+        record when it is enqueued, so re-recording changes no earlier wait."""
         self._check_open()
-        return self._sig.copy_stream.record_event()
+        if reuse is None:
+            return self._sig.copy_stream.record_event()
+        reuse.record(self._sig.copy_stream)
+        return reuse
 
     def wait_mark(self, mark: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
         """``stream`` (default: the current stream) waits for ``mark`` (a :meth:`mark` event)."""

@@ -206,6 +206,7 @@ class CopyEngine:
         # GC later (the segfaults seen on torch 2.11).
         self.streams_used: set[int] = set()
         self._tls = threading.local()
+        self._events: list[Any] = []  # the threads' fence events (stream_waits_for), destroyed at close
         self.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
         self.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         self.EQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
@@ -651,6 +652,22 @@ class CopyEngine:
             check(self._cu.cuGraphLaunch(self._cu.CUgraphExec(int(handle)), s),
                   f"cuGraphLaunch(rank={self.rank}, recorded run)")
 
+    def stream_waits_for(self, waiter: int, source: int) -> None:
+        """Stream ``waiter`` waits for the work enqueued on stream ``source`` so far: one
+        ``cuEventRecord`` and one ``cuStreamWaitEvent`` on an event of this thread's, made
+        once -- what torch's ``wait_stream`` does with a new event each time (a wait takes the
+        event's latest record when enqueued, so re-recording it later changes no earlier
+        wait; a replay's fences made two torch events per run)."""
+        ev = getattr(self._tls, "fence_event", None)
+        cu = self._cu
+        with self._guard:
+            if ev is None:
+                ev = self._tls.fence_event = check(
+                    cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate(fence)")
+                self._events.append(ev)
+            check(cu.cuEventRecord(ev, source), f"cuEventRecord(rank={self.rank}, fence)")
+            check(cu.cuStreamWaitEvent(waiter, ev, 0), f"cuStreamWaitEvent(rank={self.rank}, fence)")
+
     def stream_capturing(self, stream: Any) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (one driver call)."""
         with self._guard:
@@ -849,6 +866,10 @@ class CopyEngine:
         with self._guard:
             check(self._cu.cuStreamDestroy(s), f"cuStreamDestroy(rank={self.rank})")
 
+    def _destroy_event(self, ev: Any) -> None:
+        with self._guard:
+            check(self._cu.cuEventDestroy(ev), f"cuEventDestroy(rank={self.rank})")
+
     def _free_host(self, p: int) -> None:
         with self._guard:
             check(self._cu.cuMemFreeHost(p), f"cuMemFreeHost(rank={self.rank})")
@@ -862,6 +883,9 @@ class CopyEngine:
             self._record_stream = None
             quiet(self._destroy_stream, self._capture_handle)
             self._capture_handle = None
+        for ev in self._events:
+            quiet(self._destroy_event, ev)
+        self._events.clear()
         quiet(self._destroy_stream, self._host_stream)
         quiet(self._free_host, self._host_buf)
         quiet(self._destroy_stream, self._copy_handle)
