@@ -44,12 +44,6 @@ Variables of the package
     there (``graphs_in_process``).
     (:mod:`tide_triton.run_graph`; the measurements behind the default: docs/benchmarks.md,
     "Session 15")
-``TIDE_TRITON_TABLE_POOL``
-    Where the reductions' and casts' device tables live: ``own`` (default: a private
-    ``torch.cuda.MemPool`` per device, so that binding a new set of addresses -- FSDP2's
-    reduce-scatter on autograd's gradients -- never moves the caching allocator's next
-    blocks, and with them the next step's gradients) or ``torch`` (torch's default pool).
-    Read at each upload.  (:mod:`tide_triton.kernels.segments`)
 ``TIDE_TRITON_MEMOP_BATCH``
     Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
     ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
@@ -112,7 +106,6 @@ __all__ = [
     "nccl_close",
     "copy_mode",
     "memop_batch",
-    "table_pool",
     "launch_mode",
     "triton_interpret",
     "use_interpreter_if_no_gpu",
@@ -137,7 +130,6 @@ _LAUNCH_MODES = ("direct", "jit")
 _COPY_GRAPHS = ("auto", "always", "off")
 _HOST_COPY_QUEUES = ("sync", "async")
 _RUN_GRAPHS = ("auto", "all", "all-gathers", "off")
-_TABLE_POOLS = ("own", "torch")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -172,11 +164,6 @@ def copy_graphs(env: Mapping[str, str] | None = None, *, ranks_in_process: int =
     (:func:`graphs_in_process`)."""
     return graphs_in_process("TIDE_TRITON_COPY_GRAPHS", _choice("TIDE_TRITON_COPY_GRAPHS", "auto", _COPY_GRAPHS, env),
                              ranks_in_process)
-
-
-def table_pool(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_TABLE_POOL``: ``"own"`` (default) or ``"torch"``."""
-    return _choice("TIDE_TRITON_TABLE_POOL", "own", _TABLE_POOLS, env)
 
 
 def run_graphs(env: Mapping[str, str] | None = None, *, ranks_in_process: int = 1) -> str:

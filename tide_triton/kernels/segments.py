@@ -112,40 +112,13 @@ def tile_numel_for(total_numel: int) -> int:
     return tile
 
 
-_TABLE_POOLS: dict[int, Any] = {}
-_TABLE_POOLS_LOCK = threading.Lock()
-
-
-def table_pool(device: torch.device) -> Any:
-    """The private memory pool of ``device``'s kernel tables (``$TIDE_TRITON_TABLE_POOL``:
-    None for torch's default pool, or where torch has no ``MemPool``).  Binding a new set
-    of addresses uploads tables; from torch's default pool they would take blocks the
-    caching allocator hands out next -- during backward, the next gradients' -- so FSDP2's
-    reduce-scatter inputs would land elsewhere every step and never be found bound."""
-    if envs.table_pool() != "own" or not hasattr(torch.cuda, "MemPool"):
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _TABLE_POOLS_LOCK:
-        pool = _TABLE_POOLS.get(index)
-        if pool is None:
-            pool = _TABLE_POOLS[index] = torch.cuda.MemPool()
-    return pool
-
-
 def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
     """Copy a small host table to ``device`` without a host sync: pinned memory, a
     non-blocking copy on the current stream, and an event that other streams wait on
-    before their first use (see :meth:`Binding.launch`); in the tables' own pool
-    (:func:`table_pool`)."""
+    before their first use (see :meth:`Binding.launch`)."""
     if device.type != "cuda":
         return host, None
-    pinned = host.pin_memory()
-    pool = table_pool(device)
-    if pool is None:
-        table = pinned.to(device, non_blocking=True)
-    else:
-        with torch.cuda.use_mem_pool(pool, device=device):
-            table = pinned.to(device, non_blocking=True)
+    table = host.pin_memory().to(device, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return table, event
