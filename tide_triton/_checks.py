@@ -21,60 +21,12 @@ __all__ = [
     "check_flat",
     "dtype_name",
     "is_int",
-    "first_moved",
 ]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-
-
-_PTR = torch.Tensor.data_ptr
-_fast_equal: Callable[[list, list, list], bool] | None | bool = False
-"""torch's C++ loop comparing tensors' ``data_ptr`` with expected values (the one CUDA
-graph trees check their static inputs with; CUDA builds only), once :func:`_fast_check`
-has seen it answer right; None where absent or wrong; False before the first use."""
-
-
-def _fast_check() -> Callable[[list, list, list], bool] | None:
-    """torch's private ``_tensors_data_ptrs_at_indices_equal``, if present and right on two
-    tensors (one address right, then one wrong): private, so it is checked before it is
-    trusted, and any error from it later falls back to the Python loop."""
-    global _fast_equal
-    if _fast_equal is False:
-        fn = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-        ok = False
-        if fn is not None:
-            a, b = torch.zeros(2), torch.zeros(2)
-            try:
-                ok = (fn([a, b], [a.data_ptr(), b.data_ptr()], [0, 1]) is True
-                      and fn([a, b], [a.data_ptr(), b.data_ptr() + 4], [0, 1]) is False)
-            except Exception:  # noqa: BLE001 -- a private helper of another signature: not used
-                ok = False
-        _fast_equal = fn if ok else None
-    return _fast_equal  # type: ignore[return-value]
-
-
-def first_moved(tensors: Sequence[torch.Tensor], ptrs: Sequence[int],
-                indices: list[int] | None = None) -> int:
-    """The index of the first tensor whose ``data_ptr`` is no longer its entry of ``ptrs``,
-    or -1 when none moved.  The run of a prepared collective checks its hundreds of tensors
-    this way every time: in one C++ loop where torch has it (``indices``: ``range(len)``, as a
-    list, kept by the caller), ~50 ns a tensor in Python otherwise."""
-    fast = _fast_check()
-    if fast is not None:
-        try:
-            if fast(tensors if isinstance(tensors, list) else list(tensors),
-                    ptrs if isinstance(ptrs, list) else list(ptrs),
-                    indices if indices is not None else list(range(len(ptrs)))):
-                return -1
-        except Exception:  # noqa: BLE001 -- never trusted past an error: the loop below decides
-            pass
-    now = tuple(map(_PTR, tensors))
-    if now == tuple(ptrs):
-        return -1
-    return next(i for i, (a, b) in enumerate(zip(now, ptrs)) if a != b)
 
 
 def is_int(x: object) -> bool:

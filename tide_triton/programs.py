@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import RS_APART, check_bound, first_moved, check_gather_shards, check_shapes, check_uniform, same_shapes
+from ._checks import RS_APART, check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -101,10 +101,6 @@ class _Prepared:
         key = self._key(first, second)
         self._bindings[key] = self._bind(first, second)
         self._held = (tuple(first), tuple(second), key) if hold else None
-        self._held_check = (list(first) + list(second), list(key[0]) + list(key[1]),
-                            list(range(len(first) + len(second)))) if hold else None
-        """Every held tensor, its address when prepared and their indices (lists): what a
-        run's address check hands :func:`~tide_triton._checks.first_moved` in one call."""
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
         # host graphs (CPU) are safe in any mode; CUDA graphs of several ranks in one process not
@@ -215,16 +211,15 @@ class _Prepared:
             c.moving = True  # no agreement: see _begin
             captured = self._begin(stream, async_op)
             if check_addresses:
-                tensors, ptrs, indices = self._held_check
-                i = first_moved(tensors, ptrs, indices)
-                if i >= 0:
-                    n = len(first)
-                    what, j = (self._names[0], i) if i < n else (self._names[1], i - n)
-                    raise ValueError(
-                        f"{self.name}: {what}[{j}] moved (data_ptr {hex(ptrs[i])} when prepared, "
-                        f"{hex(_PTR(tensors[i]))} now; e.g. its storage was resized or swapped); a run is not "
-                        f"agreed with the peers, so this breaks the group: make a new group and prepare "
-                        f"the collective for the new storage")
+                for ts, ptrs, what in zip((first, second), key[:2], self._names):
+                    now = tuple(map(_PTR, ts))
+                    if now != ptrs:
+                        i = next(i for i, (a, b) in enumerate(zip(now, ptrs)) if a != b)
+                        raise ValueError(
+                            f"{self.name}: {what}[{i}] moved (data_ptr {hex(ptrs[i])} when prepared, "
+                            f"{hex(now[i])} now; e.g. its storage was resized or swapped); a run is not "
+                            f"agreed with the peers, so this breaks the group: make a new group and prepare "
+                            f"the collective for the new storage")
             binding = self._bindings[key]
             if captured:
                 self._keep_for_graph(key, binding)
@@ -505,8 +500,7 @@ class PreparedAllGather(_Prepared):
                              what="rank {peer} to finish reading my prepared all-gather block")
             t.signal_all([me] * W, slots, [0] * W)
             if not captured:  # where the block is free again (the next run's cast waits for it)
-                free = self._block_free()
-                free[0] = t.mark(free[0])
+                self._block_free()[0] = t.mark()
             if self._joined(captured):
                 t.fence_to(cs)
         return st.finish()
@@ -515,8 +509,7 @@ class PreparedAllGather(_Prepared):
         t.wait_mark(self._block_free()[0], cs)  # another all-gather of this block may end elsewhere
 
     def _after_replay(self, t: Any, cs: object) -> None:
-        free = self._block_free()
-        free[0] = t.mark(free[0])  # the replay ended quiescent: the block is free again there
+        self._block_free()[0] = t.mark()  # the replay ended quiescent: the block is free again there
 
     def _block_free(self) -> list:
         """The event after the last run's quiescent end on this rank's block (shared by the
