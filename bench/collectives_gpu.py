@@ -168,6 +168,8 @@ SHIFT_ELEMS = 256  # 512 bytes of bf16: the 16-byte alignment stays
 PREPARED = False
 """``--prepared``: time ``run()`` of ``tt.prepare_reduce_scatter`` / ``tt.prepare_all_gather``
 (prepared once before the timed calls) instead of the eager calls."""
+UNCHECKED = False
+"""``--unchecked``: prepared runs skip their address check (``run(check_addresses=False)``)."""
 
 
 WARMUP = 3
@@ -196,8 +198,10 @@ def _calls(g, grads, shards, bshards, params, names, threads: bool = False, barr
         rs = tt.prepare_reduce_scatter(first, shards, group=g, op="avg")
         ag = tt.prepare_all_gather(bshards, params, group=g)
         if not CAPTURED:  # new addresses: bound as the FSDP2 drop-in binds them (_run_on)
-            return [(names[0], (lambda: rs._run_on(next(sets), shards)) if NEW_GRADS else rs.run),
-                    (names[1], ag.run)]
+            rs_run, ag_run = ((lambda: rs.run(check_addresses=False)), (lambda: ag.run(check_addresses=False))
+                              ) if UNCHECKED else (rs.run, ag.run)
+            return [(names[0], (lambda: rs._run_on(next(sets), shards)) if NEW_GRADS else rs_run),
+                    (names[1], ag_run)]
         out = []
         for name, p in ((names[0], rs), (names[1], ag)):
             p.run()  # bound, its kernels loaded: what a capture needs first
@@ -594,6 +598,8 @@ def main() -> None:
                     help="time run() of prepared collectives (tt.prepare_reduce_scatter / prepare_all_gather)")
     ap.add_argument("--captured", action="store_true",
                     help="time replays of prepared runs captured into CUDA graphs (torch.cuda.graph)")
+    ap.add_argument("--unchecked", action="store_true",
+                    help="with --prepared: run(check_addresses=False), without the check that no tensor moved")
     ap.add_argument("--new-grads", action="store_true",
                     help="every reduce-scatter reads gradients at new addresses (FSDP2's reduce-scatter each step): "
                          "the cost of preparing them each call")
@@ -608,8 +614,9 @@ def main() -> None:
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
     global APART, PREPARED, CAPTURED
-    global NEW_GRADS, TIMEOUT_S
+    global NEW_GRADS, TIMEOUT_S, UNCHECKED
     APART, PREPARED, CAPTURED, NEW_GRADS = args.apart, args.prepared, args.captured, args.new_grads
+    UNCHECKED = args.unchecked
     TIMEOUT_S = args.timeout_s
     if NEW_GRADS and CAPTURED:
         ap.error("--new-grads times calls on new addresses; a captured graph replays fixed ones (drop --captured)")

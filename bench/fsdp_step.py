@@ -70,6 +70,43 @@ LAYOUT_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "aten::
               "fsdp::chunk_cat", "aten::_chunk_cat")
 
 
+def _watch_binds(step_now) -> list:
+    """``--why-binds``: every prepared run of the drop-in (``_Prepared._run_on``) logged as
+    ``(step, collective, full side new, shard side new)`` -- "new" against every set of
+    addresses that collective met before (bound or not), so a set that only recurs after
+    eviction still counts as seen."""
+    from tide_triton.programs import _Prepared
+
+    log: list = []
+    seen: dict = {}
+    inner = _Prepared._run_on
+
+    def run_on(self, first, second, **kw):
+        full, shards = (first, second) if self._full_first else (second, first)
+        sides = seen.setdefault(id(self), (set(), set()))
+        keys = (tuple(t.data_ptr() for t in full), tuple(t.data_ptr() for t in shards))
+        log.append((step_now(), self.name.split()[0], keys[0] not in sides[0], keys[1] not in sides[1]))
+        sides[0].add(keys[0])
+        sides[1].add(keys[1])
+        return inner(self, first, second, **kw)
+
+    _Prepared._run_on = run_on
+    return log
+
+
+def _print_binds(log: list, first_step: int) -> None:
+    """Per measured step and collective: runs, and how many met new full tensors / new shards."""
+    rows: dict = {}
+    for step, name, new_full, new_shards in log:
+        if step > first_step:
+            r = rows.setdefault((step, name), [0, 0, 0])
+            r[0] += 1
+            r[1] += new_full
+            r[2] += new_shards
+    for (step, name), (n, nf, ns) in sorted(rows.items()):
+        print(f"why-binds: step {step} {name}: {n} runs, new full tensors in {nf}, new shards in {ns}", flush=True)
+
+
 def _host_profile(step, sync, path: str) -> None:
     """cProfile of one step (the host's Python: where FSDP2's per-module time goes)."""
     import cProfile
@@ -165,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-profile", default=None, metavar="FILE",
                     help="rank 0: cProfile of one more step, the 40 costliest functions by cumulative time into FILE")
+    ap.add_argument("--why-binds", action="store_true",
+                    help="--mode prepared: per measured step, how many runs met a new set of addresses, and "
+                         "which side was new (the full tensors -- grads / params -- or the shards)")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="rank 0: the torch profiler's Chrome trace of the profiled step into FILE")
     args = ap.parse_args(argv)
@@ -235,6 +275,7 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n_step = [0]
+    binds_log = _watch_binds(lambda: n_step[0]) if args.why_binds else None
 
     cuda = device.type == "cuda"
     phases: list[dict] = []  # per measured step: {phase: (torch peak, heap mapped)}
@@ -301,6 +342,8 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - t0)
     gc_steps.stop()
     prepared_per_step = (preparations() - prep0) / args.steps  # 0 in the steady state
+    if binds_log is not None and rank == 0:
+        _print_binds(binds_log, args.warmup)
     peak = max(a for marks in phases for a, _ in marks.values())
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
     heap = max(h for marks in phases for _, h in marks.values())
