@@ -12,6 +12,8 @@ Layout used throughout: shapes (5, 3), (4,), (2, 3, 2) over W=2, so
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -576,5 +578,52 @@ def test_check_apart_finds_exactly_the_overlaps_between_inputs_and_outputs(seed:
             raised = False
         except ValueError as e:
             raised = True
-            assert "shares memory with grads[" in str(e) and "why; pass shards" in str(e), e
+            m = re.match(r"shards\[(\d+)\] shares memory with grads\[(\d+)\]: why; pass shards", str(e))
+            assert m, e
+            u, t = outs[int(m.group(1))], ins[int(m.group(2))]  # the pair named does overlap
+            assert span(t)[0] < span(u)[1] and span(u)[0] < span(t)[1], (e, span(t), span(u))
         assert raised == overlap, (seed, [span(t) for t in ins], [span(u) for u in outs])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_check_disjoint_and_check_storage_against_every_tensor(seed: int) -> None:
+    """``check_disjoint`` raises iff two non-empty tensors of one list share a byte, naming a
+    pair that does; ``check_storage`` iff a non-empty tensor reaches past its storage (freed
+    with ``resize_(0)``, or shrunk), naming the first such tensor."""
+    import random
+
+    from tide_triton._checks import check_disjoint, check_storage
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        ts = []
+        for _ in range(rng.randrange(0, 8)):
+            a = rng.randrange(0, 4000)
+            ts.append(buf[a:a + rng.randrange(0, 96)])
+
+        def span(t):
+            return t.data_ptr(), t.data_ptr() + t.numel()
+        overlap = any(t.numel() and u.numel() and span(t)[0] < span(u)[1] and span(u)[0] < span(t)[1]
+                      for k, t in enumerate(ts) for u in ts[k + 1:])
+        try:
+            check_disjoint("params", ts)
+            raised = False
+        except ValueError as e:
+            raised = True
+            m = re.match(r"params\[(\d+)\] and params\[(\d+)\] overlap in memory", str(e))
+            assert m and int(m.group(1)) < int(m.group(2)), e
+            t, u = ts[int(m.group(1))], ts[int(m.group(2))]
+            assert span(t)[0] < span(u)[1] and span(u)[0] < span(t)[1], (e, span(t), span(u))
+        assert raised == overlap, (seed, [span(t) for t in ts])
+
+        check_storage("params", ts)  # views inside their storage
+        size = rng.randrange(0, 4096)
+        buf.untyped_storage().resize_(size)  # freed (0) or shrunk: the views keep their shapes
+        past = [k for k, t in enumerate(ts) if t.numel() and (size == 0 or t.storage_offset() + t.numel() > size)]
+        if past:
+            with pytest.raises(ValueError, match=rf"^params\[{past[0]}\] views \d+ bytes of a storage that holds "
+                                                 rf"{size}: its storage was freed or resized"):
+                check_storage("params", ts)
+        else:
+            check_storage("params", ts)

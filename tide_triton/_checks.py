@@ -9,6 +9,7 @@ import operator
 from itertools import repeat
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -93,69 +94,107 @@ def check_uniform(
     return dtype, dev
 
 
-def check_storage(name: str, tensors: Sequence[torch.Tensor]) -> None:
+_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+_ESIZE, _OFFSET, _STORAGE = torch.Tensor.element_size, torch.Tensor.storage_offset, torch.Tensor.untyped_storage
+_STORAGE_BYTES = torch.UntypedStorage.nbytes
+
+
+def _ints(fn: Callable[[torch.Tensor], int], tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    return np.fromiter(map(fn, tensors), np.int64, len(tensors))
+
+
+def _spans(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Each tensor's first byte and byte count, as arrays (one C-level pass per attribute:
+    these checks run on every new set of addresses -- FSDP2's reduce-scatter on autograd's
+    gradients, every step -- over hundreds of tensors)."""
+    return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * _ints(_ESIZE, tensors)
+
+
+def check_storage(name: str, tensors: Sequence[torch.Tensor],
+                  spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Each non-empty tensor's bytes lie inside its storage.  A storage resized to 0 (FSDP2
     frees unsharded parameters so: ``untyped_storage().resize_(0)``) or shrunk keeps the
     tensor's shape, dtype and contiguity -- the other checks pass -- while its address is 0 or
     its bytes belong to something else: a copy there writes into memory it does not own.
     Run where a set of addresses is prepared (a cache miss), not per call: a freed storage
-    has address 0, which no prepared set holds."""
-    for i, t in enumerate(tensors):
-        n = t.numel()
-        if n == 0:
-            continue
-        need = (t.storage_offset() + n) * t.element_size()
-        have = t.untyped_storage().nbytes()
-        if have < need or t.data_ptr() == 0:
-            raise ValueError(
-                f"{name}[{i}] views {need} bytes of a storage that holds {have}: its storage was freed or "
-                f"resized (FSDP2 frees unsharded parameters with untyped_storage().resize_(0)); pass tensors "
-                f"whose storage is allocated")
+    has address 0, which no prepared set holds.  ``spans``: :func:`_spans` of ``tensors``."""
+    if not tensors:
+        return
+    ptr, nbytes = _spans(tensors) if spans is None else spans
+    need = _ints(_OFFSET, tensors) * _ints(_ESIZE, tensors) + nbytes
+    have = np.fromiter(map(_STORAGE_BYTES, map(_STORAGE, tensors)), np.int64, len(tensors))
+    bad = np.flatnonzero((nbytes > 0) & ((have < need) | (ptr == 0)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"{name}[{i}] views {int(need[i])} bytes of a storage that holds {int(have[i])}: its storage was freed "
+            f"or resized (FSDP2 frees unsharded parameters with untyped_storage().resize_(0)); pass tensors "
+            f"whose storage is allocated")
 
 
-def check_disjoint(name: str, tensors: Sequence[torch.Tensor]) -> None:
+def _sorted_spans(spans: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The non-empty spans' (start, end, index), sorted by start, then end, then index."""
+    start, nbytes = spans
+    idx = np.flatnonzero(nbytes > 0)
+    start, end = start[idx], start[idx] + nbytes[idx]
+    order = np.lexsort((idx, end, start))
+    return start[order], end[order], idx[order]
+
+
+def check_disjoint(name: str, tensors: Sequence[torch.Tensor],
+                   spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """No two non-empty outputs share a byte (a collective writes each as if it were alone:
     two views of one buffer would receive each other's rows).  Run where a set of addresses
-    is prepared, like :func:`check_storage`; sorting by address, O(n log n)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-                   for i, t in enumerate(tensors) if t.numel())
-    for (_a0, a1, i), (b0, _b1, j) in zip(spans, spans[1:]):
-        if b0 < a1:  # sorted by start: any overlap shows between neighbours
-            i, j = min(i, j), max(i, j)
-            raise ValueError(f"{name}[{i}] and {name}[{j}] overlap in memory: the collective writes each of "
-                             f"them whole, so each needs bytes of its own (pass separate tensors, or "
-                             f"non-overlapping views of one buffer)")
+    is prepared, like :func:`check_storage`; sorting by address, O(n log n): sorted by start,
+    any overlap shows between neighbours."""
+    start, end, idx = _sorted_spans(_spans(tensors) if spans is None else spans)
+    hit = np.flatnonzero(start[1:] < end[:-1])
+    if hit.size:
+        k = int(hit[0])
+        i, j = sorted((int(idx[k]), int(idx[k + 1])))
+        raise ValueError(f"{name}[{i}] and {name}[{j}] overlap in memory: the collective writes each of "
+                         f"them whole, so each needs bytes of its own (pass separate tensors, or "
+                         f"non-overlapping views of one buffer)")
 
 
 def check_apart(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
-                outputs: Sequence[torch.Tensor], why: str) -> None:
+                outputs: Sequence[torch.Tensor], why: str,
+                spans: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> None:
     """No output shares a byte with an input (``why``: what would go wrong).  One sweep over
-    both lists' spans sorted by start, O(n log n)."""
-    spans = sorted([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0, i)
-                    for i, t in enumerate(inputs) if t.numel()]
-                   + [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 1, j)
-                      for j, t in enumerate(outputs) if t.numel()])
-    reach = [(0, -1), (0, -1)]  # per kind: the furthest end seen so far, and whose
-    for start, end, kind, k in spans:
-        other_end, o = reach[1 - kind]
-        if start < other_end:  # sorted by start: it begins inside a span of the other list
-            i, j = (o, k) if kind else (k, o)
-            raise ValueError(f"{out_name}[{j}] shares memory with {in_name}[{i}]: {why}; pass {out_name} that "
-                             f"share no bytes with {in_name}")
-        if end > reach[kind][0]:
-            reach[kind] = (end, k)
+    both lists' spans sorted by start, O(n log n): a span overlaps the other list exactly when
+    it starts before the furthest end of the other list's spans sorted before it."""
+    in_spans, out_spans = (_spans(inputs), _spans(outputs)) if spans is None else spans
+    s0, e0, i0 = _sorted_spans(in_spans)
+    s1, e1, i1 = _sorted_spans(out_spans)
+    start, end = np.concatenate((s0, s1)), np.concatenate((e0, e1))
+    kind = np.concatenate((np.zeros(len(s0), np.int64), np.ones(len(s1), np.int64)))
+    index = np.concatenate((i0, i1))
+    order = np.lexsort((index, kind, end, start))
+    start, end, kind, index = start[order], end[order], kind[order], index[order]
+    reach = [np.concatenate(([-1], np.maximum.accumulate(np.where(kind == k, end, -1))[:-1])) for k in (0, 1)]
+    other = np.where(kind == 0, reach[1], reach[0])  # furthest end of the other list's earlier spans
+    hit = np.flatnonzero(start < other)
+    if hit.size:
+        p = int(hit[0])
+        k = 1 - int(kind[p])
+        o = int(np.argmax(np.where(kind[:p] == k, end[:p], -1)))  # the earlier span reaching furthest
+        i, j = (int(index[o]), int(index[p])) if k == 0 else (int(index[p]), int(index[o]))
+        raise ValueError(f"{out_name}[{j}] shares memory with {in_name}[{i}]: {why}; pass {out_name} that "
+                         f"share no bytes with {in_name}")
 
 
 def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
                 outputs: Sequence[torch.Tensor], *, apart: str | None = None) -> None:
     """The checks of a new set of addresses, before it is bound: every tensor's storage is
     allocated (:func:`check_storage`), no two outputs share a byte (:func:`check_disjoint`)
-    and, where ``apart`` says why, no output shares a byte with an input (:func:`check_apart`)."""
-    check_storage(in_name, inputs)
-    check_storage(out_name, outputs)
-    check_disjoint(out_name, outputs)
+    and, where ``apart`` says why, no output shares a byte with an input (:func:`check_apart`).
+    Each list's addresses and sizes are read once."""
+    in_spans, out_spans = _spans(inputs), _spans(outputs)
+    check_storage(in_name, inputs, in_spans)
+    check_storage(out_name, outputs, out_spans)
+    check_disjoint(out_name, outputs, out_spans)
     if apart is not None:
-        check_apart(in_name, inputs, out_name, outputs, apart)
+        check_apart(in_name, inputs, out_name, outputs, apart, (in_spans, out_spans))
 
 
 RS_APART = ("the reduce-scatter reads every rank's rows of the gradients -- pushing the peers' rows, "
