@@ -5,12 +5,12 @@ held tensor moved (one ``data_ptr`` per tensor: ~1,540 for the 256-expert all-ga
 fences between the caller's stream and the copy queue, the mark where the block is free
 again, and the graph launch.  Each is timed here both ways, in the same process:
 
-* the address check: ``tuple(map(Tensor.data_ptr, ...))`` compared in Python, against torch's
-  C++ loop ``torch._C._tensors_data_ptrs_at_indices_equal`` (what
-  :func:`tide_triton._checks.first_moved` uses where present);
+* the address check: ``tuple(map(Tensor.data_ptr, ...))`` compared in Python (what ``run()``
+  does), against torch's private C++ loop ``torch._C._tensors_data_ptrs_at_indices_equal``
+  (CUDA builds; session 19 measured it 10% faster and kept the Python form);
 * a fence: torch's ``Stream.wait_stream`` (a new event each time) against one
   ``cuEventRecord`` + ``cuStreamWaitEvent`` on an event made once
-  (``Signals.stream_waits_for``);
+  (``Signals.stream_waits_for``, what the CUDA transport's fences use);
 * a mark: ``Stream.record_event()`` (a new event) against re-recording one event.
 
     python bench/host_ops_probe.py [--tensors 1540] [--iters 2000]
@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from tide_triton._checks import first_moved
 from tide_triton.measure import env_info
 from tide_triton.transport.driver import check, cu
 
@@ -56,7 +55,6 @@ def main() -> None:
                                                        args.iters))]
     if fast is not None:
         rows.append(("address check, torch's C++ loop", _per_op_us(lambda: fast(ts, ptrs, idx), args.iters)))
-    rows.append(("address check, first_moved", _per_op_us(lambda: first_moved(ts, ptrs, idx), args.iters)))
 
     a, b = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     ev = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
