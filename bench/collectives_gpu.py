@@ -620,6 +620,8 @@ def main() -> None:
     TIMEOUT_S = args.timeout_s
     if NEW_GRADS and CAPTURED:
         ap.error("--new-grads times calls on new addresses; a captured graph replays fixed ones (drop --captured)")
+    if args.unchecked and (not args.prepared or args.captured or args.new_grads):
+        ap.error("--unchecked times run(check_addresses=False) of prepared runs: use it with --prepared alone")
     if args.from_rows:
         from tide_triton._cli import recorded_rows
 
@@ -683,6 +685,7 @@ def main() -> None:
             row["new_grads"] = NEW_GRADS
             row["prepared"] = PREPARED or CAPTURED
             row["captured"] = CAPTURED
+            row["address_check"] = not UNCHECKED  # prepared runs: run(check_addresses=...)
             in_process = 1 if torchrun else W  # the graph modes in effect (envs.graphs_in_process)
             row["copy_graphs"] = envs.copy_graphs(ranks_in_process=in_process)
             row["run_graphs"] = envs.run_graphs(ranks_in_process=in_process)

@@ -103,6 +103,8 @@ def _print_binds(log: list, first_step: int) -> None:
             r[0] += 1
             r[1] += new_full
             r[2] += new_shards
+    print("why-binds: (the watch reads every tensor's address per run: this run's step times include it)",
+          flush=True)
     for (step, name), (n, nf, ns) in sorted(rows.items()):
         print(f"why-binds: step {step} {name}: {n} runs, new full tensors in {nf}, new shards in {ns}", flush=True)
 

@@ -10,8 +10,9 @@ again, and the graph launch.  Each is timed here both ways, in the same process:
   (CUDA builds; session 19 measured it 10% faster and kept the Python form);
 * a fence: torch's ``Stream.wait_stream`` (a new event each time) against one
   ``cuEventRecord`` + ``cuStreamWaitEvent`` on an event made once
-  (``Signals.stream_waits_for``, what the CUDA transport's fences use);
-* a mark: ``Stream.record_event()`` (a new event) against re-recording one event.
+  (``CopyEngine.stream_waits_for``, what the CUDA transport's fences use);
+* a mark: ``Stream.record_event()`` (a new event, what ``CudaTransport.mark`` makes) against
+  re-recording one event.
 
     python bench/host_ops_probe.py [--tensors 1540] [--iters 2000]
 

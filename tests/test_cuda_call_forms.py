@@ -195,6 +195,50 @@ assert t.release_own_waits(time.monotonic() + 1.0) == 2
 assert t._cu.writes == [(t.flag_addr(0, 2), 6), (t.flag_addr(0, 3), 7)], t._cu.writes
 t._cu = cu
 
+# Fences: one cuEventRecord + cuStreamWaitEvent on an event lent to the calling thread.  A
+# thread that ends gives its event back (threads made per step add none); threads alive at
+# once hold one each; close destroys every event made.
+class Events:
+    def __init__(self, real):
+        self.real, self.made, self.destroyed = real, 0, []
+    def __getattr__(self, name):
+        if name == "cuEventCreate":
+            def create(flags):
+                self.made += 1
+                return (cu.CUresult(0), cu.CUevent(0x9000 + self.made))
+            return create
+        if name == "cuEventDestroy":
+            return lambda ev: self.destroyed.append(int(ev)) or (cu.CUresult(0),)
+        return getattr(self.real, name)
+t._cu = Events(cu)
+t._events, t._free_events, t._events_lock = [], [], threading.Lock()
+t._fence_what = ("cuEventRecord(rank=0, fence)", "cuStreamWaitEvent(rank=0, fence)")
+t.stream_waits_for(0x5100, 0x5000)
+t.stream_waits_for(0x5000, 0x5100)
+assert t._cu.made == 1, t._cu.made
+def fence():
+    t.stream_waits_for(0x5100, 0x5000)
+for _ in range(5):
+    th = threading.Thread(target=fence)
+    th.start()
+    th.join()
+gc.collect()
+assert t._cu.made == 2 and len(t._free_events) == 1, (t._cu.made, t._free_events)
+together = threading.Barrier(3)
+def fence_together():
+    fence()
+    together.wait()
+ths = [threading.Thread(target=fence_together) for _ in range(3)]
+for th in ths:
+    th.start()
+for th in ths:
+    th.join()
+gc.collect()
+assert t._cu.made == 4 and len(t._free_events) == 3, (t._cu.made, t._free_events)
+t._destroy_events(lambda f, *a: f(*a))
+assert sorted(t._cu.destroyed) == [0x9001, 0x9002, 0x9003, 0x9004] and not t._events, t._cu.destroyed
+t._cu = cu
+
 # Cross-device heap calls: one cuMemSetAccess with a descriptor per device that touches
 # the mapping (the single-process mode over GPUs 0, 1, 2), and the peer-access query.
 h = object.__new__(VmmHeap)

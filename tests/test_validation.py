@@ -627,3 +627,25 @@ def test_check_disjoint_and_check_storage_against_every_tensor(seed: int) -> Non
                 check_storage("params", ts)
         else:
             check_storage("params", ts)
+
+
+def test_a_stream_of_another_device_is_refused_naming_both() -> None:
+    """``stream=`` on another device than the tensors: refused before anything moves (the
+    CUDA transport's fences record and wait in the tensors' device's context, where another
+    device's stream fails mid-call and breaks the group).  ``Group.check_own_stream`` is the
+    check both the eager call and a prepared run make; a stand-in stream object here (no GPU)."""
+    import types
+
+    import tide_triton as tt
+
+    (g,) = tt.local_groups(1)
+    try:
+        other = types.SimpleNamespace(device=torch.device("cuda", 1), cuda_stream=0x10)
+        with pytest.raises(ValueError, match=r"^stream: a stream of cuda:1, but the tensors are on cuda:0; pass a "
+                                             r"stream of cuda:0, or None"):
+            g.check_own_stream(other, torch.device("cuda", 0))
+        g.check_own_stream(types.SimpleNamespace(device=torch.device("cuda", 0), cuda_stream=0x10),
+                           torch.device("cuda", 0))
+        g.check_own_stream(None, torch.device("cuda", 0))
+    finally:
+        g.close()

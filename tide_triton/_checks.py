@@ -103,15 +103,17 @@ def _ints(fn: Callable[[torch.Tensor], int], tensors: Sequence[torch.Tensor]) ->
     return np.fromiter(map(fn, tensors), np.int64, len(tensors))
 
 
-def _spans(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """Each tensor's first byte and byte count, as arrays (one C-level pass per attribute:
-    these checks run on every new set of addresses -- FSDP2's reduce-scatter on autograd's
-    gradients, every step -- over hundreds of tensors)."""
-    return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * _ints(_ESIZE, tensors)
+def _spans(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each tensor's first byte, byte count and element size, as arrays (one C-level pass
+    per attribute: these checks run on every new set of addresses -- FSDP2's reduce-scatter
+    on autograd's gradients, every step -- over hundreds of tensors; below a few dozen
+    tensors numpy's fixed cost makes them slower than a Python loop, ~35 us in all)."""
+    esize = _ints(_ESIZE, tensors)
+    return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * esize, esize
 
 
 def check_storage(name: str, tensors: Sequence[torch.Tensor],
-                  spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                  spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
     """Each non-empty tensor's bytes lie inside its storage.  A storage resized to 0 (FSDP2
     frees unsharded parameters so: ``untyped_storage().resize_(0)``) or shrunk keeps the
     tensor's shape, dtype and contiguity -- the other checks pass -- while its address is 0 or
@@ -120,8 +122,8 @@ def check_storage(name: str, tensors: Sequence[torch.Tensor],
     has address 0, which no prepared set holds.  ``spans``: :func:`_spans` of ``tensors``."""
     if not tensors:
         return
-    ptr, nbytes = _spans(tensors) if spans is None else spans
-    need = _ints(_OFFSET, tensors) * _ints(_ESIZE, tensors) + nbytes
+    ptr, nbytes, esize = _spans(tensors) if spans is None else spans
+    need = _ints(_OFFSET, tensors) * esize + nbytes
     have = np.fromiter(map(_STORAGE_BYTES, map(_STORAGE, tensors)), np.int64, len(tensors))
     bad = np.flatnonzero((nbytes > 0) & ((have < need) | (ptr == 0)))
     if bad.size:
@@ -132,9 +134,9 @@ def check_storage(name: str, tensors: Sequence[torch.Tensor],
             f"whose storage is allocated")
 
 
-def _sorted_spans(spans: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sorted_spans(spans: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The non-empty spans' (start, end, index), sorted by start, then end, then index."""
-    start, nbytes = spans
+    start, nbytes, _ = spans
     idx = np.flatnonzero(nbytes > 0)
     start, end = start[idx], start[idx] + nbytes[idx]
     order = np.lexsort((idx, end, start))
@@ -142,7 +144,7 @@ def _sorted_spans(spans: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.
 
 
 def check_disjoint(name: str, tensors: Sequence[torch.Tensor],
-                   spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                   spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
     """No two non-empty outputs share a byte (a collective writes each as if it were alone:
     two views of one buffer would receive each other's rows).  Run where a set of addresses
     is prepared, like :func:`check_storage`; sorting by address, O(n log n): sorted by start,
@@ -159,7 +161,7 @@ def check_disjoint(name: str, tensors: Sequence[torch.Tensor],
 
 def check_apart(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
                 outputs: Sequence[torch.Tensor], why: str,
-                spans: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+                spans: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None = None) -> None:
     """No output shares a byte with an input (``why``: what would go wrong).  One sweep over
     both lists' spans sorted by start, O(n log n): a span overlaps the other list exactly when
     it starts before the furthest end of the other list's spans sorted before it."""

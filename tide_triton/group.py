@@ -398,7 +398,12 @@ class Group(CallIdentity):
         deadlock -- a wait for a peer's flag sits in front of the peer's own write -- so the
         second rank to use one in the same call gets a ValueError (agreed with the call: every
         rank raises).  Per call, not for ever: torch hands out pooled streams round-robin, so
-        threads that make a stream per step may in time get one another rank had."""
+        threads that make a stream per step may in time get one another rank had.  Any mode:
+        ``stream`` is on ``device`` (the transport's fences record and wait on it in
+        ``device``'s context -- another device's stream would fail mid-call)."""
+        if stream is not None and device.type == "cuda" and stream.device != device:
+            raise ValueError(f"stream: a stream of {stream.device}, but the tensors are on {device}; pass a stream "
+                             f"of {device}, or None for its current stream")
         if self._local is None or self.world_size == 1 or device.type != "cuda" or self._call is None:
             return
         s = stream if stream is not None else torch.cuda.current_stream(device)

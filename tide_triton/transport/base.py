@@ -114,10 +114,8 @@ class Transport(Protocol):
     def fence_to(self, stream: Any) -> None:
         """``stream`` waits for work already enqueued on the copy queue."""
 
-    def mark(self, reuse: Any = None) -> Any:
-        """A point on the copy queue, now (an event on a GPU); for :meth:`wait_mark`.
-        ``reuse``: an earlier mark the transport may move here instead of making a new one
-        (waits already enqueued on it keep their point)."""
+    def mark(self) -> Any:
+        """A point on the copy queue, now (an event on a GPU); for :meth:`wait_mark`."""
 
     def wait_mark(self, mark: Any, stream: Any = None) -> None:
         """``stream`` waits until the copy queue has passed ``mark`` (None: nothing to wait for)."""

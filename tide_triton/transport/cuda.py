@@ -823,15 +823,10 @@ class CudaTransport:
         sig = self._sig
         sig.stream_waits_for(sig.stream_int(dst), sig.copy_stream_int)
 
-    def mark(self, reuse: torch.cuda.Event | None = None) -> torch.cuda.Event:
-        """An event recorded on the copy stream now (see :meth:`wait_mark`): ``reuse``
-        (an earlier mark) re-recorded, else a new event.  A wait takes an event's latest
-        record when it is enqueued, so re-recording changes no earlier wait."""
+    def mark(self) -> torch.cuda.Event:
+        """An event recorded on the copy stream now (see :meth:`wait_mark`)."""
         self._check_open()
-        if reuse is None:
-            return self._sig.copy_stream.record_event()
-        reuse.record(self._sig.copy_stream)
-        return reuse
+        return self._sig.copy_stream.record_event()
 
     def wait_mark(self, mark: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
         """``stream`` (default: the current stream) waits for ``mark`` (a :meth:`mark` event)."""

@@ -426,9 +426,8 @@ class HostTransport:
             return
         self._queue.wait(self._queue.mark())
 
-    def mark(self, reuse: Any = None) -> threading.Event | None:
-        """A point on the copy queue, now (None: a synchronous queue is always there);
-        ``reuse`` is ignored (a queue's marks are one-shot events)."""
+    def mark(self) -> threading.Event | None:
+        """A point on the copy queue, now (None: a synchronous queue is always there)."""
         if self._queue is not None and host_capture.recording() is not None:
             raise RuntimeError("internal error: a copy-queue mark while capturing (a graph cannot hold one)")
         return None if self._queue is None else self._queue.mark()

@@ -144,6 +144,15 @@ class HiddenWords:
         return cls(0, scratch, round_up(scratch + 8 * local_size * n_flags, _DATA_ALIGN))
 
 
+class _LentEvent:
+    """A fence event lent to one thread (:meth:`CopyEngine._thread_event`)."""
+
+    __slots__ = ("event", "__weakref__")
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+
 @dataclass(frozen=True)
 class PreparedCopies:
     """Copies checked and converted once (:meth:`CopyEngine.prepare_copies`)."""
@@ -206,7 +215,10 @@ class CopyEngine:
         # GC later (the segfaults seen on torch 2.11).
         self.streams_used: set[int] = set()
         self._tls = threading.local()
-        self._events: list[Any] = []  # the threads' fence events (stream_waits_for), destroyed at close
+        self._events: list[Any] = []  # every fence event made (stream_waits_for), destroyed at close
+        self._free_events: list[Any] = []  # those no live thread holds
+        self._events_lock = threading.Lock()
+        self._fence_what = (f"cuEventRecord(rank={rank}, fence)", f"cuStreamWaitEvent(rank={rank}, fence)")
         self.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
         self.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         self.EQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
@@ -654,19 +666,35 @@ class CopyEngine:
 
     def stream_waits_for(self, waiter: int, source: int) -> None:
         """Stream ``waiter`` waits for the work enqueued on stream ``source`` so far: one
-        ``cuEventRecord`` and one ``cuStreamWaitEvent`` on an event of this thread's, made
-        once -- what torch's ``wait_stream`` does with a new event each time (a wait takes the
-        event's latest record when enqueued, so re-recording it later changes no earlier
-        wait; a replay's fences made two torch events per run)."""
-        ev = getattr(self._tls, "fence_event", None)
-        cu = self._cu
+        ``cuEventRecord`` and one ``cuStreamWaitEvent`` on this thread's event
+        (:meth:`_thread_event`) -- what torch's ``wait_stream`` does with a new event each
+        time (a wait takes the event's latest record when it is enqueued, so re-recording it
+        later changes no earlier wait; a replay's fences made two torch events per run)."""
+        held = getattr(self._tls, "fence_event", None)
+        if held is None:
+            held = self._tls.fence_event = self._thread_event()
+        cu, what = self._cu, self._fence_what
         with self._guard:
-            if ev is None:
-                ev = self._tls.fence_event = check(
-                    cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate(fence)")
+            check(cu.cuEventRecord(held.event, source), what[0])
+            check(cu.cuStreamWaitEvent(waiter, held.event, 0), what[1])
+
+    def _thread_event(self) -> "_LentEvent":
+        """A driver event lent to the calling thread: from the free list, else made.  The
+        thread's local holds it; when the thread ends, the holder dies and the event goes
+        back to the free list (threads that make a stream per step do not add an event
+        each).  Every event made is destroyed at :meth:`close`."""
+        with self._events_lock:
+            ev = self._free_events.pop() if self._free_events else None
+        if ev is None:
+            cu = self._cu
+            with self._guard:
+                ev = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)),
+                           f"cuEventCreate(rank={self.rank}, fence)")
+            with self._events_lock:
                 self._events.append(ev)
-            check(cu.cuEventRecord(ev, source), f"cuEventRecord(rank={self.rank}, fence)")
-            check(cu.cuStreamWaitEvent(waiter, ev, 0), f"cuStreamWaitEvent(rank={self.rank}, fence)")
+        held = _LentEvent(ev)
+        weakref.finalize(held, self._free_events.append, ev)
+        return held
 
     def stream_capturing(self, stream: Any) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (one driver call)."""
@@ -866,6 +894,14 @@ class CopyEngine:
         with self._guard:
             check(self._cu.cuStreamDestroy(s), f"cuStreamDestroy(rank={self.rank})")
 
+    def _destroy_events(self, quiet: Any) -> None:
+        """Destroy every fence event made, lent or not (at close: no thread fences after it)."""
+        with self._events_lock:
+            events, self._events = self._events, []
+            self._free_events.clear()
+        for ev in events:
+            quiet(self._destroy_event, ev)
+
     def _destroy_event(self, ev: Any) -> None:
         with self._guard:
             check(self._cu.cuEventDestroy(ev), f"cuEventDestroy(rank={self.rank})")
@@ -883,9 +919,7 @@ class CopyEngine:
             self._record_stream = None
             quiet(self._destroy_stream, self._capture_handle)
             self._capture_handle = None
-        for ev in self._events:
-            quiet(self._destroy_event, ev)
-        self._events.clear()
+        self._destroy_events(quiet)
         quiet(self._destroy_stream, self._host_stream)
         quiet(self._free_host, self._host_buf)
         quiet(self._destroy_stream, self._copy_handle)
