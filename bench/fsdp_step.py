@@ -207,9 +207,14 @@ def main(argv=None) -> int:
     ap.add_argument("--why-binds", action="store_true",
                     help="--mode prepared: per measured step, how many runs met a new set of addresses, and "
                          "which side was new (the full tensors -- grads / params -- or the shards)")
+    ap.add_argument("--fixed-routing", action="store_true",
+                    help="qwen3-30b-a3b: the same experts per token every step (MoEConfig.fixed_routing): with "
+                         "--why-binds, whether MoE gradients recur once the tokens per expert stop changing")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="rank 0: the torch profiler's Chrome trace of the profiled step into FILE")
     args = ap.parse_args(argv)
+    if args.fixed_routing and args.model != "qwen3-30b-a3b":
+        ap.error("--fixed-routing applies to the MoE blocks (--model qwen3-30b-a3b)")
     if not args.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device is visible to torch: use --dry-run for the CPU check")
     if args.dry_run:
@@ -236,12 +241,13 @@ def main(argv=None) -> int:
     rank, W = dist.get_rank(), dist.get_world_size()
     moe = args.model == "qwen3-30b-a3b"
     if args.dry_run:
-        cfg = (MoEConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, experts=8, top_k=2, expert_hidden=24)
+        cfg = (MoEConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, experts=8, top_k=2, expert_hidden=24,
+                         fixed_routing=args.fixed_routing)
                if moe else LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=88, tied=False))
         args.seq, args.steps, args.warmup = 16, 2, 1
     elif moe:
         cfg = MoEConfig(vocab=args.vocab, dim=2048, n_layers=args.layers, n_heads=32, n_kv_heads=4, experts=128,
-                        top_k=8, expert_hidden=768)
+                        top_k=8, expert_hidden=768, fixed_routing=args.fixed_routing)
     else:
         cfg = LlamaConfig(vocab=args.vocab, dim=8192, n_layers=args.layers, n_heads=64, n_kv_heads=8,
                           hidden=28672, tied=False)

@@ -44,6 +44,10 @@ class MoEConfig:
     expert_hidden: int = 24
     """SwiGLU inner width of one expert (Qwen3-30B-A3B: 768 for dim 2048)."""
     norm_eps: float = 1e-6
+    fixed_routing: bool = False
+    """Benchmarks: token ``i`` goes to experts ``i, i+1, ..., i+top_k-1`` (mod experts) with equal
+    weights, whatever the router says -- the same tokens per expert every step (so the same
+    allocation sizes in backward); the router still runs, so its weight keeps a gradient."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
@@ -94,6 +98,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.top_k = cfg.top_k
+        self.fixed_routing = cfg.fixed_routing
         self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_hidden) for _ in range(cfg.experts))
 
@@ -103,6 +108,11 @@ class SparseMoE(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)
         weight, chosen = probs.topk(self.top_k, dim=-1)
         weight = (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
+        if self.fixed_routing:  # see MoEConfig.fixed_routing
+            E = len(self.experts)
+            chosen = (torch.arange(x.shape[0], device=x.device)[:, None]
+                      + torch.arange(self.top_k, device=x.device)) % E
+            weight = weight * 0 + 1.0 / self.top_k  # the router's graph kept: its weight gets a (zero) gradient
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             tok, slot = (chosen == e).nonzero(as_tuple=True)
