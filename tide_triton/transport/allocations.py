@@ -96,7 +96,7 @@ def split_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]
                  ranges: AllocationRanges) -> tuple[list[int], list[int], list[int]]:
     """The copies ``(dsts[i], srcs[i], nbytes[i])``, each cut where its source or its
     destination reaches the end of an allocation.  The check is on arrays; only the copies
-    that cross an end are cut one by one."""
+    that cross an end are visited in Python, and cut there."""
     n = len(nbytes)
     if n == 0:
         return [], [], []
@@ -107,16 +107,15 @@ def split_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]
     crossing = np.flatnonzero((ends[:n] - x < b) | (ends[n:] - d < b))
     if not len(crossing):
         return list(dsts), list(srcs), list(nbytes)
-    cut = set(crossing.tolist())
     d_out: list[int] = []
     x_out: list[int] = []
     b_out: list[int] = []
-    for i, (di, xi, bi) in enumerate(zip(dsts, srcs, nbytes)):
-        if i not in cut:
-            d_out.append(di)
-            x_out.append(xi)
-            b_out.append(bi)
-            continue
+    prev = 0
+    for i in crossing.tolist():
+        d_out += dsts[prev:i]
+        x_out += srcs[prev:i]
+        b_out += nbytes[prev:i]
+        di, xi, bi = dsts[i], srcs[i], nbytes[i]
         while bi > 0:
             m = bi
             for room in (_room(ranges.end_of(xi), xi), _room(ranges.end_of(di), di)):
@@ -126,6 +125,10 @@ def split_copies(dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int]
             x_out.append(xi)
             b_out.append(m)
             di, xi, bi = di + m, xi + m, bi - m
+        prev = i + 1
+    d_out += dsts[prev:]
+    x_out += srcs[prev:]
+    b_out += nbytes[prev:]
     return d_out, x_out, b_out
 
 

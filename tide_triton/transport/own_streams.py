@@ -18,17 +18,16 @@ handed out again.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 
-from .driver import check, cu, primary_context
+from .driver import CtxGuard, check, cu, primary_context
 
 __all__ = ["take", "give_back"]
 
 _lock = threading.Lock()
 _free: dict[tuple[int, int], list[int]] = {}  # (device index, priority) -> idle handles
-_ctx: dict[int, Any] = {}  # device index -> its primary context (retained once)
+_guards: dict[int, CtxGuard] = {}  # device index -> its primary context (retained once), made current
 _key_of: dict[int, tuple[int, int]] = {}  # handle -> (device index, priority) of every stream made
 
 
@@ -39,16 +38,13 @@ def take(device: torch.device, priority: int) -> torch.cuda.ExternalStream:
         free = _free.get(key)
         handle = free.pop() if free else None
         if handle is None:
-            ctx = _ctx.get(key[0])
-            if ctx is None:  # torch's primary context, not synchronized: a side stream is made at
+            guard = _guards.get(key[0])
+            if guard is None:  # torch's primary context, not synchronized: a side stream is made at
                 # a group's first async call, when its streams may wait on peers
-                ctx = _ctx[key[0]] = primary_context(key[0])[1]
-            check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-            try:
+                guard = _guards[key[0]] = CtxGuard(primary_context(key[0])[1])
+            with guard:
                 nb = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
                 handle = int(check(cu.cuStreamCreateWithPriority(nb, key[1]), "cuStreamCreateWithPriority(side)"))
-            finally:
-                cu.cuCtxPopCurrent()
             _key_of[handle] = key
     return torch.cuda.ExternalStream(handle, device=device)
 
