@@ -318,6 +318,61 @@ def test_a_run_that_fails_on_one_rank_never_pairs_with_the_peers_next_run(entry:
         assert "rank 0" in out[r][1][2], out[r]
 
 
+@pytest.mark.parametrize("case", ["exact", "dtype", "over_a_shard"])
+def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case: str) -> None:
+    """The drop-in's steady state on MoE layers: autograd's gradients at new addresses every
+    step, beside the same shards.  The shards' own checks are remembered, not redone; the new
+    gradients' checks and their pairing with the shards are never skipped: at step 3 rank 0
+    passes a gradient of another dtype, or one over a shard's bytes, and it is refused naming
+    it (its peers' step names rank 0); every step before is exact, and with good gradients
+    every step is."""
+    from tide_triton.collectives import prepared_reduce_scatter_call
+
+    layout = ShardLayout(SHAPES, W)
+    groups = _groups(timeout_s=3)
+    steps = 4
+
+    def body(r: int):
+        shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
+        rs = prepared_reduce_scatter_call(groups[r], [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES],
+                                          shards, "sum", False, hold=False)
+        got = []
+        for step in range(1, steps + 1):
+            grads = [torch.full(s, 10.0 * step + r, dtype=torch.bfloat16) for s in SHAPES]  # new addresses
+            if r == 0 and step == 3 and case == "dtype":
+                grads[1] = grads[1].half()
+            elif r == 0 and step == 3 and case == "over_a_shard":
+                grads[1] = shards[0].view(-1).view(torch.bfloat16)[:3].fill_(10.0 * step)
+            try:
+                rs._run_on(grads, shards)
+                got.append((step, "ok", [x.clone() for x in shards]))
+            except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+                got.append((step, type(e).__name__, str(e)[:300]))
+        return got, len(rs._checked_second)
+
+    try:
+        out = run_threads(body, W, timeout=90)
+    finally:
+        _close(groups)
+    for r, (got, remembered) in enumerate(out):
+        assert remembered == 1, (r, remembered)  # one set of shards, checked once
+        for step, kind, value in got:
+            if case == "exact" or step < 3:
+                assert kind == "ok", (r, step, kind, value)
+                sums = [torch.full(s, float(sum(10 * step + q for q in range(W)))) for s in SHAPES]
+                _assert_exact(layout, r, value, [x.to(torch.bfloat16) for x in sums], sums, (case, step))
+    if case == "exact":
+        return
+    step3 = out[0][0][2]
+    if case == "dtype":
+        assert step3[1] == "TypeError" and "grads[1] must be bfloat16" in step3[2], step3
+    else:
+        assert step3[1] == "ValueError" and "shards[0] shares memory with grads[1]" in step3[2], step3
+    for r in range(1, W):
+        assert out[r][0][2][1] in ("PeerAbortedError", "PeerTimeoutError"), out[r][0][2]
+        assert "rank 0" in out[r][0][2][2], out[r][0][2]
+
+
 def test_prepared_collectives_need_one_node() -> None:
     """A group of several nodes cannot prepare: ValueError on every rank, naming why."""
     nodes = tt.local_groups(4, local_size=2, timeout_s=30)

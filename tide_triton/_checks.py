@@ -98,31 +98,38 @@ _PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _ESIZE, _OFFSET, _STORAGE = torch.Tensor.element_size, torch.Tensor.storage_offset, torch.Tensor.untyped_storage
 _STORAGE_BYTES = torch.UntypedStorage.nbytes
 
+Spans = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""A list's :func:`spans_of`: first bytes, byte counts, element sizes."""
+
 
 def _ints(fn: Callable[[torch.Tensor], int], tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.fromiter(map(fn, tensors), np.int64, len(tensors))
 
 
-def _spans(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def spans_of(tensors: Sequence[torch.Tensor], esize: int | None = None) -> Spans:
     """Each tensor's first byte, byte count and element size, as arrays (one C-level pass
     per attribute: these checks run on every new set of addresses -- FSDP2's reduce-scatter
     on autograd's gradients, every step -- over hundreds of tensors; below a few dozen
-    tensors numpy's fixed cost makes them slower than a Python loop, ~35 us in all)."""
-    esize = _ints(_ESIZE, tensors)
-    return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * esize, esize
+    tensors numpy's fixed cost makes them slower than a Python loop, ~35 us in all).
+    ``esize``: the element size of every tensor, where their dtype is known to be uniform
+    (saves a pass)."""
+    if esize is None:
+        sizes = _ints(_ESIZE, tensors)
+    else:
+        sizes = np.full(len(tensors), esize, np.int64)
+    return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * sizes, sizes
 
 
-def check_storage(name: str, tensors: Sequence[torch.Tensor],
-                  spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+def check_storage(name: str, tensors: Sequence[torch.Tensor], spans: Spans | None = None) -> None:
     """Each non-empty tensor's bytes lie inside its storage.  A storage resized to 0 (FSDP2
     frees unsharded parameters so: ``untyped_storage().resize_(0)``) or shrunk keeps the
     tensor's shape, dtype and contiguity -- the other checks pass -- while its address is 0 or
     its bytes belong to something else: a copy there writes into memory it does not own.
     Run where a set of addresses is prepared (a cache miss), not per call: a freed storage
-    has address 0, which no prepared set holds.  ``spans``: :func:`_spans` of ``tensors``."""
+    has address 0, which no prepared set holds.  ``spans``: :func:`spans_of` of ``tensors``."""
     if not tensors:
         return
-    ptr, nbytes, esize = _spans(tensors) if spans is None else spans
+    ptr, nbytes, esize = spans_of(tensors) if spans is None else spans
     need = _ints(_OFFSET, tensors) * esize + nbytes
     have = np.fromiter(map(_STORAGE_BYTES, map(_STORAGE, tensors)), np.int64, len(tensors))
     bad = np.flatnonzero((nbytes > 0) & ((have < need) | (ptr == 0)))
@@ -134,7 +141,7 @@ def check_storage(name: str, tensors: Sequence[torch.Tensor],
             f"whose storage is allocated")
 
 
-def _sorted_spans(spans: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sorted_spans(spans: Spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The non-empty spans' (start, end, index), sorted by start, then end, then index."""
     start, nbytes, _ = spans
     idx = np.flatnonzero(nbytes > 0)
@@ -144,12 +151,12 @@ def _sorted_spans(spans: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.
 
 
 def check_disjoint(name: str, tensors: Sequence[torch.Tensor],
-                   spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+                   spans: Spans | None = None) -> None:
     """No two non-empty outputs share a byte (a collective writes each as if it were alone:
     two views of one buffer would receive each other's rows).  Run where a set of addresses
     is prepared, like :func:`check_storage`; sorting by address, O(n log n): sorted by start,
     any overlap shows between neighbours."""
-    start, end, idx = _sorted_spans(_spans(tensors) if spans is None else spans)
+    start, end, idx = _sorted_spans(spans_of(tensors) if spans is None else spans)
     hit = np.flatnonzero(start[1:] < end[:-1])
     if hit.size:
         k = int(hit[0])
@@ -161,11 +168,11 @@ def check_disjoint(name: str, tensors: Sequence[torch.Tensor],
 
 def check_apart(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
                 outputs: Sequence[torch.Tensor], why: str,
-                spans: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None = None) -> None:
+                spans: tuple[Spans, Spans] | None = None) -> None:
     """No output shares a byte with an input (``why``: what would go wrong).  One sweep over
     both lists' spans sorted by start, O(n log n): a span overlaps the other list exactly when
     it starts before the furthest end of the other list's spans sorted before it."""
-    in_spans, out_spans = (_spans(inputs), _spans(outputs)) if spans is None else spans
+    in_spans, out_spans = (spans_of(inputs), spans_of(outputs)) if spans is None else spans
     s0, e0, i0 = _sorted_spans(in_spans)
     s1, e1, i1 = _sorted_spans(out_spans)
     start, end = np.concatenate((s0, s1)), np.concatenate((e0, e1))
@@ -186,17 +193,27 @@ def check_apart(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
 
 
 def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
-                outputs: Sequence[torch.Tensor], *, apart: str | None = None) -> None:
+                outputs: Sequence[torch.Tensor], *, apart: str | None = None,
+                spans: tuple[Spans | None, Spans | None] = (None, None),
+                checked: tuple[bool, bool] = (False, False)) -> tuple[Spans, Spans]:
     """The checks of a new set of addresses, before it is bound: every tensor's storage is
     allocated (:func:`check_storage`), no two outputs share a byte (:func:`check_disjoint`)
     and, where ``apart`` says why, no output shares a byte with an input (:func:`check_apart`).
-    Each list's addresses and sizes are read once."""
-    in_spans, out_spans = _spans(inputs), _spans(outputs)
-    check_storage(in_name, inputs, in_spans)
-    check_storage(out_name, outputs, out_spans)
-    check_disjoint(out_name, outputs, out_spans)
+    Each list's addresses and sizes are read once.  ``spans``: a list's :func:`spans_of` where
+    the caller has them.  ``checked``: whether a list passed its own checks (storage; the
+    outputs' disjointness) at these very addresses and sizes before -- a trusted caller's list
+    that recurs beside a new one (FSDP2's shards beside autograd's new gradients): only what
+    pairs it with the other list is checked.  Returns both lists' spans."""
+    in_spans = spans_of(inputs) if spans[0] is None else spans[0]
+    out_spans = spans_of(outputs) if spans[1] is None else spans[1]
+    if not checked[0]:
+        check_storage(in_name, inputs, in_spans)
+    if not checked[1]:
+        check_storage(out_name, outputs, out_spans)
+        check_disjoint(out_name, outputs, out_spans)
     if apart is not None:
         check_apart(in_name, inputs, out_name, outputs, apart, (in_spans, out_spans))
+    return in_spans, out_spans
 
 
 RS_APART = ("the reduce-scatter reads every rank's rows of the gradients -- pushing the peers' rows, "

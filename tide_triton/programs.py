@@ -36,7 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import RS_APART, check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes
+from ._checks import (RS_APART, Spans, check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes,
+                      spans_of)
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -62,6 +63,10 @@ one might think (forward and backward, and they drift over the first steps): wit
 Llama-3.1-70B layers on the H200 bound ~5 new sets per step in the steady state (every one
 new against the last two kept), where the eager path's cache (512 entries per group) hit
 every call."""
+
+
+_LISTS_KEPT = 8
+"""Second lists (a reduce-scatter's shards) whose checks :meth:`_Prepared._check` remembers."""
 
 
 _UNRECORDED = object()
@@ -96,10 +101,13 @@ class _Prepared:
         self.layout = layout
         self._region = region
         self._bindings: OrderedDict[tuple, Any] = OrderedDict()
+        self._checked_second: OrderedDict[tuple, Spans] = OrderedDict()
+        """The second list's spans by its addresses and sizes, where it passed its own checks
+        in :meth:`_check` (not at preparation: the eager call's checks are another path's)."""
         self.binds = 1
         """Sets of addresses bound so far (the first at preparation): a steady state adds none."""
         key = self._key(first, second)
-        self._bindings[key] = self._bind(first, second)
+        self._bindings[key] = self._bind(first, second, key)
         self._held = (tuple(first), tuple(second), key) if hold else None
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
@@ -117,30 +125,48 @@ class _Prepared:
     def _key(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> tuple:
         return tuple(map(_PTR, first)), tuple(map(_PTR, second)), tuple(map(_NUMEL, second))
 
-    def _bind(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> Any:
+    def _bind(self, first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], key: tuple) -> Any:
+        """This rank's copy lists and tables for these tensors (``key``: their :meth:`_key`)."""
         raise NotImplementedError
 
-    def _check(self, first: list[torch.Tensor], second: list[torch.Tensor]) -> None:
+    def _check(self, first: list[torch.Tensor], second: list[torch.Tensor], key: tuple) -> None:
         """New tensors against what was prepared (the eager call's own rules): the full
         tensors (grads / params) with the layout's shapes, the shards by the collective's
-        shard rule, each list of the prepared dtype on this device."""
+        shard rule, each list of the prepared dtype on this device, their storages allocated,
+        the outputs disjoint (and a reduce-scatter's shards apart from its grads).
+
+        The second list's own checks are skipped where it passed them at these very
+        addresses and sizes (``key[1:]``) beside another first list: the drop-in's
+        reduce-scatter shards recur every step beside autograd's new gradients (the
+        trust the known-addresses path already gives, per list; its pairing with the new
+        list is still checked)."""
         full, shards = (first, second) if self._full_first else (second, first)
         full_dtype, shard_dtype = self._dtypes
         layout, me = self.layout, self.g.rank
         name = self._names[0 if self._full_first else 1]
-        if len(full) != len(layout) or not same_shapes(full, layout.shapes):
-            raise ValueError(f"{self.name}: {name} must have the prepared shapes ({len(layout)} tensors)")
+        second_id = key[1:]
+        known = self._checked_second.get(second_id)
+        if not (known is not None and not self._full_first):
+            if len(full) != len(layout) or not same_shapes(full, layout.shapes):
+                raise ValueError(f"{self.name}: {name} must have the prepared shapes ({len(layout)} tensors)")
+            check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
+        if not (known is not None and self._full_first):
+            if self._full_first:
+                check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                             why=lambda i: layout.shard_rule(i, me))
+            else:
+                check_gather_shards(shards, layout, me)
+            check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
+        first_esize, second_esize = (d.itemsize for d in (self._dtypes if self._full_first else self._dtypes[::-1]))
+        spans = (spans_of(first, first_esize), known if known is not None else spans_of(second, second_esize))
         if self._full_first:
-            check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
-                         why=lambda i: layout.shard_rule(i, me))
+            check_bound(name, full, "shards", shards, apart=RS_APART, spans=spans, checked=(False, known is not None))
         else:
-            check_gather_shards(shards, layout, me)
-        if self._full_first:
-            check_bound(name, full, "shards", shards, apart=RS_APART)
-        else:
-            check_bound("shards", shards, name, full)
-        check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
-        check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
+            check_bound("shards", shards, name, full, spans=spans, checked=(False, known is not None))
+        self._checked_second[second_id] = spans[1]
+        self._checked_second.move_to_end(second_id)
+        while len(self._checked_second) > _LISTS_KEPT:
+            self._checked_second.popitem(last=False)
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         raise NotImplementedError
@@ -242,10 +268,10 @@ class _Prepared:
                     raise ValueError(f"{self.name}: captured into a CUDA graph on tensors it has not run on yet; "
                                      "run it once on these tensors outside the capture first")
                 first_l, second_l = list(first), list(second)
-                self._check(first_l, second_l)
+                self._check(first_l, second_l, key)
                 t = g.transport(self.device)
                 with Streams(g, t, self.device, stream, False).kernels():
-                    binding = self._bindings[key] = self._bind(first_l, second_l)
+                    binding = self._bindings[key] = self._bind(first_l, second_l, key)
                 self.binds += 1
                 held = self._held[2] if self._held is not None else None
                 while len(self._bindings) > _BINDINGS_KEPT:
@@ -357,13 +383,13 @@ class PreparedReduceScatter(_Prepared):
         self.dests = [[d for d in self.peers if j < len(plan.chunks[d])] for j in range(plan.rounds)]
         super().__init__(g, device, token, layout, region, grads, shards, hold)
 
-    def _bind(self, grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> tuple:
+    def _bind(self, grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], key: tuple) -> tuple:
         g = self.g
         t = g.transport(self.device)
+        gptrs, sptrs, snumels = key
         reducers, pushes, padding = node_prepare.prepare_reduce_scatter(
-            g, t, self.reg, self.plan, self.layout, tuple(map(_PTR, grads)), tuple(map(_PTR, shards)),
-            tuple(map(_NUMEL, shards)), *self._dtypes, self.device, self.scale, self.accumulate,
-            g.options.ring_bytes)
+            g, t, self.reg, self.plan, self.layout, gptrs, sptrs, snumels, *self._dtypes, self.device, self.scale,
+            self.accumulate, g.options.ring_bytes)
         ops = max((n for _, n in pushes), default=0) + 4 * g.world_size
         return reducers, [p for p, _n in pushes], padding, ops
 
@@ -441,12 +467,12 @@ class PreparedAllGather(_Prepared):
         self._dtypes = (pdt, sdt)
         super().__init__(g, device, token, layout, region, shards, params, hold)
 
-    def _bind(self, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple:
+    def _bind(self, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor], key: tuple) -> tuple:
         g, layout = self.g, self.layout
         pdt, sdt = self._dtypes
         es = pdt.itemsize
         t = g.transport(self.device)
-        pptrs, sptrs = tuple(map(_PTR, params)), tuple(map(_PTR, shards))
+        sptrs, pptrs, _pnumels = key
         block = t.address(g.rank, self._region.offset)
         dsts = tuple(block + o * es for o in layout.flat_offsets)
         pulls = node_prepare.prepare_all_gather(g, t, layout, pptrs, es, None, self._region.offset)
