@@ -318,15 +318,16 @@ def test_a_run_that_fails_on_one_rank_never_pairs_with_the_peers_next_run(entry:
         assert "rank 0" in out[r][1][2], out[r]
 
 
+@pytest.mark.parametrize("entry", ["prepared", "eager"])
 @pytest.mark.parametrize("case", ["exact", "dtype", "over_a_shard"])
-def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case: str) -> None:
+def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case: str, entry: str) -> None:
     """The drop-in's steady state on MoE layers: autograd's gradients at new addresses every
-    step, beside the same shards.  The shards' own checks are remembered, not redone; the new
-    gradients' checks and their pairing with the shards are never skipped: at step 3 rank 0
-    passes a gradient of another dtype, or one over a shard's bytes, and it is refused naming
-    it (its peers' step names rank 0); every step before is exact, and with good gradients
-    every step is."""
-    from tide_triton.collectives import prepared_reduce_scatter_call
+    step, beside the same shards -- its prepared runs and its eager calls.  The shards' own
+    checks are remembered, not redone; the new gradients' checks and their pairing with the
+    shards are never skipped: at step 3 rank 0 passes a gradient of another dtype, or one over
+    a shard's bytes, and it is refused naming it (its peers' step names rank 0); every step
+    before is exact, and with good gradients every step is."""
+    from tide_triton.collectives import _CHECKED_SHARDS, prepared_reduce_scatter_call
 
     layout = ShardLayout(SHAPES, W)
     groups = _groups(timeout_s=3)
@@ -334,8 +335,9 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
 
     def body(r: int):
         shards = [torch.full(s, -1.0) for s in layout.shard_shapes(r, padded=True)]
-        rs = prepared_reduce_scatter_call(groups[r], [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES],
-                                          shards, "sum", False, hold=False)
+        if entry == "prepared":
+            rs = prepared_reduce_scatter_call(groups[r], [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES],
+                                              shards, "sum", False, hold=False)
         got = []
         for step in range(1, steps + 1):
             grads = [torch.full(s, 10.0 * step + r, dtype=torch.bfloat16) for s in SHAPES]  # new addresses
@@ -344,11 +346,14 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
             elif r == 0 and step == 3 and case == "over_a_shard":
                 grads[1] = shards[0].view(-1).view(torch.bfloat16)[:3].fill_(10.0 * step)
             try:
-                rs._run_on(grads, shards)
+                if entry == "prepared":
+                    rs._run_on(grads, shards)
+                else:
+                    tt.reduce_scatter(grads, shards, group=groups[r], op="sum")
                 got.append((step, "ok", [x.clone() for x in shards]))
             except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
                 got.append((step, type(e).__name__, str(e)[:300]))
-        return got, len(rs._checked_second)
+        return got, len(rs._checked_second if entry == "prepared" else groups[r].state(_CHECKED_SHARDS, dict))
 
     try:
         out = run_threads(body, W, timeout=90)
@@ -368,9 +373,12 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
         assert step3[1] == "TypeError" and "grads[1] must be bfloat16" in step3[2], step3
     else:
         assert step3[1] == "ValueError" and "shards[0] shares memory with grads[1]" in step3[2], step3
+    # a prepared run's error breaks the group (its peers time out on, or read, rank 0's abort);
+    # an eager call's refusal reaches its peers as rank 0's argument error
+    peer_errors = ("PeerAbortedError", "PeerTimeoutError") if entry == "prepared" else (
+        "PeerArgumentError", "PeerAbortedError", "PeerTimeoutError")
     for r in range(1, W):
-        assert out[r][0][2][1] in ("PeerAbortedError", "PeerTimeoutError"), out[r][0][2]
-        assert "rank 0" in out[r][0][2][2], out[r][0][2]
+        assert out[r][0][2][1] in peer_errors and "rank 0" in out[r][0][2][2], out[r][0][2]
 
 
 def test_prepared_collectives_need_one_node() -> None:

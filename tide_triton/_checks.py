@@ -6,6 +6,7 @@ device memory or synchronises a device.
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from itertools import repeat
 from typing import Any, Callable, Iterable, Sequence
 
@@ -214,6 +215,31 @@ def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
     if apart is not None:
         check_apart(in_name, inputs, out_name, outputs, apart, (in_spans, out_spans))
     return in_spans, out_spans
+
+
+class CheckedLists:
+    """Tensor lists that passed their own checks of a new set of addresses (storage; an
+    output list's disjointness) -- by addresses and sizes, with their spans, the ``kept``
+    most recent.  A trusted caller's list that recurs beside a new one (FSDP2's reduce-scatter
+    shards beside autograd's new gradients, every step on MoE layers) is then only paired
+    with the new list (:func:`check_bound`'s ``checked``), the trust a set of addresses seen
+    before already has, given per list."""
+
+    def __init__(self, kept: int = 8) -> None:
+        self._spans: OrderedDict[tuple, Spans] = OrderedDict()
+        self.kept = kept
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def get(self, key: tuple) -> Spans | None:
+        return self._spans.get(key)
+
+    def add(self, key: tuple, spans: Spans) -> None:
+        self._spans[key] = spans
+        self._spans.move_to_end(key)
+        while len(self._spans) > self.kept:
+            self._spans.popitem(last=False)
 
 
 RS_APART = ("the reduce-scatter reads every rank's rows of the gradients -- pushing the peers' rows, "

@@ -21,8 +21,8 @@ import torch
 
 from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
-from ._checks import (FLOAT_DTYPES, RS_APART, check_bound, check_gather_shards, check_shapes, check_tensor_list,
-                      check_uniform, dtype_name)
+from ._checks import (FLOAT_DTYPES, RS_APART, CheckedLists, check_bound, check_gather_shards, check_shapes,
+                      check_tensor_list, check_uniform, dtype_name, spans_of)
 from .errors import PeerAbortedError, PeerArgumentError
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .executor import capturing as _capturing  # the name the capture tests patch
@@ -34,6 +34,9 @@ from .regions import HeapRegion
 from .schedule import ring_plan
 
 _PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+
+_CHECKED_SHARDS = ("collectives", "checked-rs-shards")
+"""Group state: the reduce-scatter shard lists whose own checks passed (:class:`CheckedLists`)."""
 
 __all__ = ["reduce_scatter", "all_gather", "prepare_reduce_scatter", "prepare_all_gather", "Work", "synchronize",
            "release_all_gather_block", "released_block_bytes"]
@@ -235,7 +238,13 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, snumels, S, ring_bytes, reg.ring_off, scale, acc)
     prep = g.cached(key)
     if prep is None:
-        check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
+        # the shards recur beside new gradients (FSDP2 on MoE layers): their own checks are remembered
+        checked = g.state(_CHECKED_SHARDS, CheckedLists)
+        known = checked.get((shard_ptrs, snumels))
+        spans = (spans_of(grads_l, gdt.itemsize), known if known is not None else spans_of(shards_l, sdt.itemsize))
+        check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART, spans=spans,
+                    checked=(False, known is not None))
+        checked.add((shard_ptrs, snumels), spans[1])
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,

@@ -36,8 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import (RS_APART, Spans, check_bound, check_gather_shards, check_shapes, check_uniform, same_shapes,
-                      spans_of)
+from ._checks import (RS_APART, CheckedLists, check_bound, check_gather_shards, check_shapes, check_uniform,
+                      same_shapes, spans_of)
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -101,9 +101,8 @@ class _Prepared:
         self.layout = layout
         self._region = region
         self._bindings: OrderedDict[tuple, Any] = OrderedDict()
-        self._checked_second: OrderedDict[tuple, Spans] = OrderedDict()
-        """The second list's spans by its addresses and sizes, where it passed its own checks
-        in :meth:`_check` (not at preparation: the eager call's checks are another path's)."""
+        self._checked_second = CheckedLists(_LISTS_KEPT)
+        """Second lists that passed their own checks in :meth:`_check`, by addresses and sizes."""
         self.binds = 1
         """Sets of addresses bound so far (the first at preparation): a steady state adds none."""
         key = self._key(first, second)
@@ -163,10 +162,7 @@ class _Prepared:
             check_bound(name, full, "shards", shards, apart=RS_APART, spans=spans, checked=(False, known is not None))
         else:
             check_bound("shards", shards, name, full, spans=spans, checked=(False, known is not None))
-        self._checked_second[second_id] = spans[1]
-        self._checked_second.move_to_end(second_id)
-        while len(self._checked_second) > _LISTS_KEPT:
-            self._checked_second.popitem(last=False)
+        self._checked_second.add(second_id, spans[1])
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         raise NotImplementedError
