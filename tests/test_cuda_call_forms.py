@@ -41,13 +41,17 @@ SCRIPT = r"""
 import contextlib, sys, threading
 from cuda.bindings import driver as cu
 from tide_triton.transport.signals import CopyEngine, HiddenWords
+from tide_triton.transport.progress import ProgressWords
 from tide_triton.transport.vmm import VmmHeap
 from tide_triton.transport.driver import Transaction
 
 t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
 t._cu, t._guard, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), 0, 4, 64
 t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
-t._waits_into = None
+t._waits_into, t._tracks, t._rec_tracks = None, {}, None
+t._progress = ProgressWords(cu, t._guard, cu.CUstream(0x6000), 0)
+t._progress.grow()                         # cuMemAlloc + cuMemsetD8Async + sync: the forms
+t._progress._next, t._progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # the stub's pointer is 0
 t.copy_graphs, t._graphs, t._capture_handle = "off", {}, None
 t.words = HiddenWords(0, 32, 4096)
 t.own_va = 0x7f0000000000
@@ -131,8 +135,10 @@ with t.recording_waits() as rec:
     t.memop_batch = False
     t.wait(9, 4, peer=3, timeout_s=1.0, what="rank 3's slot")
 assert t._pending == before and t._waits_into is None, t._pending
-assert rec == {7: (3, 1, 0x5000, "rank 1's block"), 8: (3, 2, 0x5000, "rank 2's block"),
-               9: (4, 3, 0x5000, "rank 3's slot")}, rec
+w = rec[7][4]                               # the recording's own progress word (copy stream)
+assert w and w not in {tr.word for tr in t._tracks.values()}, (rec, t._tracks)
+assert rec == {7: (3, 1, 0x5000, "rank 1's block", w, 1), 8: (3, 2, 0x5000, "rank 2's block", w, 1),
+               9: (4, 3, 0x5000, "rank 3's slot", w, 2)}, rec
 try:
     with t.recording_waits():
         with t.recording_waits():
@@ -142,7 +148,8 @@ except RuntimeError as e:
 assert t._waits_into is None
 t.copy_stream_int = 0x5100                  # the replay's stream (None: the copy stream)
 t.note_waits(rec, None)
-assert {k: t._pending[k] for k in (7, 8, 9)} == {k: (v, p, 0x5100, w) for k, (v, p, _s, w) in rec.items()}
+assert {k: t._pending[k] for k in (7, 8, 9)} == {k: (v, p, 0x5100, w, word, seq)
+                                                  for k, (v, p, _s, w, word, seq) in rec.items()}
 t.copy_stream_int = 0x5000
 for k in (7, 8, 9):
     del t._pending[k]
@@ -174,8 +181,8 @@ class Recording:
         return write
 t._cu = Recording(cu)
 t._host_stream, t.host_stream_int = cu.CUstream(0x6000), 0x6000
-t._pending = {1: (5, 1, 0x5000, ""), 2: (6, 2, 0x5000, ""), 3: (7, 3, 0x5000, ""), 4: (8, 3, 0x5000, ""),
-              5: (9, 1, 0x5100, "")}
+t._pending = {1: (5, 1, 0x5000, "", 0, 0), 2: (6, 2, 0x5000, "", 0, 0), 3: (7, 3, 0x5000, "", 0, 0),
+              4: (8, 3, 0x5000, "", 0, 0), 5: (9, 1, 0x5100, "", 0, 0)}   # no progress words: the flags tell
 t._equal = {3, 4, 5}
 cur = {1: 9, 2: 2, 3: 12, 4: 8, 5: 0}       # 1 passed; 2 short; 3 another identity; 4 passed;
                                             # 5 reset by its reader, on an idle stream: finished
@@ -260,20 +267,238 @@ with Transaction() as tx:
     tx.commit()
 ok = cu.cuDeviceCanAccessPeer(cu.CUdevice(0), cu.CUdevice(1))
 assert int(ok[0]) == 0, ok
+t._cu = cu
+t._progress.free_all()                      # cuMemFree of the progress words' chunk (at close)
+assert t._progress.available() == 0 and not t._progress._chunks
 print("call forms ok")
 """
 
 
-def test_hot_path_driver_call_forms_are_accepted(tmp_path: Path) -> None:
+PROGRESS_SCRIPT = r"""
+# Progress words (tide_triton/transport/progress.py): every wait batch ends with a write of its
+# sequence number into its stream's word, so a timeout and a close tell the waits that passed
+# (a token word its reader reset reads "short" all the same) from the one a stream is stuck on.
+import contextlib, threading, time
+from cuda.bindings import driver as cu
+from tide_triton.errors import PeerTimeoutError
+from tide_triton.transport.progress import ProgressWords
+from tide_triton.transport.signals import CopyEngine, HiddenWords
+
+WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+NONE = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+ACTIVE = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+class Driver:
+    # The stub driver behind a log of every call (memop batches decoded into their operations);
+    # streams in `busy` are not idle; `capturing` is what cuStreamIsCapturing answers.
+    def __init__(self):
+        self.calls, self.busy, self.capturing = [], set(), NONE
+    def __getattr__(self, name):
+        f = getattr(cu, name)
+        if not name.startswith("cu"):
+            return f
+        if name == "cuStreamQuery":
+            return lambda s: (cu.CUresult(600 if int(s) in self.busy else 0),)
+        if name == "cuStreamIsCapturing":
+            return lambda s: (cu.CUresult(0), self.capturing)
+        if name == "cuStreamBatchMemOp":
+            def batch(s, n, params, flags):
+                ops = []
+                for p in params[:n]:
+                    if p.operation == WAIT_OP:
+                        ops.append(("wait", int(p.waitValue.address), int(p.waitValue.value64)))
+                    else:
+                        ops.append(("write", int(p.writeValue.address), int(p.writeValue.value64)))
+                self.calls.append((name, int(s), ops))
+                return f(s, n, params, flags)
+            return batch
+        def logged(*a):
+            self.calls.append((name, *[int(x) if isinstance(x, (int, cu.CUstream)) else x for x in a]))
+            return f(*a)
+        return logged
+
+def engine(local_size=4):
+    t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
+    drv = Driver()
+    t._cu, t._guard, t.rank, t.local_size, t.n_flags = drv, contextlib.nullcontext(), 0, local_size, 64
+    t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
+    t._waits_into, t._tracks, t._rec_tracks, t._equal = None, {}, None, set()
+    t.words, t.own_va = HiddenWords(0, 32, 4096), 0x7f0000000000
+    t.bases = [0x7f0000000000 + r * (1 << 36) for r in range(local_size)]
+    t.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    t.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    t.EQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
+    t._WAIT_OP, t._WRITE_OP = WAIT_OP, cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
+    t.signal_path, t.memop_batch = "direct", True
+    t._host_stream, t.host_stream_int = cu.CUstream(0x6000), 0x6000
+    t._progress = ProgressWords(drv, t._guard, t._host_stream, 0)
+    t._progress._next, t._progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # a chunk (the stub's is 0)
+    t.stream_int = lambda stream: t.copy_stream_int if stream is None else stream  # streams: handles here
+    mem = {}                                   # device words as the host reads them: address -> value
+    t.read_words = lambda addr, n: [mem.get(addr + 8 * i, 0) for i in range(n)]
+    return t, drv, mem
+
+def flag(t, slot):
+    return t.flag_addr(t.rank, slot)
+
+T = (7 << 32) | 1                              # a prepared collective's token
+
+# (1) A timeout names the wait its stream is stuck on.  Rank 0 of 4 on one stream: batch 1 took
+# the tokens of peers 1, 2 and 3 (slots 10..12) and its reader reset them to 0; batch 2 waits for
+# slots 20..22, where peer 3's token never came; batch 3 (slot 5, lower than all) is behind it.
+# Read from the host, slots 10..12 look short like slot 22 does; the progress word (1) says batch
+# 1 passed and batch 2 is the earliest that did not.
+t, drv, mem = engine()
+t.wait_all([10, 11, 12], [T] * 3, peers=[1, 2, 3], timeout_s=1.0, equal=True, what="rank {peer}'s token (A)")
+t.wait_all([20, 21, 22], [T] * 3, peers=[1, 2, 3], timeout_s=1.0, equal=True, what="rank {peer}'s token (B)")
+t.wait_all([5], [T], peers=[1], timeout_s=1.0, equal=True, what="rank {peer}'s token (C)")
+word = t._tracks[0x5000].word
+assert [t._pending[sl][4:] for sl in (10, 20, 5)] == [(word, 1), (word, 2), (word, 3)], t._pending
+mem[word] = 1                                  # batch 1 passed, batch 2 did not
+mem[flag(t, 20)] = mem[flag(t, 21)] = T        # peers 1 and 2 did their part of batch 2
+drv.busy.add(0x5000)
+try:
+    t.raise_stuck(1.0, 0x5000)
+except PeerTimeoutError as e:
+    assert e.peer == 3 and "rank 3's token (B)" in str(e), (e.peer, str(e))
+else:
+    raise AssertionError("raise_stuck named no peer")
+assert t.stuck_peers() == {1, 3}, t.stuck_peers()  # 3 (batch 2), and 1 (batch 3, behind it)
+try:                                           # the pacer's wait (no stream of its own): the same
+    t.raise_stuck(1.0, None)
+except PeerTimeoutError as e:
+    assert e.peer == 3, e.peer
+mem[word] = 3                                  # every batch passed: nothing short any more
+try:
+    t.raise_stuck(1.0, 0x5000)
+except PeerTimeoutError as e:
+    raise AssertionError(f"named rank {e.peer} for waits that passed")
+except TimeoutError as e:
+    assert "no pending flag wait is short" in str(e), e
+mem[word] = 1
+
+# (2) A close releases only the waits that did not pass: slot 22 (and slot 5, behind it), never
+# the tokens of batch 1 (writing them again would leave a token nobody takes) nor slots 20, 21.
+drv.calls.clear()
+assert t.release_own_waits(time.monotonic() + 1.0) == 2
+writes = [c[2:4] for c in drv.calls if c[0] == "cuStreamWriteValue64"]
+assert writes == [(flag(t, 5), T), (flag(t, 22), T)], (writes, drv.calls)
+assert all(c[1] == 0x6000 for c in drv.calls if c[0] == "cuStreamWriteValue64"), drv.calls
+
+# (3) A recording: its waits use words of its own, one per stream (the branches of its graph run
+# concurrently), numbered 1..k; its first node writes them to 0 (recording_started, right after
+# the capture began), so each replay starts from 0.  The eager words and numbers are untouched.
+t, drv, mem = engine()
+t.wait_all([1, 2], [3, 3], peers=[1, 2], timeout_s=1.0)          # an eager batch on the copy stream
+eager = t._tracks[0x5000].word
+pending_before = dict(t._pending)
+drv.calls.clear()
+with t.recording_waits() as rec:
+    t.recording_started(0x7000)                                   # the recording stream
+    (name, stream, ops), = drv.calls                              # the graph's first node: both resets
+    assert name == "cuStreamBatchMemOp" and stream == 0x7000, drv.calls
+    assert [op[0] for op in ops] == ["write", "write"] and [op[2] for op in ops] == [0, 0], ops
+    w_rec, w_copy = ops[0][1], ops[1][1]
+    assert len({w_rec, w_copy, eager}) == 3, (w_rec, w_copy, eager)
+    t.wait_all([30, 31], [T, T], peers=[1, 2], timeout_s=1.0, stream=0x7000, equal=True)
+    t.wait_all([40], [T], peers=[1], timeout_s=1.0, equal=True)   # the copy stream, joined by a fence
+    t.wait_all([41, 42], [T, T], peers=[2, 3], timeout_s=1.0, equal=True)
+    t.wait(43, 9, peer=3, timeout_s=1.0, stream=0x7100)           # a stream that joined later
+assert drv.calls[1] == ("cuStreamBatchMemOp", 0x7000, [("wait", flag(t, 30), T), ("wait", flag(t, 31), T),
+                                                        ("write", w_rec, 1)]), drv.calls[1]
+late = drv.calls[-1][2]
+assert late[0][0] == "write" and late[0][2] == 0 and late[1] == ("wait", flag(t, 43), 9) and late[2][2] == 1, late
+assert [rec[sl][4:] for sl in (30, 31, 40, 41, 42)] == [(w_rec, 1), (w_rec, 1), (w_copy, 1), (w_copy, 2),
+                                                         (w_copy, 2)], rec
+assert t._pending == pending_before and t._tracks[0x5000].seq == 1 and t._rec_tracks is None
+# a replay (one launch: no driver call of the engine) notes them on the replay's stream; stuck at
+# slot 31 (rank 2) while the copy branch's batch 1 passed and its token word was reset
+drv.calls.clear()
+t.note_waits(rec, 0x5100)
+assert drv.calls == [] and t._pending[31] == (T, 2, 0x5100, "", w_rec, 1), t._pending[31]
+mem[w_rec], mem[w_copy], mem[late[0][1]] = 0, 1, 1
+mem[flag(t, 30)] = T
+drv.busy.update({0x5000, 0x5100})
+try:
+    t.raise_stuck(1.0, 0x5100)
+except PeerTimeoutError as e:
+    assert e.peer == 2, e.peer                 # slot 40 (rank 1's reset token) lies lower, but passed
+assert 1 not in {w.peer for w in t._short_waits() if w.slot == 40}
+
+# Under a user's capture (torch.cuda.graph around a prepared run: the run's capture query said so)
+# the waits get no progress word -- the graph would write its numbers at each of the user's replays
+# -- and keep the old rule; the next query that says "not captured" ends it.
+t, drv, mem = engine()
+t.wait_all([1], [1], peers=[1], timeout_s=1.0)
+drv.capturing = ACTIVE
+assert t.stream_capturing(0x5000)
+drv.calls.clear()
+t.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
+assert drv.calls == [("cuStreamBatchMemOp", 0x5000, [("wait", flag(t, 2), T), ("wait", flag(t, 3), T)])], drv.calls
+assert t._pending[2][4:] == (0, 0) and t._tracks[0x5000].seq == 1, (t._pending, t._tracks)
+drv.capturing = NONE
+assert not t.stream_capturing(0x5000)
+t.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
+assert t._pending[2][4:] == (t._tracks[0x5000].word, 2), t._pending
+
+# (4) What a wait batch costs: its progress write rides in the same cuStreamBatchMemOp -- no
+# driver call more per batch (nor at a stream's first batch: the words were allocated before);
+# without batches, one cuStreamWriteValue64 more per batch.
+t, drv, mem = engine()
+drv.calls.clear()
+t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
+t.wait(4, 8, peer=1, timeout_s=1.0, stream=0x5200)
+w = t._tracks[0x5200].word
+assert drv.calls == [
+    ("cuStreamBatchMemOp", 0x5200, [("wait", flag(t, 1), 5), ("wait", flag(t, 2), 6), ("wait", flag(t, 3), 7),
+                                    ("write", w, 1)]),
+    ("cuStreamBatchMemOp", 0x5200, [("wait", flag(t, 4), 8), ("write", w, 2)]),
+], drv.calls
+drv.calls.clear()
+t.wait_all([i % 64 for i in range(255)], [1] * 255, peers=[1] * 255, timeout_s=1.0, stream=0x5200)  # 256 ops
+assert [len(c[2]) for c in drv.calls] == [255, 1] and drv.calls[1][2] == [("write", w, 3)], drv.calls[1]
+t.memop_batch = False
+drv.calls.clear()
+t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
+assert [c[0] for c in drv.calls] == ["cuStreamWaitValue64"] * 3 + ["cuStreamWriteValue64"], drv.calls
+assert drv.calls[-1][2:4] == (w, 4), drv.calls[-1]
+# the words are freed at close
+freed = []
+drv.cuMemFree = lambda p: freed.append(int(p)) or (cu.CUresult(0),)
+t._progress._chunks = [0x7e0000000000]
+t._progress.free_all()
+assert freed == [0x7e0000000000] and t._progress.available() == 0
+print("progress words ok")
+"""
+
+
+def _run_on_stub(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter whose ``libcuda.so.1`` is the stub (skips without a C compiler)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the stub driver")
-    (tmp_path / "stub.c").write_text(STUB)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "stub.c")],
-                   check=True)
+    if not (tmp_path / "libcuda.so.1").exists():
+        (tmp_path / "stub.c").write_text(STUB)
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"),
+                        str(tmp_path / "stub.c")], check=True)
     env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = f"{root}:{env.get('PYTHONPATH', '')}"
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], env=env, capture_output=True, text=True,
-                         timeout=120)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_hot_path_driver_call_forms_are_accepted(tmp_path: Path) -> None:
+    out = _run_on_stub(tmp_path, SCRIPT)
     assert out.returncode == 0 and "call forms ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_progress_words_tell_passed_waits_from_the_stuck_one(tmp_path: Path) -> None:
+    """Wait batches end with a progress write (in the same batch call); a timeout names the peer
+    of the earliest unpassed batch, never one whose token wait passed and was reset; a close
+    releases only unpassed waits; a recording's waits have words of their own, reset by its first
+    node; a user's capture writes none.  Before session 20 the timeout in (1) named rank 1 (the
+    lowest short slot: 5, behind the stuck batch -- without batch 3, slot 10, a token taken and
+    reset) instead of rank 3, and the close wrote slots 10..12 too."""
+    out = _run_on_stub(tmp_path, PROGRESS_SCRIPT)
+    assert out.returncode == 0 and "progress words ok" in out.stdout, out.stdout + out.stderr

@@ -395,6 +395,82 @@ def test_replays_of_different_recordings_raise_naming_the_peer_on_gpu() -> None:
         assert seconds < 30, (r, seconds)
 
 
+def _missing_rank_child(rank: int, world_size: int) -> tuple | None:
+    """One process per rank on CUDA (three ranks): a prepared reduce-scatter and all-gather run
+    once by all and synchronized, the reduce-scatter run again by all (its token waits passed and
+    their words were reset -- pending still, nothing synchronized), then the all-gather by ranks
+    0 and 1 only.  What their :func:`tide_triton.synchronize` raised, and after how long; rank 2
+    then runs its all-gather late, so every stream ends and every close is clean."""
+    import torch.distributed as dist
+
+    import tide_triton as tt_
+    from tide_triton.errors import PeerTimeoutError as Timeout
+
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
+    layout = ShardLayout(SHAPES, world_size)
+    grads = [torch.ones(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    shards = [torch.zeros(s, device=dev) for s in layout.shard_shapes(rank, padded=True)]
+    params = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
+    rs = tt_.prepare_reduce_scatter(grads, shards, group=g, op="sum")
+    ag = tt_.prepare_all_gather([x[:n] for x, n in zip(shards, layout.shard_rows(rank))], params, group=g)
+    out = None
+    try:
+        rs.run()
+        ag.run()
+        tt_.synchronize(g, timeout_s=60)  # kernels loaded, every rank past its first runs
+        rs.run()
+        if rank != 2:  # rank 2 never runs its second all-gather (until the others have timed out)
+            ag.run()
+            t0 = time.monotonic()
+            try:
+                tt_.synchronize(g, timeout_s=3)
+            except Timeout as e:
+                out = ("timeout", e.peer, str(e), time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                out = (type(e).__name__, None, str(e), time.monotonic() - t0)
+            else:
+                out = ("no error", None, "", time.monotonic() - t0)
+        dist.barrier()
+        if rank == 2:
+            ag.run()
+            tt_.synchronize(g, timeout_s=60)
+        dist.barrier()
+    finally:
+        g.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_a_timeout_names_the_missing_rank_not_one_whose_token_wait_passed_on_gpu(mode: str) -> None:
+    """Three ranks; rank 2 misses an all-gather.  Ranks 0 and 1 get PeerTimeoutError naming rank
+    2 -- not the peer of a finished reduce-scatter token wait whose word its reader reset to 0,
+    which reads "short" from the host until its stream is idle (session 20's progress words tell
+    them apart; before, both named each other: rank 0 rank 1, rank 1 rank 0).  ``off``: eager
+    runs, their waits on the copy stream; ``auto``: replayed recordings, their waits noted on the
+    caller's stream with the recordings' own progress words."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    out = run_multiprocess(_missing_rank_child, 3, timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                "TIDE_TRITON_RUN_GRAPHS": mode})
+    for r in (0, 1):
+        kind, peer, msg, seconds = out[r]
+        assert kind == "timeout" and peer == 2, (r, kind, peer, msg)
+        assert "prepared all-gather" in msg, (r, msg)
+        assert seconds < 30, (r, seconds)
+    assert out[2] is None
+
 def _async_then_sync_child(rank: int, world_size: int, rounds: int) -> tuple:
     """One process per rank on CUDA: two recorded prepared reduce-scatters run back to back,
     the first ``async_op=True`` (its replay on the group's side stream), the second on the
@@ -479,10 +555,11 @@ class _FakeGraph:
 
 
 class _FakeTransport:
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream=None, log: list | None = None) -> None:
         self.noted: list = []
         self.recording = None
         self.stream = stream
+        self.log = [] if log is None else log
 
     def recording_stream(self):
         return self.stream
@@ -499,6 +576,10 @@ class _FakeTransport:
                 self.recording = None
         return rec()
 
+    def recording_started(self, stream) -> None:
+        assert stream is self.stream and self.recording is not None
+        self.log.append("started")
+
     def note_waits(self, waits: dict, stream) -> None:
         self.noted.append((dict(waits), stream))
 
@@ -511,7 +592,8 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
     the driver refuses at its beginning, during the run or at its
     end gives None (the runs stay eager, logged), and ends the capture where it began; another
     error ends the capture and propagates; a recording keeps the run's waits aside and each replay
-    launches the graph and notes them on the replay's stream."""
+    launches the graph and notes them on the replay's stream.  The first thing recorded is
+    the transport's ``recording_started`` (the reset of the recording's progress words)."""
     import contextlib
 
     log: list = []
@@ -530,7 +612,7 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(log, fail))
     monkeypatch.setattr(_once, "_logged", set())  # log_once: every reason new again
     own = Stream()
-    t = _FakeTransport(own)
+    t = _FakeTransport(own, log)
 
     def run(stream) -> None:
         assert stream is own  # recorded on the transport's own stream
@@ -551,6 +633,10 @@ def test_recording_on_cuda_ends_its_capture_whatever_happens(monkeypatch, caplog
     assert t.recording is None  # the waits' recording ended too
     began = fail != "begin"
     assert log.count("begin") == 1 and log.count("end") == (1 if began else 0), log
+    if began:  # the recording's progress words are reset by its first node, before the run's
+        assert log.index("begin") < log.index("started") < log.index("run"), log
+    else:
+        assert "started" not in log, log
     if fail is None:
         assert isinstance(rg, run_graph.RunGraph) and rg.waits == {3: (7, 1, 0, "rank 1's block")}
         replay_stream = object()

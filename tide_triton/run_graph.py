@@ -22,6 +22,9 @@ addresses is never recorded again (logged once).
 Deadlines: a replay's flag waits are noted as the rank's pending waits on the stream it
 replays on, at every replay (not at capture: nothing waited then), so
 :func:`tide_triton.synchronize` names a peer that never signals, as it does for eager runs.
+Their progress words (:mod:`tide_triton.transport.progress`: which waits passed) are the
+recording's own, one per stream it captured, numbered 1..k in the graph and written to 0 by the
+graph's first node (``recording_started``, right after the capture begins).
 """
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ __all__ = ["RunGraph", "record"]
 
 class RunGraph:
     """A recorded run: ``graph`` (``torch.cuda.CUDAGraph``, or a ``HostGraph`` on the host
-    transport) and, on CUDA, the flag waits it holds (slot -> value, peer, stream, what: the
-    transport's pending-wait entries, noted again at each replay)."""
+    transport) and, on CUDA, the flag waits it holds (slot -> the transport's pending-wait
+    entry -- value, peer, stream, what, progress word, sequence number -- noted again at each
+    replay)."""
 
     __slots__ = ("graph", "waits", "exec_handle")
 
@@ -82,6 +86,7 @@ def record(t: Any, device: torch.device, run: Callable[[Any], None]) -> RunGraph
             _log_refused(e)
             return None
         try:
+            t.recording_started(side)  # the graph's first node: its progress words back to 0
             run(side)
         except RuntimeError as e:  # e.g. an operation the capture refuses: the run goes eager
             _end_quietly(graph)

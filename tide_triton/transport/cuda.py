@@ -785,8 +785,17 @@ class CudaTransport:
     def recording_waits(self):
         """``with t.recording_waits() as waits:`` the flag waits enqueued meanwhile -- a run
         being recorded into a graph -- go into ``waits``, not into this rank's pending waits
-        (nothing waits until a replay: :meth:`note_waits`)."""
+        (nothing waits until a replay: :meth:`note_waits`); their progress words are the
+        recording's own (entered before the capture begins: it sets them aside)."""
         return self._sig.recording_waits()
+
+    def recording_started(self, stream: torch.cuda.Stream) -> None:
+        """Right after a recording's capture began on ``stream``, before anything else is
+        recorded: the graph's first node writes the recording's progress words to 0, so each
+        replay's waits count as not passed until they do (see
+        :meth:`CopyEngine.recording_started <tide_triton.transport.signals.CopyEngine.recording_started>`)."""
+        self._check_open()
+        self._sig.recording_started(stream)
 
     def recording_stream(self) -> torch.cuda.Stream:
         """This rank's own stream for recording prepared runs (not a pooled one)."""
@@ -799,7 +808,9 @@ class CudaTransport:
 
     def stream_capturing(self, stream: torch.cuda.Stream | None) -> bool:
         """Whether ``stream`` (default: the current stream of this rank's device) is being
-        captured into a CUDA graph -- one driver call, where torch's query costs several."""
+        captured into a CUDA graph -- one driver call, where torch's query costs several.  The
+        answer holds for this thread's wait batches until its next query: under a capture they
+        write no progress word (a prepared run asks before each run)."""
         return self._sig.stream_capturing(stream if stream is not None else torch.cuda.current_stream(self.device))
 
     def note_waits(self, waits: dict, stream: torch.cuda.Stream) -> None:

@@ -28,11 +28,14 @@ Host waits
     Stream-side waits cannot time out; ``host_wait_flag``, ``host_wait_event`` and
     ``synchronize`` wait from the host with a deadline and raise
     :class:`~tide_triton.errors.PeerTimeoutError` naming the peer of a pending wait whose
-    flag is still short.
+    flag is still short -- of the waits that have not passed, the earliest of the stuck stream:
+    each wait batch ends with a write of its sequence number into a progress word of its
+    stream, which tells a passed wait from a stuck one (:mod:`tide_triton.transport.progress`;
+    a token word its reader reset reads short either way).
 
-Why ~650 lines: one class owns a rank's streams, and copies, signals and host waits all
+Why ~1,100 lines: one class owns a rank's streams, and copies, signals and host waits all
 enqueue on them and share its pending-wait ledger (which a timeout and a close read); the
-copy-graph replay and the path probes are the parts that grew it.
+copy-graph replay, the path probes and the progress words are the parts that grew it.
 
 Layout of the words this module uses (:class:`HiddenWords`): below heap offset 0 of every
 rank, ``local_size`` probe words then ``local_size * n_flags`` scratch words; the flags
@@ -47,7 +50,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -58,10 +61,11 @@ from ..ranges import host_range, in_host_range
 from ._once import log_once, round_up
 from .allocations import AllocationRanges, split_copies, split_strided
 from .driver import CtxGuard, CudaError, Transaction, check, driver_version
+from .progress import ProgressWords
 
 log = logging.getLogger("tide_triton")
 
-__all__ = ["CopyEngine", "HiddenWords", "PreparedCopies", "SIGNAL_MODES", "COPY_MODES"]
+__all__ = ["CopyEngine", "HiddenWords", "PreparedCopies", "Stuck", "SIGNAL_MODES", "COPY_MODES", "RECORDING_WORDS"]
 
 SIGNAL_MODES = ("auto", "direct", "copy")
 COPY_MODES = ("auto", "batch", "loop")
@@ -76,6 +80,9 @@ GRAPH_MIN_DESCRIPTORS = 8
 below it the descriptors cost less host time than a graph launch saves."""
 POLL_S = 0.05
 """How often a host wait on a stream runs its ``poll`` (a look for peers' published aborts)."""
+RECORDING_WORDS = 4
+"""Progress words a recording can take during its capture (its streams: the recording stream
+and the copy stream; more get none), set aside before the capture begins."""
 
 
 SUB_ROWS_MIN_ROW_BYTES = 128 << 10
@@ -144,6 +151,33 @@ class HiddenWords:
         return cls(0, scratch, round_up(scratch + 8 * local_size * n_flags, _DATA_ALIGN))
 
 
+class _Track:
+    """The progress word of one stream -- or of one stream of a recording -- and the sequence
+    number of the last wait batch enqueued there (:mod:`tide_triton.transport.progress`).
+    ``reset``: the word was not written to 0 at the recording's start (a stream that joined it
+    later): its first batch writes 0 first.  ``word`` 0: none (those waits keep the old rule)."""
+
+    __slots__ = ("word", "seq", "reset")
+
+    def __init__(self, word: int, reset: bool = False) -> None:
+        self.word, self.seq, self.reset = word, 0, reset
+
+
+class Stuck(NamedTuple):
+    """A pending wait that has not passed and whose flag is short (:meth:`CopyEngine._short_waits`)."""
+
+    slot: int
+    value: int
+    peer: int
+    """The global rank that was to write the flag."""
+    stream: int
+    tier: int
+    """0: in the batch its stream is at (the one after the last that passed: what the stream is
+    blocked on, or reaches next); 1: no progress word tells (waits enqueued under a user's
+    capture); 2: further on -- behind that batch, whose own entries may have been replaced by
+    later waits on their slots (the ledger keeps one wait per slot)."""
+
+
 class _LentEvent:
     """A fence event lent to one thread (:meth:`CopyEngine._thread_event`)."""
 
@@ -207,8 +241,12 @@ class CopyEngine:
         self.signal_path = "direct"
         self.memop_batch = False
         self._attrs: list[Any] = []
-        self._pending: dict[int, tuple[int, int, int, str]] = {}  # slot -> value, peer, stream, what
-        self._waits_into: dict[int, tuple[int, int, int, str]] | None = None  # see recording_waits
+        # slot -> (value, peer, stream, what, progress word, seq): the wait has passed iff the
+        # word reads >= seq (word 0: unknown; see the progress module)
+        self._pending: dict[int, tuple[int, int, int, str, int, int]] = {}
+        self._waits_into: dict[int, tuple[int, int, int, str, int, int]] | None = None  # see recording_waits
+        self._tracks: dict[int, _Track] = {}  # stream handle -> its progress word (eager batches)
+        self._rec_tracks: dict[int, _Track] | None = None  # the same for a recording's streams
         # Handles of the caller's streams that got waits/signals (drained at close).  Handles,
         # not weak references: torch <= 2.12's Stream/Event deallocs leave weak references
         # dangling (pytorch/pytorch#183403), which corrupted the heap and crashed the cyclic
@@ -233,6 +271,9 @@ class CopyEngine:
             tx.on_rollback(self._destroy_stream, self._host_stream)
             self._host_buf = int(check(cu.cuMemAllocHost(8 * max(2, local_size)), "cuMemAllocHost"))
             tx.on_rollback(self._free_host, self._host_buf)
+            self._progress = ProgressWords(cu, guard, self._host_stream, rank)
+            self._progress.grow()  # now, not at a first wait: peers may wait on this rank by then
+            tx.on_rollback(self._progress.free_all)
         self.copy_stream_int = int(self._copy_handle)
         self.host_stream_int = int(self._host_stream)
         self.copy_stream = torch.cuda.ExternalStream(self.copy_stream_int, device=device)
@@ -605,56 +646,146 @@ class CopyEngine:
         _check_value(value)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        s = self.stream_int(stream)
-        with self._guard:
-            check(self._cu.cuStreamWaitValue64(s, self.flag_addr(self.rank, slot), value,
-                                               self.EQ if equal else self.GEQ),
-                  f"cuStreamWaitValue64(rank={self.rank}, slot={slot}, peer={peer})")
-        self._waits()[slot] = (value, peer + self.rank_offset, s, what)
-        (self._eq_slots().add if equal else self._eq_slots().discard)(slot)
+        self._enqueue_waits(self.stream_int(stream), (slot,), (value,), (peer,), (what,), equal)
 
     def wait_all(self, slots: Sequence[int], values: Sequence[int], *, peers: Sequence[int],
                  timeout_s: float, stream: Any = None, what: str = "", equal: bool = False) -> None:
         """Waits until each flag is >= its value (``equal``: exactly its value -- a call
-        identity, which a later call's must not satisfy)."""
+        identity, which a later call's must not satisfy): one wait batch (see
+        :meth:`_enqueue_waits`)."""
         n = len(slots)
         if len(values) != n or len(peers) != n:
             raise ValueError(f"slots, values and peers must have one entry per wait, got "
                              f"{n}, {len(values)} and {len(peers)}")
         if n == 0:
             return
-        if n == 1 or not self.memop_batch:
-            for sl, v, p in zip(slots, values, peers):
-                self.wait(sl, v, peer=p, timeout_s=timeout_s, stream=stream,
-                          what=what.format(peer=p + self.rank_offset), equal=equal)
-            return
         for sl, p in zip(slots, peers):
             self.check_slot(sl)
             self.check_rank("peer", p)
-        s = self.stream_int(stream)
-        mode = self.EQ if equal else self.GEQ
-        self._memops(s, [(self._WAIT_OP, self.flag_addr(self.rank, sl), v, mode)
-                         for sl, v in zip(slots, values)], "wait")
-        pending = self._waits()
-        for sl, v, p in zip(slots, values, peers):
-            pending[sl] = (v, p + self.rank_offset, s, what.format(peer=p + self.rank_offset))
-            (self._eq_slots().add if equal else self._eq_slots().discard)(sl)
+        if n == 1 or not self.memop_batch:  # the checks of wait(), as when this path called it
+            for v in values:
+                _check_value(v)
+            if not timeout_s > 0:
+                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        off = self.rank_offset
+        self._enqueue_waits(self.stream_int(stream), slots, values, peers,
+                            [what.format(peer=p + off) for p in peers], equal)
 
-    def _waits(self) -> dict[int, tuple[int, int, int, str]]:
+    def _enqueue_waits(self, s: int, slots: Sequence[int], values: Sequence[int], peers: Sequence[int],
+                       whats: Sequence[str], equal: bool) -> None:
+        """One wait batch on stream ``s``: its waits, then the write of its sequence number
+        into the stream's progress word (:meth:`_track`; none under a user's capture) -- one
+        ``cuStreamBatchMemOp`` where batches work (a lone wait without a word: one
+        ``cuStreamWaitValue64``), else one call per wait plus one ``cuStreamWriteValue64`` --
+        and their pending entries (or the recording's)."""
+        mode = self.EQ if equal else self.GEQ
+        own = self.rank
+        ops = [(self._WAIT_OP, self.flag_addr(own, sl), v, mode) for sl, v in zip(slots, values)]
+        track = self._track(s)
+        word = seq = 0
+        writes: list[tuple[Any, int, int, int]] = []  # the progress word's: (0 first,) seq after
+        if track is not None:
+            word = track.word
+            if track.reset:  # a recording's stream that joined after its start: 0 first
+                writes.append((self._WRITE_OP, word, 0, self.WRITE))
+                track.reset = False
+            track.seq = seq = track.seq + 1
+            writes.append((self._WRITE_OP, word, seq, self.WRITE))
+        if self.memop_batch and len(ops) + len(writes) > 1:
+            self._memops(s, [*writes[:-1], *ops, *writes[-1:]], "wait")
+        else:
+            cu = self._cu
+            with self._guard:
+                for _op, addr, v, flags in writes[:-1]:
+                    check(cu.cuStreamWriteValue64(s, addr, v, flags),
+                          f"cuStreamWriteValue64(rank={own}, progress reset)")
+                for (_op, addr, v, flags), sl, p in zip(ops, slots, peers):
+                    check(cu.cuStreamWaitValue64(s, addr, v, flags),
+                          f"cuStreamWaitValue64(rank={own}, slot={sl}, peer={p})")
+                for _op, addr, v, flags in writes[-1:]:
+                    check(cu.cuStreamWriteValue64(s, addr, v, flags), f"cuStreamWriteValue64(rank={own}, progress)")
+        pending = self._waits()
+        off = self.rank_offset
+        eq = self._eq_slots()
+        for sl, v, p, w in zip(slots, values, peers, whats):
+            pending[sl] = (v, p + off, s, w, word, seq)
+            (eq.add if equal else eq.discard)(sl)
+
+    def _track(self, s: int) -> _Track | None:
+        """Stream ``s``'s progress word for the batch being enqueued: a recording's own
+        (:meth:`recording_waits`), none while this thread's last capture query said its
+        stream is captured (:meth:`stream_capturing`: a user's graph), else the stream's
+        eager word, taken at its first batch."""
+        rec = self._rec_tracks
+        if rec is not None:
+            track = rec.get(s)
+            if track is None:  # a stream that joined the recording later: from the reserve
+                track = rec[s] = _Track(self._progress.take(grow=False), reset=True)
+            return track if track.word else None
+        if getattr(self._tls, "user_capture", False):
+            return None
+        track = self._tracks.get(s)
+        if track is None:
+            try:
+                word = self._progress.take(grow=True)
+            except CudaError as exc:  # the waits go without one (the old rule), never fail
+                log_once("progress-words", logging.WARNING,
+                         "rank %d: no progress word for a stream (%s): its timeouts may name a peer "
+                         "whose token wait passed", self.rank, exc)
+                word = 0
+            track = self._tracks[s] = _Track(word)
+        return track if track.word else None
+
+    def _waits(self) -> dict[int, tuple[int, int, int, str, int, int]]:
         """Where a wait being enqueued is noted: the pending waits, or a recording's."""
         return self._pending if self._waits_into is None else self._waits_into
 
     @contextmanager
-    def recording_waits(self) -> Iterator[dict[int, tuple[int, int, int, str]]]:
+    def recording_waits(self) -> Iterator[dict[int, tuple[int, int, int, str, int, int]]]:
         """While a run is recorded into a graph (nothing runs), its waits go into the dict
-        yielded instead of the pending waits -- :meth:`note_waits` notes them at each replay."""
+        yielded instead of the pending waits -- :meth:`note_waits` notes them at each replay
+        -- with progress words of the recording's own, one per stream
+        (:data:`RECORDING_WORDS` set aside now, before the capture:
+        :meth:`recording_started` and the waits take them)."""
         if self._waits_into is not None:
             raise RuntimeError("internal error: this transport records waits already")
+        try:
+            self._progress.reserve(RECORDING_WORDS)
+        except CudaError as exc:  # the recording's waits go without (the old rule)
+            log_once("progress-words", logging.WARNING,
+                     "rank %d: no progress words for a recording (%s): its timeouts may name a peer "
+                     "whose token wait passed", self.rank, exc)
         self._waits_into = into = {}
+        self._rec_tracks = {}
         try:
             yield into
         finally:
             self._waits_into = None
+            self._rec_tracks = None
+
+    def recording_started(self, stream: Any) -> None:
+        """The first operation of a recording, right after its capture began on ``stream``:
+        the progress words of the recording's streams -- ``stream`` and the copy stream, which
+        joins the capture through a fence from ``stream``, after this -- are written to 0, so
+        each replay starts from 0 before any of its waits (replays of one graph run one after
+        another).  One memop node of the graph; no driver call at a replay."""
+        rec = self._rec_tracks
+        if rec is None:
+            raise RuntimeError("internal error: recording_started outside recording_waits")
+        s = self.stream_int(stream)
+        ops = []
+        for h in (s, self.copy_stream_int):
+            if h not in rec:
+                rec[h] = _Track(self._progress.take(grow=False))
+                if rec[h].word:
+                    ops.append((self._WRITE_OP, rec[h].word, 0, self.WRITE))
+        if self.memop_batch and len(ops) > 1:
+            self._memops(s, ops, "write")
+            return
+        with self._guard:
+            for _op, addr, v, flags in ops:
+                check(self._cu.cuStreamWriteValue64(s, addr, v, flags),
+                      f"cuStreamWriteValue64(rank={self.rank}, progress reset)")
 
     def launch_graph_exec(self, handle: int, stream: Any) -> None:
         """``cuGraphLaunch`` of an instantiated graph (``CUDAGraph.raw_cuda_graph_exec()``) on
@@ -697,17 +828,25 @@ class CopyEngine:
         return held
 
     def stream_capturing(self, stream: Any) -> bool:
-        """Whether ``stream`` is being captured into a CUDA graph (one driver call)."""
+        """Whether ``stream`` is being captured into a CUDA graph (one driver call) -- a
+        prepared run asks before each run, and the only waits a capture can hold are a
+        prepared run's.  The answer is kept for this thread: while it is True, wait batches
+        get no progress word (the user's graph would write its fixed sequence numbers into an
+        eager stream's word at every replay); the next run's query ends it."""
         with self._guard:
             err, status = self._cu.cuStreamIsCapturing(self.stream_int(stream))
         check((err,), f"cuStreamIsCapturing(rank={self.rank})")
-        return status != self._cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        captured = status != self._cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        self._tls.user_capture = captured
+        return captured
 
-    def note_waits(self, waits: dict[int, tuple[int, int, int, str]], stream: Any) -> None:
-        """A replayed graph's waits (:meth:`recording_waits`), pending on ``stream``."""
+    def note_waits(self, waits: dict[int, tuple[int, int, int, str, int, int]], stream: Any) -> None:
+        """A replayed graph's waits (:meth:`recording_waits`), pending on ``stream`` (with the
+        recording's progress words: the graph wrote them to 0 first)."""
         s = self.stream_int(stream)
-        for slot, (value, peer, _s, what) in waits.items():
-            self._pending[slot] = (value, peer, s, what)
+        pending = self._pending
+        for slot, (value, peer, _s, what, word, seq) in waits.items():
+            pending[slot] = (value, peer, s, what, word, seq)
 
     def _eq_slots(self) -> set[int]:
         return self.__dict__.setdefault("_equal", set())
@@ -810,21 +949,22 @@ class CopyEngine:
         self.raise_stuck(timeout_s, s)
 
     def raise_stuck(self, timeout_s: float, s: int | None) -> None:
-        """Raise ``PeerTimeoutError`` for a pending wait whose flag is still short -- on
-        stream ``s`` first, then on any stream (a stream can be stuck behind another's wait:
-        the copy queue fenced behind a replay on the caller's stream) -- else
-        ``TimeoutError``.  Known gap: an exact-value (token) wait that finished and whose word
-        its reader reset reads short until its stream is idle, so the peer named can be one
-        that did its part (a progress word per wait batch would tell; not built)."""
+        """Raise ``PeerTimeoutError`` for a pending wait that has not passed and whose flag is
+        still short, else ``TimeoutError``.  Which one (:meth:`_short_waits`): a wait of the
+        batch stream ``s`` is at -- what it is blocked on -- then of the batch another stream is
+        at (a stream can be stuck behind another's wait: the copy queue fenced behind a replay
+        on the caller's stream), then waits without a progress word (the old rule: a short
+        token word may be a finished wait's, reset by its reader), then waits further on; on
+        stream ``s`` first, counters before tokens and the lowest slot within each.  A finished
+        token wait whose reader reset its word is never named: its progress word says it
+        passed."""
         short = self._short_waits()
         if short:
             eq = self._eq_slots()
-            # this stream's waits first; counters before token words (a token word its reader
-            # reset reads "short" until its stream is idle: the weaker evidence)
-            slot, value, peer = min(short, key=lambda w: (self._pending[w[0]][2] != s, w[0] in eq, w[0]))
+            w = min(short, key=lambda w: (w.tier == 2, w.stream != s, w.tier, w.slot in eq, w.slot))
             raise PeerTimeoutError(
-                peer, self._pending[slot][3] or f"flag {slot} of rank {self.rank + self.rank_offset} to reach "
-                f"{value}, last read {self.read_flag(slot)}", timeout_s)
+                w.peer, self._pending[w.slot][3] or f"flag {w.slot} of rank {self.rank + self.rank_offset} to reach "
+                f"{w.value}, last read {self.read_flag(w.slot)}", timeout_s)
         raise TimeoutError(f"rank {self.rank + self.rank_offset}: GPU work still busy after {timeout_s:.1f} s "
                            "(no pending flag wait is short)")
 
@@ -832,15 +972,16 @@ class CopyEngine:
     def release_own_waits(self, deadline: float) -> int:
         """Last resort of a close whose streams did not drain (a peer that will never signal:
         a broken group's): write into this rank's own flag words the value each pending
-        stream wait expects -- never lowering a counter -- so the stuck streams run to their
-        end.  Without it they wait forever, the heap cannot be unmapped, and every later
-        device-wide synchronize of the process (``torch.cuda.synchronize``) hangs.  What the
-        released work then computes was already reported as an error; its copies land in
-        mappings this rank still holds (unmapped only after the streams are idle).  An
-        earlier wait on a word for another value than its latest (two calls' identities on
-        one parity word) cannot be released: the close then leaks as before.  Returns the
-        words written."""
-        writes = [(slot, value) for slot, value, _peer in self._short_waits()]
+        stream wait that has not passed expects -- never lowering a counter, never a wait that
+        passed (its token word was reset by its reader: writing the token again would leave
+        it there) -- so the stuck streams run to their end.  Without it they wait forever, the
+        heap cannot be unmapped, and every later device-wide synchronize of the process
+        (``torch.cuda.synchronize``) hangs.  What the released work then computes was already
+        reported as an error; its copies land in mappings this rank still holds (unmapped only
+        after the streams are idle).  An earlier wait on a word for another value than its
+        latest (two calls' identities on one parity word) cannot be released: the close then
+        leaks as before.  Returns the words written."""
+        writes = [(w.slot, w.value) for w in self._short_waits()]
         if not writes:
             return 0
         cu = self._cu
@@ -852,27 +993,39 @@ class CopyEngine:
             log.error("rank %d: releasing its own stuck flag waits did not complete", self.rank)
         return len(writes)
 
-    def _short_waits(self) -> list[tuple[int, int, int]]:
-        """``(slot, value, peer)`` of the pending waits whose flag is still short of their
-        value (``peer``: the global rank that was to write it).  A wait on a stream that is
-        idle has finished, whatever its word reads now (a token word is reset by its reader):
-        dropped, never named."""
-        out = []
+    def _short_waits(self) -> list[Stuck]:
+        """The pending waits that have not passed and whose flag is still short of their
+        value.  Passed: on a stream that is idle, or -- read from its progress word, before
+        its flag -- in a batch whose sequence number the word has reached (a token word is
+        reset by its reader once its wait passed: it reads short, but the wait is done).  Each
+        wait's :attr:`Stuck.tier` says whether its batch is the one its stream is at.  Reads
+        words from the host (error paths only)."""
         idle: dict[int, bool] = {}
-        for slot, (value, peer, sh, _what) in sorted(self._pending.items()):
+        progress: dict[int, int] = {}  # word -> what it reads
+        out = []
+        eq = self._eq_slots()
+        for slot, (value, peer, sh, _what, word, seq) in sorted(self._pending.items()):
             if sh not in idle:
                 with self._guard:
                     idle[sh] = int(self._cu.cuStreamQuery(sh)[0]) != _CUDA_ERROR_NOT_READY
             if idle[sh]:
                 continue
+            tier = 1
+            if word:
+                done = progress.get(word)
+                if done is None:
+                    done = progress[word] = self.read_words(word, 1)[0]
+                if done >= seq:
+                    continue
+                tier = 0 if seq == done + 1 else 2
             cur = self.read_flag(slot)
-            if (cur != value) if slot in self._eq_slots() else (cur < value):
-                out.append((slot, value, peer))
+            if (cur != value) if slot in eq else (cur < value):
+                out.append(Stuck(slot, value, peer, sh, tier))
         return out
 
     def stuck_peers(self) -> set[int]:
         """Global ranks that pending stream waits of this rank still wait for."""
-        return {peer for _slot, _value, peer in self._short_waits()}
+        return {w.peer for w in self._short_waits()}
 
     def busy_streams(self) -> set[int]:
         """Handles of every stream that may still touch heaps: own ones and the caller's."""
@@ -911,8 +1064,8 @@ class CopyEngine:
             check(self._cu.cuMemFreeHost(p), f"cuMemFreeHost(rank={self.rank})")
 
     def close(self, quiet: Any) -> None:
-        """Destroy the copy graphs and streams and free the host buffer (``quiet`` runs each
-        step)."""
+        """Destroy the copy graphs and streams, free the progress words and the host buffer
+        (``quiet`` runs each step)."""
         for key in list(self._graphs):
             quiet(self._drop_graph, key)
         if self._capture_handle is not None:
@@ -920,6 +1073,8 @@ class CopyEngine:
             quiet(self._destroy_stream, self._capture_handle)
             self._capture_handle = None
         self._destroy_events(quiet)
+        self._progress.free_all(quiet)
+        self._tracks.clear()
         quiet(self._destroy_stream, self._host_stream)
         quiet(self._free_host, self._host_buf)
         quiet(self._destroy_stream, self._copy_handle)
