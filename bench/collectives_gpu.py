@@ -452,7 +452,7 @@ def _host_profile(path: str | None, title: str):
         prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(90)
         with open(path, "a") as f:
             f.write(f"==== {title}\n{buf.getvalue()}\n")
 
