@@ -820,3 +820,34 @@ def test_shards_over_gradient_bytes_are_refused_naming_both() -> None:
         assert re.match(r"own error: shards\[(\d)\] shares memory with grads\[\1\]", prep), (r, prep)
         assert ok == "ok [3.0]", (r, ok)
         assert ag == "ok [[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]]", (r, ag)
+
+
+def test_remembered_shards_of_another_dtype_are_checked_again() -> None:
+    """The eager reduce-scatter remembers a shard list's checks by its addresses and sizes --
+    and its dtype: bf16 shards at the same addresses and element counts as fp32 ones cover half
+    their bytes, so their remembered spans must not stand in for the fp32 ones.  Here rank 0's
+    gradient lies over the upper half of its fp32 shard, bytes the bf16 shard never had:
+    refused, naming both, after an exact call on the bf16 shards."""
+    import tide_triton as tt
+
+    W, shapes = 2, [(8, 4)]
+    layout = tt.ShardLayout(shapes, W)
+    numel = layout.shard_numels(0)[0]
+
+    def body(r: int, groups: list):
+        buf = torch.zeros(4 * numel)  # fp32: room for the fp32 shard and a gradient past its first half
+        half = buf.view(torch.bfloat16)[:numel].view(layout.shard_shapes(r)[0])
+        grads = [torch.full(shapes[0], float(r + 1), dtype=torch.bfloat16)]
+        first = _outcome(lambda: tt.reduce_scatter(grads, [half], op="sum", group=groups[r])
+                         and sorted(set(half.float().flatten().tolist())), "cpu")
+        full = buf[:numel].view(layout.shard_shapes(r)[0])
+        if r == 0:  # bytes from 2 * numel * 2: inside full's (4 * numel), past half's (2 * numel)
+            grads = [buf.view(torch.bfloat16)[numel:numel + 32].view(shapes[0]).fill_(1.0)]
+        second = _outcome(lambda: tt.reduce_scatter(grads, [full], op="sum", group=groups[r]), "cpu")
+        return first, second
+
+    out = _on_local_groups(W, body)
+    for r, (first, _second) in enumerate(out):
+        assert first == "ok [3.0]", (r, first)
+    assert out[0][1].startswith("own error: shards[0] shares memory with grads[0]"), out[0]
+    assert "rank 0" in out[1][1], out[1]

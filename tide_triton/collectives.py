@@ -240,11 +240,11 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     if prep is None:
         # the shards recur beside new gradients (FSDP2 on MoE layers): their own checks are remembered
         checked = g.state(_CHECKED_SHARDS, CheckedLists)
-        known = checked.get((shard_ptrs, snumels))
+        known = checked.get((sdt, shard_ptrs, snumels))
         spans = (spans_of(grads_l, gdt.itemsize), known if known is not None else spans_of(shards_l, sdt.itemsize))
         check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART, spans=spans,
                     checked=(False, known is not None))
-        checked.add((shard_ptrs, snumels), spans[1])
+        checked.add((sdt, shard_ptrs, snumels), spans[1])
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,
