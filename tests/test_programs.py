@@ -319,14 +319,16 @@ def test_a_run_that_fails_on_one_rank_never_pairs_with_the_peers_next_run(entry:
 
 
 @pytest.mark.parametrize("entry", ["prepared", "eager"])
-@pytest.mark.parametrize("case", ["exact", "dtype", "over_a_shard"])
+@pytest.mark.parametrize("case", ["exact", "dtype", "over_a_shard", "shard_transposed"])
 def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case: str, entry: str) -> None:
     """The drop-in's steady state on MoE layers: autograd's gradients at new addresses every
     step, beside the same shards -- its prepared runs and its eager calls.  The shards' own
     checks are remembered, not redone; the new gradients' checks and their pairing with the
-    shards are never skipped: at step 3 rank 0 passes a gradient of another dtype, or one over
-    a shard's bytes, and it is refused naming it (its peers' step names rank 0); every step
-    before is exact, and with good gradients every step is."""
+    shards are never skipped, nor the shards' shapes and layout: at step 3 rank 0 passes a
+    gradient of another dtype, or one over a shard's bytes, or a shard as a transposed view of
+    its own bytes (same address, same element count, not contiguous), and it is refused naming
+    it (its peers' step names rank 0); every step before is exact, and with good gradients
+    every step is."""
     from tide_triton.collectives import _CHECKED_SHARDS, prepared_reduce_scatter_call
 
     layout = ShardLayout(SHAPES, W)
@@ -345,11 +347,15 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
                 grads[1] = grads[1].half()
             elif r == 0 and step == 3 and case == "over_a_shard":
                 grads[1] = shards[0].view(-1).view(torch.bfloat16)[:3].fill_(10.0 * step)
+            passed = shards
+            if r == 0 and step == 3 and case == "shard_transposed":
+                rows, cols = shards[0].shape
+                passed = [shards[0].view(cols, rows).t(), *shards[1:]]
             try:
                 if entry == "prepared":
-                    rs._run_on(grads, shards)
+                    rs._run_on(grads, passed)
                 else:
-                    tt.reduce_scatter(grads, shards, group=groups[r], op="sum")
+                    tt.reduce_scatter(grads, passed, group=groups[r], op="sum")
                 got.append((step, "ok", [x.clone() for x in shards]))
             except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
                 got.append((step, type(e).__name__, str(e)[:300]))
@@ -371,6 +377,8 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
     step3 = out[0][0][2]
     if case == "dtype":
         assert step3[1] == "TypeError" and "grads[1] must be bfloat16" in step3[2], step3
+    elif case == "shard_transposed":
+        assert step3[1] == "ValueError" and "shards[0] must be contiguous" in step3[2], step3
     else:
         assert step3[1] == "ValueError" and "shards[0] shares memory with grads[1]" in step3[2], step3
     # a prepared run's error breaks the group (its peers time out on, or read, rank 0's abort);

@@ -134,28 +134,27 @@ class _Prepared:
         shard rule, each list of the prepared dtype on this device, their storages allocated,
         the outputs disjoint (and a reduce-scatter's shards apart from its grads).
 
-        The second list's own checks are skipped where it passed them at these very
-        addresses and sizes (``key[1:]``) beside another first list: the drop-in's
-        reduce-scatter shards recur every step beside autograd's new gradients (the
-        trust the known-addresses path already gives, per list; its pairing with the new
-        list is still checked)."""
+        Every list's shapes, dtype, device and contiguity are checked every time.  The
+        second list's storage and disjointness are not read again where it passed them at
+        these very addresses and sizes (``key[1:]``, its dtype checked now): the drop-in's
+        reduce-scatter shards recur every step beside autograd's new gradients; its pairing
+        with the new list is still checked.  (A storage freed and allocated again smaller at
+        the same address passes, as it does on the known-addresses path.)"""
         full, shards = (first, second) if self._full_first else (second, first)
         full_dtype, shard_dtype = self._dtypes
         layout, me = self.layout, self.g.rank
         name = self._names[0 if self._full_first else 1]
         second_id = key[1:]
         known = self._checked_second.get(second_id)
-        if not (known is not None and not self._full_first):
-            if len(full) != len(layout) or not same_shapes(full, layout.shapes):
-                raise ValueError(f"{self.name}: {name} must have the prepared shapes ({len(layout)} tensors)")
-            check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
-        if not (known is not None and self._full_first):
-            if self._full_first:
-                check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
-                             why=lambda i: layout.shard_rule(i, me))
-            else:
-                check_gather_shards(shards, layout, me)
-            check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
+        if len(full) != len(layout) or not same_shapes(full, layout.shapes):
+            raise ValueError(f"{self.name}: {name} must have the prepared shapes ({len(layout)} tensors)")
+        check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
+        if self._full_first:
+            check_shapes("shards", shards, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
+                         why=lambda i: layout.shard_rule(i, me))
+        else:
+            check_gather_shards(shards, layout, me)
+        check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
         first_esize, second_esize = (d.itemsize for d in (self._dtypes if self._full_first else self._dtypes[::-1]))
         spans = (spans_of(first, first_esize), known if known is not None else spans_of(second, second_esize))
         if self._full_first:
