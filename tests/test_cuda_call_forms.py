@@ -462,6 +462,41 @@ drv.calls.clear()
 t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
 assert [c[0] for c in drv.calls] == ["cuStreamWaitValue64"] * 3 + ["cuStreamWriteValue64"], drv.calls
 assert drv.calls[-1][2:4] == (w, 4), drv.calls[-1]
+# (5) A replay noted behind a stuck run (FSDP2's backward enqueues the next layer's replay without
+# waiting): two recordings of the same slots, G1 stuck on rank 3, G2 noted after it -- its word still
+# reads its last replay's count until its first node runs, so its waits read "passed".  G1's waits,
+# replaced in the ledger by G2's, are kept aside: the timeout still names rank 3, and a close
+# releases G1's missing token (not G2's, which would hide it from G1's exact-value wait).
+t, drv, mem = engine()
+T1, T2 = (7 << 32) | 1, (8 << 32) | 1
+recs = {}
+for name, tok in (("G1", T1), ("G2", T2)):
+    with t.recording_waits() as rec:
+        t.recording_started(0x7000)
+        t.wait_all([20, 21, 22], [tok] * 3, peers=[1, 2, 3], timeout_s=1.0, stream=0x7000, equal=True,
+                   what=name + ": rank {peer}'s contribution")
+    recs[name] = rec
+w1, w2 = recs["G1"][20][4], recs["G2"][20][4]
+mem[w2] = 1                                    # G2's previous replay passed its batch
+t.note_waits(recs["G1"], 0x5100)
+mem[w1] = 0                                    # G1 reset its word and is stuck in batch 1
+mem[flag(t, 20)] = mem[flag(t, 21)] = T1       # ranks 1 and 2 delivered, rank 3 never
+drv.busy.add(0x5100)
+t.note_waits(recs["G2"], 0x5100)
+try:
+    t.raise_stuck(1.0, 0x5100)
+except PeerTimeoutError as e:
+    assert e.peer == 3 and "G1: rank 3's contribution" in str(e), e
+else:
+    raise AssertionError("no PeerTimeoutError")
+assert t.stuck_peers() == {3}, t.stuck_peers()
+drv.calls.clear()
+assert t.release_own_waits(time.monotonic() + 1.0) == 1
+assert [c[2:4] for c in drv.calls if c[0] == "cuStreamWriteValue64"] == [(flag(t, 22), T1)], drv.calls
+drv.busy.clear()
+t.synchronize(timeout_s=1.0, stream=0x5100)    # idle: its waits, kept aside or not, leave the ledger
+assert not t._pending and not t._superseded_waits(), (t._pending, t._superseded_waits())
+
 # the words are freed at close
 freed = []
 drv.cuMemFree = lambda p: freed.append(int(p)) or (cu.CUresult(0),)

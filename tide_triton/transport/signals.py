@@ -48,6 +48,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -80,6 +81,9 @@ GRAPH_MIN_DESCRIPTORS = 8
 below it the descriptors cost less host time than a graph launch saves."""
 POLL_S = 0.05
 """How often a host wait on a stream runs its ``poll`` (a look for peers' published aborts)."""
+SUPERSEDED_KEPT = 1024
+"""Pending waits kept after a later wait on the same slot with another progress word replaced
+them in the ledger (:meth:`CopyEngine._note_pending`), the most recent."""
 RECORDING_WORDS = 4
 """Progress words a recording can take during its capture (its streams: the recording stream
 and the copy stream; more get none), set aside before the capture begins."""
@@ -175,7 +179,9 @@ class Stuck(NamedTuple):
     """0: in the batch its stream is at (the one after the last that passed: what the stream is
     blocked on, or reaches next); 1: no progress word tells (waits enqueued under a user's
     capture); 2: further on -- behind that batch, whose own entries may have been replaced by
-    later waits on their slots (the ledger keeps one wait per slot)."""
+    later waits on their slots (the ledger keeps one wait per slot and progress word)."""
+    what: str = ""
+    """What the wait was for, as its collective said (empty: the flag and value are named)."""
 
 
 class _LentEvent:
@@ -705,11 +711,32 @@ class CopyEngine:
                 for _op, addr, v, flags in writes[-1:]:
                     check(cu.cuStreamWriteValue64(s, addr, v, flags), f"cuStreamWriteValue64(rank={own}, progress)")
         pending = self._waits()
+        note = self._note_pending if pending is self._pending else pending.__setitem__
         off = self.rank_offset
         eq = self._eq_slots()
         for sl, v, p, w in zip(slots, values, peers, whats):
-            pending[sl] = (v, p + off, s, w, word, seq)
+            note(sl, (v, p + off, s, w, word, seq))
             (eq.add if equal else eq.discard)(sl)
+
+    def _note_pending(self, slot: int, entry: tuple[int, int, int, str, int, int]) -> None:
+        """``entry`` becomes slot ``slot``'s pending wait.  The wait it replaces is kept aside
+        (:meth:`_superseded_waits`) when it has a progress word other than the new one's: a
+        replay of another recording noted behind a stuck run (FSDP2's backward enqueues the
+        next layer's replay without waiting), whose own word still reads its last replay's
+        count until its first node runs -- without it the stuck run's wait left the ledger and
+        a timeout named nobody."""
+        old = self._pending.get(slot)
+        if old is not None and old[4] and old[4] != entry[4]:
+            kept = self._superseded_waits()
+            kept[(slot, old[4])] = old
+            kept.move_to_end((slot, old[4]))
+            while len(kept) > SUPERSEDED_KEPT:
+                kept.popitem(last=False)
+        self._pending[slot] = entry
+
+    def _superseded_waits(self) -> "OrderedDict[tuple[int, int], tuple[int, int, int, str, int, int]]":
+        """Pending waits a later wait on their slot replaced, by (slot, progress word)."""
+        return self.__dict__.setdefault("_superseded", OrderedDict())
 
     def _track(self, s: int) -> _Track | None:
         """Stream ``s``'s progress word for the batch being enqueued: a recording's own
@@ -844,9 +871,9 @@ class CopyEngine:
         """A replayed graph's waits (:meth:`recording_waits`), pending on ``stream`` (with the
         recording's progress words: the graph wrote them to 0 first)."""
         s = self.stream_int(stream)
-        pending = self._pending
+        note = self._note_pending
         for slot, (value, peer, _s, what, word, seq) in waits.items():
-            pending[slot] = (value, peer, s, what, word, seq)
+            note(slot, (value, peer, s, what, word, seq))
 
     def _eq_slots(self) -> set[int]:
         return self.__dict__.setdefault("_equal", set())
@@ -935,6 +962,9 @@ class CopyEngine:
             code = int(res[0])
             if code == 0:
                 self._pending = {k: v for k, v in self._pending.items() if v[2] != s}
+                kept = self._superseded_waits()
+                for k in [k for k, v in kept.items() if v[2] == s]:
+                    del kept[k]
                 return
             if code != _CUDA_ERROR_NOT_READY:
                 check(res, f"cuStreamQuery(rank={self.rank})")
@@ -963,7 +993,7 @@ class CopyEngine:
             eq = self._eq_slots()
             w = min(short, key=lambda w: (w.tier == 2, w.stream != s, w.tier, w.slot in eq, w.slot))
             raise PeerTimeoutError(
-                w.peer, self._pending[w.slot][3] or f"flag {w.slot} of rank {self.rank + self.rank_offset} to reach "
+                w.peer, w.what or f"flag {w.slot} of rank {self.rank + self.rank_offset} to reach "
                 f"{w.value}, last read {self.read_flag(w.slot)}", timeout_s)
         raise TimeoutError(f"rank {self.rank + self.rank_offset}: GPU work still busy after {timeout_s:.1f} s "
                            "(no pending flag wait is short)")
@@ -981,7 +1011,14 @@ class CopyEngine:
         after the streams are idle).  An earlier wait on a word for another value than its
         latest (two calls' identities on one parity word) cannot be released: the close then
         leaks as before.  Returns the words written."""
-        writes = [(w.slot, w.value) for w in self._short_waits()]
+        # one value per word: a slot short for two waits (a replay noted behind a stuck run)
+        # gets the one of the batch its stream is at -- a later write would hide it from an
+        # exact-value wait
+        chosen: dict[int, Stuck] = {}
+        for w in self._short_waits():
+            if w.slot not in chosen or w.tier < chosen[w.slot].tier:
+                chosen[w.slot] = w
+        writes = [(w.slot, w.value) for w in chosen.values()]
         if not writes:
             return 0
         cu = self._cu
@@ -1004,7 +1041,8 @@ class CopyEngine:
         progress: dict[int, int] = {}  # word -> what it reads
         out = []
         eq = self._eq_slots()
-        for slot, (value, peer, sh, _what, word, seq) in sorted(self._pending.items()):
+        waits = sorted(self._pending.items()) + [(k[0], v) for k, v in self._superseded_waits().items()]
+        for slot, (value, peer, sh, what, word, seq) in waits:
             if sh not in idle:
                 with self._guard:
                     idle[sh] = int(self._cu.cuStreamQuery(sh)[0]) != _CUDA_ERROR_NOT_READY
@@ -1020,7 +1058,7 @@ class CopyEngine:
                 tier = 0 if seq == done + 1 else 2
             cur = self.read_flag(slot)
             if (cur != value) if slot in eq else (cur < value):
-                out.append(Stuck(slot, value, peer, sh, tier))
+                out.append(Stuck(slot, value, peer, sh, tier, what))
         return out
 
     def stuck_peers(self) -> set[int]:
