@@ -39,6 +39,7 @@ CUresult cuGetErrorString(int e, const char** s) { return errname(e, s); }
 
 SCRIPT = r"""
 import contextlib, sys, threading
+from collections import OrderedDict
 from cuda.bindings import driver as cu
 from tide_triton.transport.signals import CopyEngine, HiddenWords
 from tide_triton.transport.progress import ProgressWords
@@ -48,7 +49,7 @@ from tide_triton.transport.driver import Transaction
 t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
 t._cu, t._guard, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), 0, 4, 64
 t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
-t._waits_into, t._tracks, t._rec_tracks = None, {}, None
+t._waits_into, t._tracks, t._rec_tracks, t._superseded = None, {}, None, OrderedDict()
 t._progress = ProgressWords(cu, t._guard, cu.CUstream(0x6000), 0)
 t._progress.grow()                         # cuMemAlloc + cuMemsetD8Async + sync: the forms
 t._progress._next, t._progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # the stub's pointer is 0
@@ -279,6 +280,7 @@ PROGRESS_SCRIPT = r"""
 # sequence number into its stream's word, so a timeout and a close tell the waits that passed
 # (a token word its reader reset reads "short" all the same) from the one a stream is stuck on.
 import contextlib, threading, time
+from collections import OrderedDict
 from cuda.bindings import driver as cu
 from tide_triton.errors import PeerTimeoutError
 from tide_triton.transport.progress import ProgressWords
@@ -322,7 +324,7 @@ def engine(local_size=4):
     drv = Driver()
     t._cu, t._guard, t.rank, t.local_size, t.n_flags = drv, contextlib.nullcontext(), 0, local_size, 64
     t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
-    t._waits_into, t._tracks, t._rec_tracks, t._equal = None, {}, None, set()
+    t._waits_into, t._tracks, t._rec_tracks, t._equal, t._superseded = None, {}, None, set(), OrderedDict()
     t.words, t.own_va = HiddenWords(0, 32, 4096), 0x7f0000000000
     t.bases = [0x7f0000000000 + r * (1 << 36) for r in range(local_size)]
     t.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
@@ -495,7 +497,7 @@ assert t.release_own_waits(time.monotonic() + 1.0) == 1
 assert [c[2:4] for c in drv.calls if c[0] == "cuStreamWriteValue64"] == [(flag(t, 22), T1)], drv.calls
 drv.busy.clear()
 t.synchronize(timeout_s=1.0, stream=0x5100)    # idle: its waits, kept aside or not, leave the ledger
-assert not t._pending and not t._superseded_waits(), (t._pending, t._superseded_waits())
+assert not t._pending and not t._superseded, (t._pending, t._superseded)
 
 # the words are freed at close
 freed = []

@@ -333,6 +333,17 @@ def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tup
     with pytest.raises(ValueError, match="TIDE_TRITON_RUN_GRAPHS"):
         envs.run_graphs({"TIDE_TRITON_RUN_GRAPHS": "always"})
 
+def _rank_device(rank: int) -> torch.device:
+    """A child process's GPU for ``rank`` (ranks may share one), made current."""
+    try:
+        from _dist import rank_device
+    except ImportError:  # pragma: no cover
+        from tests._dist import rank_device
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def _mismatch_child(rank: int, world_size: int, device: str) -> tuple:
     """One process per rank on CUDA: prepared reduce-scatters A and B, each run twice (the
     second run records it), then rank 0 replays A while the others replay B; whether both
@@ -341,12 +352,7 @@ def _mismatch_child(rank: int, world_size: int, device: str) -> tuple:
     import tide_triton as tt_
     from tide_triton.errors import PeerTimeoutError as Timeout
 
-    try:
-        from _dist import rank_device
-    except ImportError:  # pragma: no cover
-        from tests._dist import rank_device
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = _rank_device(rank)
     g = tt_.init(timeout_s=5, ring_bytes=4096 * world_size)
     layout = ShardLayout(SHAPES, world_size)
     grads = [torch.ones(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
@@ -406,12 +412,7 @@ def _missing_rank_child(rank: int, world_size: int) -> tuple | None:
     import tide_triton as tt_
     from tide_triton.errors import PeerTimeoutError as Timeout
 
-    try:
-        from _dist import rank_device
-    except ImportError:  # pragma: no cover
-        from tests._dist import rank_device
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = _rank_device(rank)
     g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
     layout = ShardLayout(SHAPES, world_size)
     grads = [torch.ones(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
@@ -477,12 +478,7 @@ def _async_then_sync_child(rank: int, world_size: int, rounds: int) -> tuple:
     caller's stream; each round's shards checked exactly (integer sums)."""
     import tide_triton as tt_
 
-    try:
-        from _dist import rank_device
-    except ImportError:  # pragma: no cover
-        from tests._dist import rank_device
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = _rank_device(rank)
     g = tt_.init(timeout_s=20)
     shapes = [(2048, 1024)] * 8  # 32 MiB of bf16 gradients: several ring rounds
     layout = ShardLayout(shapes, world_size)
@@ -656,12 +652,7 @@ def _evicted_under_replay_child(rank: int, world_size: int, rounds: int) -> list
     import tide_triton as tt_
     from tide_triton import programs
 
-    try:
-        from _dist import rank_device
-    except ImportError:  # pragma: no cover
-        from tests._dist import rank_device
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
+    dev = _rank_device(rank)
     programs._BINDINGS_KEPT = 1
     g = tt_.init(timeout_s=20)
     shapes = [(512, 256)] * 6

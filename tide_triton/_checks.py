@@ -196,20 +196,18 @@ def check_apart(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
 def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
                 outputs: Sequence[torch.Tensor], *, apart: str | None = None,
                 spans: tuple[Spans | None, Spans | None] = (None, None),
-                checked: tuple[bool, bool] = (False, False)) -> tuple[Spans, Spans]:
+                outputs_checked: bool = False) -> tuple[Spans, Spans]:
     """The checks of a new set of addresses, before it is bound: every tensor's storage is
     allocated (:func:`check_storage`), no two outputs share a byte (:func:`check_disjoint`)
     and, where ``apart`` says why, no output shares a byte with an input (:func:`check_apart`).
     Each list's addresses and sizes are read once.  ``spans``: a list's :func:`spans_of` where
-    the caller has them.  ``checked``: whether a list passed its own checks (storage; the
-    outputs' disjointness) at these very addresses and sizes before -- a trusted caller's list
-    that recurs beside a new one (FSDP2's shards beside autograd's new gradients): only what
-    pairs it with the other list is checked.  Returns both lists' spans."""
+    the caller has them.  ``outputs_checked``: the outputs passed their own checks (storage,
+    disjointness) at these very addresses and sizes before (:class:`CheckedLists`): only their
+    pairing with the inputs is checked.  Returns both lists' spans."""
     in_spans = spans_of(inputs) if spans[0] is None else spans[0]
     out_spans = spans_of(outputs) if spans[1] is None else spans[1]
-    if not checked[0]:
-        check_storage(in_name, inputs, in_spans)
-    if not checked[1]:
+    check_storage(in_name, inputs, in_spans)
+    if not outputs_checked:
         check_storage(out_name, outputs, out_spans)
         check_disjoint(out_name, outputs, out_spans)
     if apart is not None:
@@ -218,12 +216,12 @@ def check_bound(in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
 
 
 class CheckedLists:
-    """Tensor lists that passed their own checks of a new set of addresses (storage; an
-    output list's disjointness) -- by addresses and sizes, with their spans, the ``kept``
-    most recent.  A trusted caller's list that recurs beside a new one (FSDP2's reduce-scatter
-    shards beside autograd's new gradients, every step on MoE layers) is then only paired
-    with the new list (:func:`check_bound`'s ``checked``), the trust a set of addresses seen
-    before already has, given per list."""
+    """Output lists that passed their own checks of a new set of addresses (storage,
+    disjointness) -- by a key of their addresses, sizes and dtype, with their spans, the
+    ``kept`` most recent.  A trusted caller's outputs that recur beside new inputs (FSDP2's
+    reduce-scatter shards beside autograd's new gradients, every step on MoE layers) are then
+    only paired with the new inputs: the trust a set of addresses seen before already has,
+    given per list.  Shapes, dtypes and layout are the caller's to check every time."""
 
     def __init__(self, kept: int = 8) -> None:
         self._spans: OrderedDict[tuple, Spans] = OrderedDict()
@@ -232,11 +230,16 @@ class CheckedLists:
     def __len__(self) -> int:
         return len(self._spans)
 
-    def get(self, key: tuple) -> Spans | None:
-        return self._spans.get(key)
-
-    def add(self, key: tuple, spans: Spans) -> None:
-        self._spans[key] = spans
+    def check_bound(self, in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
+                    outputs: Sequence[torch.Tensor], key: tuple, esizes: tuple[int, int], *,
+                    apart: str | None = None) -> None:
+        """:func:`check_bound` of ``inputs`` (new) beside ``outputs`` (``key``: their addresses,
+        sizes and dtype; ``esizes``: both lists' element sizes, their dtypes checked uniform),
+        the outputs' own checks skipped where they passed at ``key`` before; remembers them."""
+        known = self._spans.get(key)
+        spans = (spans_of(inputs, esizes[0]), known if known is not None else spans_of(outputs, esizes[1]))
+        check_bound(in_name, inputs, out_name, outputs, apart=apart, spans=spans, outputs_checked=known is not None)
+        self._spans[key] = spans[1]
         self._spans.move_to_end(key)
         while len(self._spans) > self.kept:
             self._spans.popitem(last=False)

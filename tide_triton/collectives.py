@@ -22,7 +22,7 @@ import torch
 from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import (FLOAT_DTYPES, RS_APART, CheckedLists, check_bound, check_gather_shards, check_shapes,
-                      check_tensor_list, check_uniform, dtype_name, spans_of)
+                      check_tensor_list, check_uniform, dtype_name)
 from .errors import PeerAbortedError, PeerArgumentError
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .executor import capturing as _capturing  # the name the capture tests patch
@@ -239,12 +239,9 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     prep = g.cached(key)
     if prep is None:
         # the shards recur beside new gradients (FSDP2 on MoE layers): their own checks are remembered
-        checked = g.state(_CHECKED_SHARDS, CheckedLists)
-        known = checked.get((sdt, shard_ptrs, snumels))
-        spans = (spans_of(grads_l, gdt.itemsize), known if known is not None else spans_of(shards_l, sdt.itemsize))
-        check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART, spans=spans,
-                    checked=(False, known is not None))
-        checked.add((sdt, shard_ptrs, snumels), spans[1])
+        g.state(_CHECKED_SHARDS, CheckedLists).check_bound(
+            "grads", grads_l, "shards", shards_l, (sdt, shard_ptrs, snumels), (gdt.itemsize, sdt.itemsize),
+            apart=RS_APART)
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,

@@ -36,8 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import (RS_APART, CheckedLists, check_bound, check_gather_shards, check_shapes, check_uniform,
-                      same_shapes, spans_of)
+from ._checks import RS_APART, CheckedLists, check_gather_shards, check_shapes, check_uniform, same_shapes
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -144,8 +143,6 @@ class _Prepared:
         full_dtype, shard_dtype = self._dtypes
         layout, me = self.layout, self.g.rank
         name = self._names[0 if self._full_first else 1]
-        second_id = key[1:]
-        known = self._checked_second.get(second_id)
         if len(full) != len(layout) or not same_shapes(full, layout.shapes):
             raise ValueError(f"{self.name}: {name} must have the prepared shapes ({len(layout)} tensors)")
         check_uniform(name, full, dtypes=(full_dtype,), device=self.device)
@@ -155,13 +152,11 @@ class _Prepared:
         else:
             check_gather_shards(shards, layout, me)
         check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
-        first_esize, second_esize = (d.itemsize for d in (self._dtypes if self._full_first else self._dtypes[::-1]))
-        spans = (spans_of(first, first_esize), known if known is not None else spans_of(second, second_esize))
+        esizes = tuple(d.itemsize for d in (self._dtypes if self._full_first else self._dtypes[::-1]))
         if self._full_first:
-            check_bound(name, full, "shards", shards, apart=RS_APART, spans=spans, checked=(False, known is not None))
+            self._checked_second.check_bound(name, full, "shards", shards, key[1:], esizes, apart=RS_APART)
         else:
-            check_bound("shards", shards, name, full, spans=spans, checked=(False, known is not None))
-        self._checked_second.add(second_id, spans[1])
+            self._checked_second.check_bound("shards", shards, name, full, key[1:], esizes)
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         raise NotImplementedError

@@ -252,6 +252,8 @@ class CopyEngine:
         self._pending: dict[int, tuple[int, int, int, str, int, int]] = {}
         self._waits_into: dict[int, tuple[int, int, int, str, int, int]] | None = None  # see recording_waits
         self._tracks: dict[int, _Track] = {}  # stream handle -> its progress word (eager batches)
+        # (slot, progress word) -> a pending wait a later one on its slot replaced (_note_pending)
+        self._superseded: OrderedDict[tuple[int, int], tuple[int, int, int, str, int, int]] = OrderedDict()
         self._rec_tracks: dict[int, _Track] | None = None  # the same for a recording's streams
         # Handles of the caller's streams that got waits/signals (drained at close).  Handles,
         # not weak references: torch <= 2.12's Stream/Event deallocs leave weak references
@@ -720,23 +722,19 @@ class CopyEngine:
 
     def _note_pending(self, slot: int, entry: tuple[int, int, int, str, int, int]) -> None:
         """``entry`` becomes slot ``slot``'s pending wait.  The wait it replaces is kept aside
-        (:meth:`_superseded_waits`) when it has a progress word other than the new one's: a
+        (``_superseded``) when it has a progress word other than the new one's: a
         replay of another recording noted behind a stuck run (FSDP2's backward enqueues the
         next layer's replay without waiting), whose own word still reads its last replay's
         count until its first node runs -- without it the stuck run's wait left the ledger and
         a timeout named nobody."""
         old = self._pending.get(slot)
         if old is not None and old[4] and old[4] != entry[4]:
-            kept = self._superseded_waits()
+            kept = self._superseded
             kept[(slot, old[4])] = old
             kept.move_to_end((slot, old[4]))
             while len(kept) > SUPERSEDED_KEPT:
                 kept.popitem(last=False)
         self._pending[slot] = entry
-
-    def _superseded_waits(self) -> "OrderedDict[tuple[int, int], tuple[int, int, int, str, int, int]]":
-        """Pending waits a later wait on their slot replaced, by (slot, progress word)."""
-        return self.__dict__.setdefault("_superseded", OrderedDict())
 
     def _track(self, s: int) -> _Track | None:
         """Stream ``s``'s progress word for the batch being enqueued: a recording's own
@@ -962,7 +960,7 @@ class CopyEngine:
             code = int(res[0])
             if code == 0:
                 self._pending = {k: v for k, v in self._pending.items() if v[2] != s}
-                kept = self._superseded_waits()
+                kept = self._superseded
                 for k in [k for k, v in kept.items() if v[2] == s]:
                     del kept[k]
                 return
@@ -1041,7 +1039,7 @@ class CopyEngine:
         progress: dict[int, int] = {}  # word -> what it reads
         out = []
         eq = self._eq_slots()
-        waits = sorted(self._pending.items()) + [(k[0], v) for k, v in self._superseded_waits().items()]
+        waits = sorted(self._pending.items()) + [(k[0], v) for k, v in self._superseded.items()]
         for slot, (value, peer, sh, what, word, seq) in waits:
             if sh not in idle:
                 with self._guard:
