@@ -180,6 +180,9 @@ its second run and replayed from its third; the first launch of a graph uploads 
 TIMEOUT_S = 120.0
 """``--timeout-s``: every group's deadline (waits on peers, on GPU work)."""
 
+STAGE_TIMES: str | None = None
+"""``--stage-times FILE``: rank 0's host time per stage appended there (one process per rank)."""
+
 CAPTURED = False
 """``--captured``: prepared runs captured into a CUDA graph each (after one run outside the
 capture); the timed call is ``graph.replay()``."""
@@ -244,12 +247,14 @@ def _shifts(iters: int) -> int:
     return iters + 8 if NEW_GRADS else 1
 
 
-def timed_calls(fn, iters: int, profile_path: str | None, title: str) -> tuple[float, float, float]:
-    """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``):
+def timed_calls(fn, iters: int, profile_path: str | None, title: str,
+                stages_path: str | None = None) -> tuple[float, float, float]:
+    """``iters`` back-to-back calls of ``fn`` (under a cProfile when ``profile_path``, with
+    stage timers when ``stages_path``: :mod:`stage_times`, appended there):
     (start time, host ms per call -- the enqueue, pacing waits included -- and this thread's
     CPU ms per call), both means; the medians and the garbage collector's share are printed."""
     host, cpu = [], []
-    with _host_profile(profile_path, title), GcPasses() as clock:
+    with _host_profile(profile_path, title), _stage_times(stages_path, title, iters), GcPasses() as clock:
         t0 = time.perf_counter()
         for _ in range(iters):
             a, c = time.perf_counter(), time.thread_time()
@@ -375,7 +380,8 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
             fn()
         tt.synchronize(g, timeout_s=TIMEOUT_S)
         dist.barrier()
-        t0, host, cpu = timed_calls(fn, iters, host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)")
+        t0, host, cpu = timed_calls(fn, iters, host_profile if rank == 0 else None, f"{model} W={W} {name} (rank 0)",
+                                    STAGE_TIMES if rank == 0 else None)
         tt.synchronize(g, timeout_s=TIMEOUT_S)
         dist.barrier()
         row[name + "_ms"] = (time.perf_counter() - t0) / iters * 1e3
@@ -431,6 +437,21 @@ def _profiled_call(fn, g, rank: int, trace: str, title: str) -> dict:
           f"ranks), some rank active {both['active_ms']:.2f} ms, two or more at once {both['concurrent_ms']:.2f} ms",
           flush=True)
     return {**busy, **{f"all_{k}": v for k, v in both.items()}}
+
+
+@contextlib.contextmanager
+def _stage_times(path: str | None, title: str, per: int):
+    """Wall time per stage of the library's host work inside the block (:mod:`stage_times`),
+    per call, appended to ``path`` (nothing when ``path`` is None)."""
+    if path is None:
+        yield
+        return
+    from stage_times import StageTimes
+
+    with StageTimes() as st:
+        yield
+    with open(path, "a") as f:
+        f.write(st.table(per, title))
 
 
 @contextlib.contextmanager
@@ -592,6 +613,9 @@ def main() -> None:
                          "ceiling + kernel time)")
     ap.add_argument("--host-profile", default=None, metavar="FILE",
                     help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
+    ap.add_argument("--stage-times", default=None, metavar="FILE",
+                    help="append rank 0's wall time per stage of the library's host work (bench/stage_times.py: "
+                         "timers on chosen functions, no profiler) per timed call to FILE")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on cuda:0 (default: rank r on cuda:r %% number of GPUs)")
     ap.add_argument("--prepared", action="store_true",
@@ -614,7 +638,8 @@ def main() -> None:
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
     global APART, PREPARED, CAPTURED
-    global NEW_GRADS, TIMEOUT_S, UNCHECKED
+    global NEW_GRADS, TIMEOUT_S, UNCHECKED, STAGE_TIMES
+    STAGE_TIMES = args.stage_times
     APART, PREPARED, CAPTURED, NEW_GRADS = args.apart, args.prepared, args.captured, args.new_grads
     UNCHECKED = args.unchecked
     TIMEOUT_S = args.timeout_s
