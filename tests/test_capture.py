@@ -181,3 +181,43 @@ def test_capture_on_gpu_raises_without_hang() -> None:
     finally:
         for g in groups:
             g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+def test_vacate_under_capture_is_refused_before_it_signals() -> None:
+    """``HeapRegion.vacate()`` inside a CUDA graph capture raises at once, naming the region:
+    its signal carries the hand-over's epoch, which a graph would bake in (every replay would
+    signal the same one, and the peers' waits for later hand-overs would never be met).  No
+    epoch is used up: the next vacate outside the capture is the first hand-over."""
+    dev = torch.device("cuda", 0)
+    groups = tt.local_groups(W, timeout_s=60, ring_bytes=512 * W, devices=[dev] * W)
+
+    def body(r: int):
+        g = groups[r]
+        region = g.heap_region("vacate-capture", 256, dev)
+        side = torch.cuda.Stream(dev)
+        err = None
+        if r == 0:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    region.vacate()
+                except RuntimeError as e:
+                    err = str(e)
+                finally:
+                    graph.capture_end()
+        with torch.cuda.stream(side):
+            epoch = region.vacate()
+        tt.synchronize(g, timeout_s=60)
+        return err, epoch
+
+    try:
+        out = run_threads(body, W, timeout=120)
+    finally:
+        for g in groups:
+            g.close()
+    err, epoch = out[0]
+    assert err is not None and "'vacate-capture'" in err and "cannot be captured" in err, err
+    assert epoch == 1 and out[1][1] == 1, out

@@ -442,6 +442,13 @@ drv.capturing = NONE
 assert not t.stream_capturing(0x5000)
 t.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
 assert t._pending[2][4:] == (t._tracks[0x5000].word, 2), t._pending
+# ... and so does the end of the captured run (user_capture_ended), without another query: the
+# thread's eager waits after it are numbered again
+drv.capturing = ACTIVE
+assert t.stream_capturing(0x5000)
+t.user_capture_ended()
+t.wait_all([4], [T], peers=[3], timeout_s=1.0, equal=True)
+assert t._pending[4][4:] == (t._tracks[0x5000].word, 3), t._pending
 
 # (4) What a wait batch costs: its progress write rides in the same cuStreamBatchMemOp -- no
 # driver call more per batch (nor at a stream's first batch: the words were allocated before);

@@ -280,7 +280,15 @@ class _Prepared:
         enqueued op by op the first time, recorded at the second and replayed from then on
         (:mod:`tide_triton.run_graph`, ``$TIDE_TRITON_RUN_GRAPHS``)."""
         g = self.g
-        if captured or not self._graphs_on:
+        if captured:
+            try:
+                return self._run(g, binding, stream, async_op, captured)
+            finally:  # the thread's later waits are outside this capture (see _is_captured)
+                if self.device.type == "cuda":
+                    ended = getattr(g.transport(self.device), "user_capture_ended", None)
+                    if ended is not None:
+                        ended()
+        if not self._graphs_on:
             return self._run(g, binding, stream, async_op, captured)
         rg = self._graphs.get(key, _UNRECORDED)  # one lookup: the key hashes O(parameters) ints
         if rg is _UNRECORDED:

@@ -150,6 +150,14 @@ class HeapRegion:
         kw = {}
         if self.device.type == "cuda":
             kw["stream"] = stream if stream is not None else torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(kw["stream"]):
+                captured = torch.cuda.is_current_stream_capturing()
+            if captured:
+                raise RuntimeError(
+                    f"heap region {self.key!r}: vacate() cannot be captured in a CUDA graph: its signal carries "
+                    f"this hand-over's epoch ({self.vacated + 1}), which a graph would bake in -- every replay "
+                    f"would signal the same epoch, and the peers' waits for the next hand-overs would never "
+                    f"be met; call vacate() outside the captured region (nothing was signalled)")
         elif getattr(t, "host_compute", None) is not None:  # the caller's thread, ahead of an async queue
             kw["stream"] = t.host_compute
         with t.session():

@@ -813,6 +813,11 @@ class CudaTransport:
         write no progress word (a prepared run asks before each run)."""
         return self._sig.stream_capturing(stream if stream is not None else torch.cuda.current_stream(self.device))
 
+    def user_capture_ended(self) -> None:
+        """A prepared run inside a user's capture is enqueued whole: this thread's waits get
+        progress words again (see :meth:`stream_capturing`)."""
+        self._sig.user_capture_ended()
+
     def note_waits(self, waits: dict, stream: torch.cuda.Stream) -> None:
         """A replay of a graph holding ``waits`` (:meth:`recording_waits`) was launched on
         ``stream``: its waits are pending there (what :meth:`synchronize` names when stuck)."""

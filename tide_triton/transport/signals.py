@@ -865,6 +865,14 @@ class CopyEngine:
         self._tls.user_capture = captured
         return captured
 
+    def user_capture_ended(self) -> None:
+        """This thread's prepared run inside a user's capture is enqueued whole: its next
+        waits (outside a capture -- an eager collective refuses one -- or in another run,
+        which asks again) get progress words again.  Without it the answer stayed until this
+        thread's next prepared run asked, and eager timeouts in between named peers by the
+        old rule."""
+        self._tls.user_capture = False
+
     def note_waits(self, waits: dict[int, tuple[int, int, int, str, int, int]], stream: Any) -> None:
         """A replayed graph's waits (:meth:`recording_waits`), pending on ``stream`` (with the
         recording's progress words: the graph wrote them to 0 first)."""
