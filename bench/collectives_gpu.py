@@ -180,6 +180,9 @@ its second run and replayed from its third; the first launch of a graph uploads 
 TIMEOUT_S = 120.0
 """``--timeout-s``: every group's deadline (waits on peers, on GPU work)."""
 
+RS_PUSH = "auto"
+"""``--rs-push``: the groups' ``GroupOptions.rs_push`` (how a reduce-scatter pushes its slices)."""
+
 STAGE_TIMES: str | None = None
 """``--stage-times FILE``: rank 0's host time per stage appended there (one process per rank)."""
 
@@ -272,7 +275,7 @@ def run(model: str, W: int, iters: int, ring_bytes: int, profile: str | None = N
     devs = rank_devices(W, share_gpu)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
-    groups = tt.local_groups(W, timeout_s=TIMEOUT_S, ring_bytes=ring_bytes, devices=devs)
+    groups = tt.local_groups(W, timeout_s=TIMEOUT_S, ring_bytes=ring_bytes, devices=devs, rs_push=RS_PUSH)
     grads = [back_to_back(shapes, torch.bfloat16, devs[r], shifts=_shifts(iters)) for r in range(W)]
     shards = [back_to_back(layout.shard_shapes(r, padded=True), torch.float32, devs[r], 0.0) for r in range(W)]
     bshards = [back_to_back(layout.shard_shapes(r, padded=True), torch.bfloat16, devs[r], 0.0) for r in range(W)]
@@ -369,7 +372,7 @@ def run_dist(model: str, iters: int, ring_bytes: int, share_gpu: bool = False,
     torch.cuda.set_device(dev)
     shapes = layer_shapes(model)
     layout = tt.ShardLayout(shapes, W)
-    g = tt.init(timeout_s=TIMEOUT_S, ring_bytes=ring_bytes)
+    g = tt.init(timeout_s=TIMEOUT_S, ring_bytes=ring_bytes, rs_push=RS_PUSH)
     grads = back_to_back(shapes, torch.bfloat16, dev, shifts=_shifts(iters))
     shards = back_to_back(layout.shard_shapes(rank, padded=True), torch.float32, dev, 0.0)
     bshards = back_to_back(layout.shard_shapes(rank, padded=True), torch.bfloat16, dev, 0.0)
@@ -613,6 +616,8 @@ def main() -> None:
                          "ceiling + kernel time)")
     ap.add_argument("--host-profile", default=None, metavar="FILE",
                     help="append a cProfile of rank 0's timed calls (top functions by own time) to FILE")
+    ap.add_argument("--rs-push", default="auto", choices=["auto", "copy_engine", "kernel"],
+                    help="GroupOptions.rs_push: the reduce-scatter's pushes by copy descriptors or the segment kernel")
     ap.add_argument("--stage-times", default=None, metavar="FILE",
                     help="append rank 0's wall time per stage of the library's host work (bench/stage_times.py: "
                          "timers on chosen functions, no profiler) per timed call to FILE")
@@ -638,8 +643,8 @@ def main() -> None:
                     help="with --plot: plot recorded rows (this script's and nccl_baseline.py's) without running")
     args = ap.parse_args()
     global APART, PREPARED, CAPTURED
-    global NEW_GRADS, TIMEOUT_S, UNCHECKED, STAGE_TIMES
-    STAGE_TIMES = args.stage_times
+    global NEW_GRADS, TIMEOUT_S, UNCHECKED, STAGE_TIMES, RS_PUSH
+    STAGE_TIMES, RS_PUSH = args.stage_times, args.rs_push
     APART, PREPARED, CAPTURED, NEW_GRADS = args.apart, args.prepared, args.captured, args.new_grads
     UNCHECKED = args.unchecked
     TIMEOUT_S = args.timeout_s
@@ -709,6 +714,7 @@ def main() -> None:
             row["tensors_apart"] = APART
             row["new_grads"] = NEW_GRADS
             row["prepared"] = PREPARED or CAPTURED
+            row["rs_push"] = RS_PUSH
             row["captured"] = CAPTURED
             row["address_check"] = not UNCHECKED  # prepared runs: run(check_addresses=...)
             in_process = 1 if torchrun else W  # the graph modes in effect (envs.graphs_in_process)

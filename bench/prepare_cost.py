@@ -15,6 +15,7 @@ strided runs).  On a GPU the transport's driver objects and the tables' uploads 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -47,6 +48,38 @@ class AddressOnly:
         return dsts, srcs, nbytes, strided
 
 
+class EngineStandIn(AddressOnly):
+    """``AddressOnly`` whose ``prepare_copies`` is the CUDA transport's own
+    (``CopyEngine.prepare_copies``: checks, cuts at allocation ends, driver structs), its
+    driver queries answered in Python -- every allocation 1 TiB long, on this rank's GPU --
+    so the host cost of preparing copies is measured without a GPU (``--engine``; needs
+    cuda-bindings for the structs)."""
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver as cu
+
+        from tide_triton.transport.signals import CopyEngine
+
+        class Driver:
+            def __getattr__(self, name):
+                return getattr(cu, name)
+
+            def cuMemGetAddressRange(self, ptr):
+                p = int(ptr)
+                return cu.CUresult.CUDA_SUCCESS, p - p % (1 << 40), 1 << 40
+
+            def cuPointerGetAttribute(self, attr, ptr):
+                return cu.CUresult.CUDA_SUCCESS, 0
+
+        e = object.__new__(CopyEngine)
+        e._cu, e._guard, e.device = Driver(), contextlib.nullcontext(), torch.device("cuda", 0)
+        e.rank = 0
+        self._engine = e
+
+    def prepare_copies(self, dsts, srcs, nbytes, *, strided=()):
+        return self._engine.prepare_copies(dsts, srcs, nbytes, strided=strided)
+
+
 def addresses(numels, elem_bytes: int, base: int, apart: bool) -> tuple[int, ...]:
     out, at = [], base
     for i, n in enumerate(numels):
@@ -71,23 +104,26 @@ def main() -> None:
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--apart", action="store_true", help="every tensor at its own address (no strided runs)")
+    ap.add_argument("--engine", action="store_true",
+                    help="the CUDA transport's prepare_copies (driver structs; queries answered in Python)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the bindings' CPU tables
     info = env_info(torch.device("cpu"))
     print(f"{info['gpu']}, {os.cpu_count()} cores | torch {info['torch']} | python {info['python']} | "
-          f"git {info['git_sha']} | {info['date']} | {'tensors apart' if args.apart else 'back to back'}")
+          f"git {info['git_sha']} | {info['date']} | {'tensors apart' if args.apart else 'back to back'}"
+          f"{' | CopyEngine.prepare_copies' if args.engine else ''}")
     print("| layer | W | prepare_reduce_scatter median / mean (ms) | prepare_all_gather median / mean (ms) |")
     print("|---|---|---|---|")
     for model in args.models:
         for W in args.world_sizes:
-            rs, ag = row(model, W, args.reps, args.apart)
+            rs, ag = row(model, W, args.reps, args.apart, args.engine)
             print(f"| {model} | {W} | {statistics.median(rs):.3f} / {statistics.mean(rs):.3f} | "
                   f"{statistics.median(ag):.3f} / {statistics.mean(ag):.3f} |", flush=True)
 
 
-def row(model: str, W: int, reps: int, apart: bool) -> tuple[list[float], list[float]]:
+def row(model: str, W: int, reps: int, apart: bool, engine: bool = False) -> tuple[list[float], list[float]]:
     """Milliseconds of ``reps`` reduce-scatter and all-gather preparations on new addresses."""
-    t = AddressOnly()
+    t = EngineStandIn() if engine else AddressOnly()
     layout = ShardLayout(layer_shapes(model), W)
     es, ring_bytes, stages = 2, 256 << 20, 2
     reg = heap_ring(64, W, ring_bytes, stages, 0)

@@ -6,6 +6,8 @@ prepared collectives end in a timeout naming the peer (the token protocol never 
 moved storage is refused, and a run's host work does not grow with the parameter count."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -60,18 +62,20 @@ def _close(groups) -> None:
         g.close()
 
 
-def test_prepared_runs_are_exact_and_equal_the_eager_calls() -> None:
+@pytest.mark.parametrize("rs_push", ["auto", "kernel"])
+def test_prepared_runs_are_exact_and_equal_the_eager_calls(rs_push: str) -> None:
     """Three runs of a prepared reduce-scatter (op sum, padded shards) and of two prepared
     all-gathers (fp32 shards -> bf16 params, a cast; bf16 -> bf16, copies), with new gradient
     values before each and eager calls on other tensors in between; each run equals the
-    contract and the eager call on the same values, bit for bit; padding rows become zero."""
+    contract and the eager call on the same values, bit for bit; padding rows become zero.
+    ``rs_push="kernel"``: the reduce-scatters push their slices with the segment kernel."""
     layout = ShardLayout(SHAPES, W)
     other_shapes = [(4, 4), (9,)]
     other_layout = ShardLayout(other_shapes, W)
     gen = torch.Generator().manual_seed(11)
     grads = _grads(gen, SHAPES)
     other = _grads(gen, other_shapes)
-    groups = _groups()
+    groups = _groups(rs_push=rs_push)
     state: dict[int, dict] = {}
 
     def prepare(r: int) -> None:
@@ -466,7 +470,8 @@ class _RankPair:
         dev = self.dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        self.g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size)
+        self.g = tt_.init(timeout_s=60, ring_bytes=4096 * world_size,
+                          rs_push=os.environ.get("TIDE_TEST_RS_PUSH", "auto"))
         self.layout = layout = ShardLayout(SHAPES, world_size)
         self.grads = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in SHAPES]
         self.shards = [torch.full(s, -1.0, device=dev) for s in layout.shard_shapes(rank, padded=True)]
@@ -518,10 +523,12 @@ def _prepared_child(rank: int, world_size: int, device: str) -> list:
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("rs_push", ["auto", "kernel"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_prepared_collectives_one_process_per_rank(device: str) -> None:
+def test_prepared_collectives_one_process_per_rank(device: str, rs_push: str) -> None:
     """How users run: one process per rank (on a GPU machine: cuda:LOCAL_RANK, or every rank
-    on one GPU with --share-gpu); every run exact and bit-identical to the eager call."""
+    on one GPU with --share-gpu); every run exact and bit-identical to the eager call
+    (``rs_push="kernel"``: reduce-scatter pushes by the segment kernel, on the copy stream)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     try:
@@ -530,7 +537,8 @@ def test_prepared_collectives_one_process_per_rank(device: str) -> None:
         from tests._dist import run_multiprocess
     world = 2
     out = run_multiprocess(_prepared_child, world, device, timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                "TIDE_TEST_RS_PUSH": rs_push})
     layout = ShardLayout(SHAPES, world)
     for k in range(3):
         want = _pair_want(k, world)
@@ -568,17 +576,20 @@ def _captured_child(rank: int, world_size: int, device: str) -> list:
 @pytest.mark.gpu
 @pytest.mark.multiproc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly() -> None:
+@pytest.mark.parametrize("rs_push", ["auto", "kernel"])
+def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly(rs_push: str) -> None:
     """Issue 15's capture: prepared runs recorded into a CUDA graph (one process per rank);
     every replay -- and an eager run between replays -- exact, bit-identical to the eager
-    reduce-scatter on the same values, padding rows zero."""
+    reduce-scatter on the same values, padding rows zero (``rs_push="kernel"``: the pushes'
+    kernel launches on the copy stream are captured too)."""
     try:
         from _dist import run_multiprocess
     except ImportError:  # pragma: no cover
         from tests._dist import run_multiprocess
     world = 2
     out = run_multiprocess(_captured_child, world, "cuda", timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                "TIDE_TEST_RS_PUSH": rs_push})
     layout = ShardLayout(SHAPES, world)
     for n, k in enumerate((0, 1, 2, 7, 3)):
         want = _pair_want(k, world)
@@ -908,8 +919,9 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
         _close(groups)
 
 
+@pytest.mark.parametrize("rs_push", ["auto", "kernel"])
 @pytest.mark.parametrize("queue", ["sync", "async"])
-def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str) -> None:
+def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str, rs_push: str) -> None:
     """Issue 15's "replays exact" on the CPU: each rank captures its prepared reduce-scatter
     (sum, padded shards) and all-gather (fp32 -> bf16, a cast) into a host graph
     (:mod:`tide_triton.host_capture`: the copies, signals, waits, fences and kernel launches are
@@ -925,7 +937,7 @@ def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str) -> No
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(41)
     vals = _grads(gen, SHAPES)
-    groups = _groups()
+    groups = _groups(rs_push=rs_push)
     state: dict[int, dict] = {}
 
     def prepare(r: int) -> int:

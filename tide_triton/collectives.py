@@ -247,7 +247,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
                                                                     snumels, gdt, sdt, device, scale, acc,
                                                                     ring_bytes))
     reducers, pushes, padding = prep
-    t.warm_replays([p for p, _n in pushes] + [padding[0] if padding else None])  # before any flag wait
+    t.warm_replays(node_prepare.copy_lists([p for p, _n in pushes]) + [padding[0] if padding else None])
     g.heap_barrier()
     pace = g.pacer(device)
     pace.start(max((n for _, n in pushes), default=0) + 4 * W)
@@ -269,7 +269,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
             frees = [d for d in dests if (d, s) in g.rs_last]
             t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
                        timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
-            t.copy_prepared(pushes[j][0])
+            node_prepare.enqueue_push(t, pushes[j][0])
             t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
             for d in dests:
                 g.rs_last[(d, s)] = v

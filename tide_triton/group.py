@@ -714,7 +714,7 @@ def _lazy_loading_problem(world_size: int, lazy: bool) -> str | None:
 _SHARED_OPTIONS = ("ring_bytes", "stages", "agree", "chunk_bytes", "inflight_chunks", "inter_node", "multicast")
 """The options every rank of a group must share (agreed at creation): they lay out the heap,
 the ring and the flag map, choose the protocol of the calls or the hop across nodes.  The
-others (``timeout_s``, ``max_ctas``, ``max_inflight_chunks``, ``nccl_library``) are this
+others (``timeout_s``, ``max_ctas``, ``rs_push``, ``max_inflight_chunks``, ``nccl_library``) are this
 rank's own affair."""
 
 

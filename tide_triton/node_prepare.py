@@ -5,9 +5,10 @@ executor (:mod:`tide_triton.collectives`) and the prepared collectives
 (:mod:`tide_triton.programs`), which differ only in how their flags say "ready" and "free"."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -15,13 +16,14 @@ import torch
 from .executor import ARRAY_PLAN_MIN, Strided, plan_copies, prepare_padding_zeros, prepare_planned
 from .group import Group
 from .heap import Ring
-from .kernels import Binding, SegmentProgram, Span, upload_pointer_tables
+from .kernels import Binding, SegmentProgram, Span, upload_table_pairs
 from .layout import ShardLayout
 from .ranges import in_host_range
 from .schedule import ring_plan
 
-__all__ = ["AG_BATCH", "chunk_program", "prepare_reduce_scatter", "push_plans", "prepare_all_gather",
-           "prepare_stage", "cast_program"]
+__all__ = ["AG_BATCH", "KERNEL_PUSH_MIN_PIECES", "KernelPush", "chunk_program", "push_program",
+           "kernel_push_rounds", "enqueue_push", "copy_lists", "prepare_reduce_scatter", "push_plans",
+           "prepare_all_gather", "prepare_stage", "cast_program"]
 
 AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
@@ -39,6 +41,74 @@ def chunk_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages:
     return SegmentProgram(runs, n_dst=len(layout), n_src=len(pieces))
 
 
+KERNEL_PUSH_MIN_PIECES = 64
+"""Under ``GroupOptions.rs_push="auto"``, a reduce-scatter round whose pushes hold more pieces
+than this (a piece: one gradient's rows for one peer) moves them with one kernel launch
+instead of a copy descriptor each.  On new, scattered gradient addresses (FSDP2's MoE
+layers every step) each descriptor costs the host ~5 us in ``cuMemcpyBatchAsync`` on the
+H200, and more than ~1,000 queued behind a flag wait block the enqueuing thread, so the
+pacer let the host only one or two rounds ahead (session 21,
+``bench/queue_depth_probe.py``); the Llama layers' 9 parameters stay on the copy engines."""
+
+
+@lru_cache(maxsize=256)
+def push_program(layout: ShardLayout, ring_bytes: int, elem_bytes: int, stages: int, me: int,
+                 j: int) -> SegmentProgram:
+    """Rank ``me``'s pushes of round ``j`` as one segment program: run ``i`` copies one piece --
+    the rows of destination ``d`` of a gradient (source entry = the parameter, read where the
+    gradient lies) into ``d``'s slot for ``me`` (destination entry = ``d``'s index among the
+    round's destinations, in rank order)."""
+    plan = ring_plan(layout, ring_bytes, elem_bytes, stages)
+    Sp = layout.padded_shard_numels
+    dests = _round_dests(plan, me, j)
+    runs = tuple(Span(k, pc.slot_off, pc.param, d * Sp[pc.param] + pc.start, pc.numel)
+                 for k, d in enumerate(dests) for pc in plan.chunks[d][j])
+    return SegmentProgram(runs, n_dst=len(dests), n_src=len(layout))
+
+
+def _round_dests(plan, me: int, j: int) -> list[int]:
+    """The peers rank ``me`` pushes to in round ``j`` (rank order)."""
+    return [d for d in range(plan.layout.world_size) if d != me and j < len(plan.chunks[d])]
+
+
+def kernel_push_rounds(plan, me: int, how: str) -> frozenset[int]:
+    """The rounds whose pushes go as one kernel launch (:class:`KernelPush`) under
+    ``GroupOptions.rs_push`` = ``how``: none (``"copy_engine"``), every round with pieces
+    (``"kernel"``), or those with more than :data:`KERNEL_PUSH_MIN_PIECES` (``"auto"``).  Made
+    from the layout alone: the same for every set of addresses."""
+    if how == "copy_engine":
+        return frozenset()
+    least = 1 if how == "kernel" else KERNEL_PUSH_MIN_PIECES + 1
+    return frozenset(j for j in range(plan.rounds)
+                     if sum(len(plan.chunks[d][j]) for d in _round_dests(plan, me, j)) >= least)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelPush:
+    """One round's pushes as one launch of the segment kernel (rows copied as they are:
+    ``K=1``, no scale) in the copy queue's order; its tables hold the gradients' addresses,
+    uploaded with the round's reductions'.  SM work, capped by ``GroupOptions.max_ctas``."""
+
+    binding: Binding
+
+    def enqueue(self, t: Any, captured: bool = False) -> None:
+        b = self.binding
+        t.on_copy_queue(lambda: b.launch(check_addresses=False, capturing=captured))
+
+
+def enqueue_push(t: Any, push: Any, captured: bool = False) -> None:
+    """A round's pushes on the copy queue: a :class:`KernelPush`, or prepared copies."""
+    if isinstance(push, KernelPush):
+        push.enqueue(t, captured)
+    else:
+        t.copy_prepared(push, capturable=captured)
+
+
+def copy_lists(pushes: Sequence[Any]) -> list[Any]:
+    """The prepared copy lists among a reduce-scatter's pushes (what ``warm_replays`` takes)."""
+    return [p for p in pushes if not isinstance(p, KernelPush)]
+
+
 @in_host_range("tide_triton::prepare_reduce_scatter")
 def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gptrs: tuple[int, ...],
                             shard_ptrs: tuple[int, ...], snumels: tuple[int, ...], gdt: torch.dtype,
@@ -46,11 +116,15 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
                             ring_bytes: int | None = None):
     """Everything a reduce-scatter enqueues that depends only on its addresses: one bound
     reduction per chunk of this rank (sources in rank order: the peers' slots, and this
-    rank's own gradients read in place), per round the copies that push this rank's slices
-    to its peers' slots, and (without ``acc``) the zero-fill of padded shards' padding.  The
-    bindings hold stand-in tensors, not the caller's: a cached entry keeps no gradient alive."""
+    rank's own gradients read in place), per round the pushes of this rank's slices into its
+    peers' slots with the operations each queues -- ``(prepared copies, descriptors)``, or
+    ``(KernelPush, 1)`` in the rounds :func:`kernel_push_rounds` picks -- and (without ``acc``)
+    the zero-fill of padded shards' padding.  Every table (the reductions' and the kernel
+    pushes') goes up in one upload.  The bindings hold stand-in tensors, not the caller's: a
+    cached entry keeps no gradient alive."""
     W, me, S = g.world_size, g.rank, plan.stages
     es = gdt.itemsize
+    ring = ring_bytes or g.options.ring_bytes
     src_stub = torch.empty(0, dtype=gdt, device=device)
     dst_stub = (torch.empty(0, dtype=sdt, device=device),) * len(layout)
     gp = _Addresses(gptrs)
@@ -59,13 +133,23 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
         own = gp.plus(param, own_off)
         sources.append(_joined([own if c == me else _shifted(slot_off, t.address(me, reg.slot(j % S, c, me)))
                                 for c in range(W)]))
+    by_kernel = sorted(kernel_push_rounds(plan, me, g.options.rs_push))
+    slot_tables = [tuple(t.address(d, reg.slot(j % S, me, d)) for d in _round_dests(plan, me, j)) for j in by_kernel]
+    tables = upload_table_pairs(device, [(shard_ptrs, p) for p in sources] + [(d, gptrs) for d in slot_tables])
     reducers = []
-    for j, (ptrs, tables) in enumerate(zip(sources, upload_pointer_tables(device, shard_ptrs, sources))):
-        b = Binding(chunk_program(layout, ring_bytes or g.options.ring_bytes, es, S, me, j), dst_stub,
-                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs), shared=tables)
+    for j, (ptrs, shared) in enumerate(zip(sources, tables)):
+        b = Binding(chunk_program(layout, ring, es, S, me, j), dst_stub,
+                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs), shared=shared)
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
-    pushes = [(prepare_planned(t, p), len(p)) for p in push_plans(me, plan, t.address, reg, gptrs, es)]
+    kernels = {}
+    for j, dsts, shared in zip(by_kernel, slot_tables, tables[len(sources):]):
+        b = Binding(push_program(layout, ring, es, S, me, j), (src_stub,) * len(dsts), (src_stub,) * len(gptrs), 1,
+                    g.options.max_ctas, known_ptrs=(dsts, gptrs), shared=shared)
+        b.prepare()
+        kernels[j] = (KernelPush(b), 1)
+    plans = push_plans(me, plan, t.address, reg, gptrs, es, skip=kernels)
+    pushes = [kernels[j] if j in kernels else (prepare_planned(t, p), len(p)) for j, p in enumerate(plans)]
     padding = None if acc else prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                      sdt.itemsize, device)
     return reducers, pushes, padding
@@ -92,16 +176,17 @@ def _columns(*cols: list[int]) -> tuple:
     return cols
 
 
-def push_plans(me: int, plan, address, reg: Ring, gptrs: Sequence[int], es: int) -> list[list[Strided]]:
+def push_plans(me: int, plan, address, reg: Ring, gptrs: Sequence[int], es: int,
+               skip: Any = ()) -> list[list[Strided]]:
     """Per round, the copies pushing rank ``me``'s slices of its gradients (at ``gptrs``)
     into its peers' slots, planned: equal-shaped gradients allocated back to back (experts)
     are one strided copy per peer and round.  The pieces' parameters and offsets come from
     a template made once per plan (:func:`_push_template`); per call only the addresses are
-    added (on arrays for long rounds)."""
+    added (on arrays for long rounds).  Rounds in ``skip`` (pushed by a kernel) get ``[]``."""
     gp = _Addresses(gptrs)
     out = []
     for j, (dests, (dest_of, param, slot_off, const, size)) in enumerate(_push_template(plan, me, es)):
-        if not dests:
+        if not dests or j in skip:
             out.append([])
             continue
         s = j % plan.stages
@@ -145,12 +230,12 @@ def _push_template(plan, me: int, es: int) -> list[tuple]:
     slot, the byte offset in the gradient, and the size -- everything but the addresses;
     made once per plan, kept by its layout."""
     layout = plan.layout
-    W, Sp = layout.world_size, layout.padded_shard_numels
+    Sp = layout.padded_shard_numels
 
     def make() -> list[tuple]:
         rounds = []
         for j in range(plan.rounds):
-            dests = [d for d in range(W) if d != me and j < len(plan.chunks[d])]
+            dests = _round_dests(plan, me, j)
             cols: list[list[int]] = [[], [], [], [], []]
             for k, d in enumerate(dests):
                 for pc in plan.chunks[d][j]:

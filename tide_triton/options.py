@@ -34,6 +34,17 @@ class GroupOptions:
     it, by ``timeout_s`` at the latest).  Either way every collective carries its identity
     (call number and signature) to the peers before any data moves, so calls never pair
     with other calls."""
+    rs_push: str = "auto"
+    """How a node-local reduce-scatter moves this rank's gradient slices into its peers' ring
+    slots: ``"copy_engine"`` -- copy descriptors (no SMs; gradients allocated back to back
+    merge into a few strided ones); ``"kernel"`` -- one launch of the segment kernel per
+    round on the copy queue, reading the gradients' addresses from a device table (SMs,
+    capped by ``max_ctas``; the host hands the driver one launch instead of a descriptor per
+    piece); ``"auto"``: the kernel where a round holds more than
+    :data:`tide_triton.node_prepare.KERNEL_PUSH_MIN_PIECES` pieces (MoE layers: hundreds of
+    parameters, whose gradients land at new, scattered addresses every step, so each step
+    pays a descriptor per piece and parameter), else copy descriptors.  This rank's own affair
+    (its peers only see their slots and flags)."""
     max_inflight_chunks: int = 8
     """How many reduce-scatter chunks the host may enqueue ahead of the GPU."""
     chunk_bytes: int = 4 << 20
@@ -61,6 +72,8 @@ class GroupOptions:
     rank, saying why, where the guard fails).  Never run on multicast hardware yet."""
 
     def __post_init__(self) -> None:
+        if self.rs_push not in ("auto", "copy_engine", "kernel"):
+            raise ValueError(f"rs_push must be 'auto', 'copy_engine' or 'kernel', got {self.rs_push!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not is_int(self.ring_bytes) or self.ring_bytes < 256:

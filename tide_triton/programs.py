@@ -392,13 +392,13 @@ class PreparedReduceScatter(_Prepared):
         return reducers, [p for p, _n in pushes], padding, ops
 
     def _kernels(self, binding: Any) -> list:
-        return list(binding[0])
+        return list(binding[0]) + [p.binding for p in binding[1] if isinstance(p, node_prepare.KernelPush)]
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
         reducers, pushes, padding, ops = binding
         t = g.transport(self.device)
         if not captured:  # a capture records loop copies instead (docs/design.md)
-            t.warm_replays([*pushes, padding[0] if padding else None])  # before any flag wait
+            t.warm_replays([*node_prepare.copy_lists(pushes), padding[0] if padding else None])  # before any wait
         st = Streams(g, t, self.device, stream, async_op)
         cs = st.compute
         self._follow(cs, captured)
@@ -422,7 +422,7 @@ class PreparedReduceScatter(_Prepared):
                                      what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
                     t.signal_all([me] * len(frees), slots, [0] * len(frees))
                     pending.difference_update((d, s) for d in frees)
-                t.copy_prepared(pushes[j], capturable=captured)
+                node_prepare.enqueue_push(t, pushes[j], captured)
                 t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
                 pending.update((d, s) for d in dests)
                 if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order

@@ -16,12 +16,14 @@ from .accumulate import accumulate_shards, accumulate_shards_ref, bind_accumulat
 from .multimem import multimem_reduce, multimem_reduce_ref, multimem_store, multimem_store_ref  # noqa: E402
 from .pack import bind_pack_shards, pack_shards, pack_shards_ref  # noqa: E402
 from .placement import bind_place_shards, place_shards, place_shards_ref  # noqa: E402
-from .segments import Binding, SegmentProgram, SharedPointers, Span, upload_pointer_tables  # noqa: E402
+from .segments import (  # noqa: E402
+    Binding, SegmentProgram, SharedPointers, Span, upload_pointer_tables, upload_table_pairs)
 
 __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
     "Span", "SegmentProgram", "Binding", "SharedPointers", "upload_pointer_tables",
+    "upload_table_pairs",
     "multimem_reduce", "multimem_reduce_ref", "multimem_store", "multimem_store_ref",
 ]

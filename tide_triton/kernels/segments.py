@@ -162,17 +162,28 @@ def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
     its own sources (``src_lists``), uploaded as one table: one pinned buffer, one
     non-blocking copy and one event where a table per binding costs one of each per binding
     (a reduce-scatter's chunks bound on new gradients every call: FSDP2's)."""
-    if not src_lists:
+    return upload_table_pairs(device, [(dst_ptrs, s) for s in src_lists])
+
+
+def upload_table_pairs(device: torch.device,
+                       pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[SharedPointers]:
+    """:func:`upload_pointer_tables` for bindings that each have their own ``(dst_ptrs,
+    src_ptrs)``: every distinct sequence (by identity: pass the same object where bindings
+    share one) uploaded once, all in one table, one copy and one event."""
+    if not pairs:
         return []
-    parts = [np.asarray(dst_ptrs, dtype=np.int64)] + [np.asarray(s, dtype=np.int64) for s in src_lists]
+    at: dict[int, int] = {}  # id of a sequence -> its index in parts
+    parts: list[np.ndarray] = []
+    for seq in (x for pair in pairs for x in pair):
+        if id(seq) not in at:
+            at[id(seq)] = len(parts)
+            parts.append(np.asarray(seq, dtype=np.int64))
     table, event = _upload(torch.from_numpy(np.concatenate(parts)), device)
+    starts = np.cumsum([0] + [len(p) for p in parts]).tolist()
+    slices = [table[starts[i]:starts[i + 1]] for i in range(len(parts))]
     gcds = [int(np.gcd.reduce(p)) if len(p) else 0 for p in parts]
-    dst = table[: len(parts[0])]
-    out, at = [], len(parts[0])
-    for p, g in zip(parts[1:], gcds[1:]):
-        out.append(SharedPointers(dst, table[at: at + len(p)], gcds[0], g, event))
-        at += len(p)
-    return out
+    return [SharedPointers(slices[at[id(d)]], slices[at[id(x)]], gcds[at[id(d)]], gcds[at[id(x)]], event)
+            for d, x in pairs]
 
 
 @dataclass(eq=False)

@@ -64,6 +64,11 @@ class Transport(Protocol):
         ``capturable``: only operations a CUDA graph capture records (no batch call, no
         nested graph launch) -- the copy queue is being captured."""
 
+    def on_copy_queue(self, fn: Any) -> None:
+        """Call ``fn()`` -- SM-side work, a kernel launch -- so that what it enqueues runs in the
+        copy queue's order (after the waits and copies enqueued there before, before those
+        enqueued after)."""
+
     def warm_replays(self, lists: Sequence[Any]) -> None:
         """Before a collective enqueues flag waits: capture the prepared ``lists`` that
         :meth:`copy_prepared` will replay as graphs at their next use (nothing that might

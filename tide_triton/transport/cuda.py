@@ -700,6 +700,12 @@ class CudaTransport:
         """The stream every copy (and, by default, every signal and wait) goes on."""
         return self._sig.copy_stream
 
+    def on_copy_queue(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (a kernel launch) with the copy stream current: its work runs in the
+        copy queue's order, after the flag waits and copies enqueued there before."""
+        with torch.cuda.stream(self._sig.copy_stream):
+            fn()
+
     strided_copies = True
     """:meth:`prepare_copies` takes strided runs (``cuMemcpy2DAsync``; on one GPU with wide rows
     ``cuMemcpy3DAsync`` of sub-rows, :func:`~tide_triton.transport.signals.sub_row_bytes`)."""
