@@ -28,7 +28,7 @@ DEFAULT_STAGES: tuple[str, ...] = (
     "tide_triton.programs:PreparedReduceScatter._bind",
     "tide_triton.node_prepare:push_plans",
     "tide_triton.node_prepare:prepare_planned",
-    "tide_triton.node_prepare:upload_pointer_tables",
+    "tide_triton.node_prepare:upload_table_pairs",
     "tide_triton.node_prepare:prepare_padding_zeros",
     "tide_triton.kernels.segments:Binding.__post_init__",
     "tide_triton.kernels.segments:Binding.prepare",

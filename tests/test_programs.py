@@ -509,7 +509,9 @@ def _pair_want(k: int, world: int) -> list[torch.Tensor]:
 
 def _prepared_child(rank: int, world_size: int, device: str) -> list:
     """One process per rank: the prepared pair run three times with new gradient values each
-    time, beside the eager reduce-scatter on the same values; what every run produced."""
+    time, then its reduce-scatter once more on copies of the gradients at new addresses (bound
+    anew: the FSDP2 drop-in's ``_run_on``), each beside the eager reduce-scatter on the same
+    values; what every run produced."""
     pair = _RankPair(rank, world_size, device)
     out = []
     try:
@@ -517,6 +519,10 @@ def _prepared_child(rank: int, world_size: int, device: str) -> list:
             pair.values(k)
             pair.run()
             out.append(pair.snapshot())
+        pair.values(3)
+        pair.rs._run_on([x.clone() for x in pair.grads], pair.shards)
+        pair.ag.run()
+        out.append(pair.snapshot())
     finally:
         pair.g.close()
     return out
@@ -540,7 +546,7 @@ def test_prepared_collectives_one_process_per_rank(device: str, rs_push: str) ->
                            env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                                 "TIDE_TEST_RS_PUSH": rs_push})
     layout = ShardLayout(SHAPES, world)
-    for k in range(3):
+    for k in range(4):
         want = _pair_want(k, world)
         for r in range(world):
             shards, params, eager = out[r][k]

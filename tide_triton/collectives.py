@@ -269,7 +269,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
             frees = [d for d in dests if (d, s) in g.rs_last]
             t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
                        timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
-            node_prepare.enqueue_push(t, pushes[j][0])
+            node_prepare.enqueue_push(t, pushes[j][0], cs if st.cuda else None)
             t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
             for d in dests:
                 g.rs_last[(d, s)] = v

@@ -87,19 +87,27 @@ def kernel_push_rounds(plan, me: int, how: str) -> frozenset[int]:
 class KernelPush:
     """One round's pushes as one launch of the segment kernel (rows copied as they are:
     ``K=1``, no scale) in the copy queue's order; its tables hold the gradients' addresses,
-    uploaded with the round's reductions'.  SM work, capped by ``GroupOptions.max_ctas``."""
+    uploaded with the round's reductions'.  SM work, capped by ``GroupOptions.max_ctas``.
+    Ordered by the run: its copy queue starts fenced from the compute stream ``cs``, behind the
+    tables' upload, and ``cs`` waits for the copy queue at the run's end -- so the tables are
+    kept for ``cs`` (a binding cached from a run on another stream: freed there, its memory
+    could be reused before this launch ran), never recorded on the copy queue's own stream
+    (the transport's, destroyed at close)."""
 
     binding: Binding
 
-    def enqueue(self, t: Any, captured: bool = False) -> None:
+    def enqueue(self, t: Any, cs: Any, captured: bool = False) -> None:
         b = self.binding
-        t.on_copy_queue(lambda: b.launch(check_addresses=False, capturing=captured))
+        if not captured and cs is not None:
+            b.keep_tables_for(cs)
+        t.on_copy_queue(lambda: b.launch(check_addresses=False, capturing=captured, ordered=True))
 
 
-def enqueue_push(t: Any, push: Any, captured: bool = False) -> None:
-    """A round's pushes on the copy queue: a :class:`KernelPush`, or prepared copies."""
+def enqueue_push(t: Any, push: Any, cs: Any, captured: bool = False) -> None:
+    """A round's pushes on the copy queue of a run on compute stream ``cs``: a
+    :class:`KernelPush`, or prepared copies."""
     if isinstance(push, KernelPush):
-        push.enqueue(t, captured)
+        push.enqueue(t, cs, captured)
     else:
         t.copy_prepared(push, capturable=captured)
 

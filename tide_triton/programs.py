@@ -422,7 +422,7 @@ class PreparedReduceScatter(_Prepared):
                                      what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
                     t.signal_all([me] * len(frees), slots, [0] * len(frees))
                     pending.difference_update((d, s) for d in frees)
-                node_prepare.enqueue_push(t, pushes[j], captured)
+                node_prepare.enqueue_push(t, pushes[j], cs if st.cuda else None, captured)
                 t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
                 pending.update((d, s) for d in dests)
                 if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order

@@ -374,13 +374,18 @@ class Binding:
 
     def launch(
         self, *, scale: float | None = None, accumulate: bool = False, check_addresses: bool = True,
-        capturing: bool = False,
+        capturing: bool = False, ordered: bool = False,
     ) -> None:
         """Enqueue the kernel on the current stream of the destinations' device:
         ``dst = [dst +] scale * sum_k src_k`` over every tile.  ``capturing``: the stream is
         being captured into a CUDA graph, whose capture began with the device idle
         (``torch.cuda.graph`` synchronizes first): the tables are uploaded, and a capture may
-        not wait on an event recorded outside it -- so no wait for the uploads."""
+        not wait on an event recorded outside it -- so no wait for the uploads.  ``ordered``:
+        the caller has ordered this stream after the uploads' stream and orders that stream
+        after this launch before the tables can be freed (the collectives' copy queue: fenced
+        from the compute stream at a run's start, joined to it at its end) -- no wait and no
+        ``record_stream`` here (the copy queue's stream is the transport's own, destroyed at
+        close: a table recorded on it would make torch's allocator touch a dead stream)."""
         if self.program.n_tiles == 0:
             return
         if check_addresses and not self.addresses_unchanged():
@@ -406,7 +411,7 @@ class Binding:
                 run()
             return
         stream = torch.cuda.current_stream(self.dsts[0].device)
-        if not capturing and stream != self._upload_stream and stream not in self._streams_seen:
+        if not (capturing or ordered) and stream != self._upload_stream and stream not in self._streams_seen:
             # First launch on another stream: wait for the table uploads, and keep the
             # tables' memory from being reused before this stream is done with them.
             for event in self._events:
