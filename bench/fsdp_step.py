@@ -199,6 +199,8 @@ def main(argv=None) -> int:
                          "before enable(); stock FSDP2 is unaffected)")
     ap.add_argument("--chunk-mib", type=int, default=None,
                     help="one tide_triton group for every module, with this inter-node chunk (MiB)")
+    ap.add_argument("--rs-push", default="auto", choices=["auto", "copy_engine", "kernel"],
+                    help="tide modes: GroupOptions.rs_push (how the reduce-scatters push; auto: the kernel for MoE)")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on cuda:0 (default: rank on cuda:LOCAL_RANK %% number of GPUs)")
     ap.add_argument("--json", default=None)
@@ -270,8 +272,9 @@ def main(argv=None) -> int:
         if args.local_size:
             os.environ["LOCAL_WORLD_SIZE"] = str(args.local_size)  # read when enable() makes the groups
         group = None
-        if args.chunk_mib:
-            group = tide_triton.init(local_size=args.local_size, chunk_bytes=args.chunk_mib << 20, agree="first")
+        if args.chunk_mib or args.rs_push != "auto":
+            extra = {"chunk_bytes": args.chunk_mib << 20} if args.chunk_mib else {}
+            group = tide_triton.init(local_size=args.local_size, agree="first", rs_push=args.rs_push, **extra)
         report = tide_triton.fsdp.enable(model, group=group, slot_reuse=args.mode == "slot",
                                          prepared=args.mode == "prepared")
         if rank == 0:
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
     dist.all_gather_object(rows, mine)
     if rank == 0:
         info = env_info(device)
-        row = {"script": "fsdp_step", "model": args.model, "mode": args.mode, "backend": args.backend, "world_size": W,
+        row = {"script": "fsdp_step", "model": args.model, "mode": args.mode, "rs_push": args.rs_push,
+               "backend": args.backend, "world_size": W,
                "local_size": args.local_size if args.mode != "stock" else None, "chunk_mib": args.chunk_mib,
                "layers": cfg.n_layers, "layer_numel": layer_numel, "batch": args.batch, "seq": args.seq,
                "vocab": cfg.vocab, "ranks": rows, **info,

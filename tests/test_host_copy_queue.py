@@ -148,19 +148,22 @@ def test_the_queue_shows_the_race_the_block_free_wait_prevents(monkeypatch) -> N
     assert any(r == 1 for r, *_ in bad), bad
 
 
-@pytest.mark.parametrize("name", ["test_prepared_runs_are_exact_and_equal_the_eager_calls",
-                                  "test_prepared_collectives_alternate_and_accumulate",
-                                  "test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment"])
-def test_prepared_collectives_with_the_copy_queue_behind(monkeypatch, name: str) -> None:
+@pytest.mark.parametrize("name, kwargs", [
+    ("test_prepared_runs_are_exact_and_equal_the_eager_calls", {"rs_push": "kernel"}),
+    ("test_prepared_collectives_alternate_and_accumulate", {}),
+    ("test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment", {}),
+], ids=["exact-kernel-pushes", "alternate", "unheld"])
+def test_prepared_collectives_with_the_copy_queue_behind(monkeypatch, name: str, kwargs: dict) -> None:
     """tests/test_programs.py's exactness scenarios again, every rank's copy queue behind its
-    caller and each queued operation delayed up to 200 us at random."""
+    caller and each queued operation delayed up to 200 us at random (the first with the
+    reduce-scatters' pushes by the segment kernel, queued behind the caller like copies)."""
     try:
         import test_programs
     except ImportError:  # pragma: no cover
         from tests import test_programs
     monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
     monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
-    getattr(test_programs, name)()
+    getattr(test_programs, name)(**kwargs)
 
 
 @pytest.mark.multiproc
