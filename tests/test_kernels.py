@@ -847,6 +847,60 @@ def test_bindings_sharing_one_pointer_upload_match_their_own_tables(offset: int,
                 shared=tables[0])
 
 
+def test_a_binding_rebound_to_new_addresses_reduces_like_a_new_one(device: torch.device) -> None:
+    """``Binding.rebound`` (a reduce-scatter's chunks on new gradient addresses every step): a
+    copy with the new tables reduces exactly what a binding made anew on those addresses does,
+    and shares the first one's compiled kernels and tile table -- unless the alignment its
+    kernel is specialised on differs (sources one element off 16 bytes), where it is made anew
+    (2-byte alignment assumed, never the first one's 16)."""
+    from tide_triton.kernels import Binding, upload_table_pairs
+
+    layout = ShardLayout([(6, 40), (5, 24), (64,)], 2)
+    g = torch.Generator().manual_seed(22)
+    shards = [torch.full(s, SENTINEL, dtype=FP32, device=device) for s in layout.shard_shapes(1, padded=True)]
+    flat = layout.flat_shard_numel
+    dst_ptrs = tuple(t.data_ptr() for t in shards)
+
+    def sources(offset: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        backing = [int_tensor((flat + offset,), BF16, device, generator=g) for _ in range(3)]
+        srcs = [b[offset:] for b in backing]
+        own = bind_accumulate_shards(srcs, shards, layout, 1)
+        return srcs, own, tuple(t.data_ptr() for t in own.srcs)
+
+    srcs0, own0, ptrs0 = sources(0)
+    first = Binding(own0.program, own0.dsts, own0.srcs, own0.k, own0.max_ctas, known_ptrs=(dst_ptrs, ptrs0),
+                    shared=upload_table_pairs(device, [(dst_ptrs, ptrs0)])[0])
+    for offset, shares in ((0, True), (1, False)):
+        srcs, own, ptrs = sources(offset)
+        table, = upload_table_pairs(device, [(dst_ptrs, ptrs)])
+        b = first.rebound((dst_ptrs, ptrs), table)
+        assert b._tables[0] is first._tables[0]  # the program's tile table, either way
+        assert (b._compiled is first._compiled) is shares, offset
+        assert b.src_ptrs == ptrs and b._tables[2] is table.src
+        assert b._static["SRC_ALIGN"] == (2 if offset else 16)
+        for s in shards:
+            s.fill_(SENTINEL)
+        own.launch(scale=0.5)
+        want = [s.clone() for s in shards]
+        for s in shards:
+            s.fill_(SENTINEL)
+        b.launch(scale=0.5, check_addresses=False)  # its tensors are the first one's: bound by address
+        for got, exp in zip(shards, want):
+            assert_bits_equal(got, exp, f"rebound binding, offset {offset}")
+        ref = [torch.full_like(s, SENTINEL) for s in shards]
+        accumulate_shards_ref(srcs, ref, layout, 1, scale=0.5)
+        for got, exp in zip(shards, ref):
+            assert_bits_equal(got, exp, f"against the reference, offset {offset}")
+    # the first binding still reduces its own sources
+    for s in shards:
+        s.fill_(SENTINEL)
+    first.launch(scale=0.5)
+    ref = [torch.full_like(s, SENTINEL) for s in shards]
+    accumulate_shards_ref(srcs0, ref, layout, 1, scale=0.5)
+    for got, exp in zip(shards, ref):
+        assert_bits_equal(got, exp, "the first binding after its copies")
+
+
 def test_a_replay_keeps_the_tables_for_its_stream() -> None:
     """A graph that recorded a binding's launch may be replayed on another stream than the
     tables' upload (``async_op``: the group's side stream) and the binding dropped before

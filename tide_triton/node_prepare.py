@@ -6,7 +6,7 @@ executor (:mod:`tide_triton.collectives`) and the prepared collectives
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import chain
 from typing import Any, Sequence
 
@@ -144,16 +144,19 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     by_kernel = sorted(kernel_push_rounds(plan, me, g.options.rs_push))
     slot_tables = [tuple(t.address(d, reg.slot(j % S, me, d)) for d in _round_dests(plan, me, j)) for j in by_kernel]
     tables = upload_table_pairs(device, [(shard_ptrs, p) for p in sources] + [(d, gptrs) for d in slot_tables])
+    mx = g.options.max_ctas
+    made = layout.derived(("node_prepare.bindings", device.type, device.index), dict)
     reducers = []
     for j, (ptrs, shared) in enumerate(zip(sources, tables)):
-        b = Binding(chunk_program(layout, ring, es, S, me, j), dst_stub,
-                    (src_stub,) * len(ptrs), W, g.options.max_ctas, known_ptrs=(shard_ptrs, ptrs), shared=shared)
+        b = _bound(made, ("reduce", ring, es, S, me, j, gdt, sdt, W, mx),
+                   partial(chunk_program, layout, ring, es, S, me, j),
+                   dst_stub, (src_stub,) * len(ptrs), W, mx, (shard_ptrs, ptrs), shared)
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
     kernels = {}
     for j, dsts, shared in zip(by_kernel, slot_tables, tables[len(sources):]):
-        b = Binding(push_program(layout, ring, es, S, me, j), (src_stub,) * len(dsts), (src_stub,) * len(gptrs), 1,
-                    g.options.max_ctas, known_ptrs=(dsts, gptrs), shared=shared)
+        b = _bound(made, ("push", ring, es, S, me, j, gdt, mx), partial(push_program, layout, ring, es, S, me, j),
+                   (src_stub,) * len(dsts), (src_stub,) * len(gptrs), 1, mx, (dsts, gptrs), shared)
         b.prepare()
         kernels[j] = (KernelPush(b), 1)
     plans = push_plans(me, plan, t.address, reg, gptrs, es, skip=kernels)
@@ -161,6 +164,19 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     padding = None if acc else prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                      sdt.itemsize, device)
     return reducers, pushes, padding
+
+
+def _bound(made: dict, key: tuple, program: Any, dsts: tuple, srcs: tuple, k: int, max_ctas: int | None,
+           known_ptrs: tuple, shared: Any) -> Binding:
+    """The binding of ``key`` (its ``program()``, stand-in tensors, ``k``, ``max_ctas``) on
+    ``known_ptrs`` with tables ``shared``: the first one made, kept in ``made`` (the layout's,
+    per device), :meth:`~tide_triton.kernels.Binding.rebound` to them -- its tile table, launch
+    settings and compiled kernels shared where they agree."""
+    first = made.get(key)
+    if first is None:
+        made[key] = b = Binding(program(), dsts, srcs, k, max_ctas, known_ptrs=known_ptrs, shared=shared)
+        return b
+    return first.rebound(known_ptrs, shared)
 
 
 def _reduce_template(plan, me: int, es: int) -> list[tuple]:
