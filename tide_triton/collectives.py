@@ -278,7 +278,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
                 t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers,
                            timeout_s=timeout, stream=cs,
                            what=f"rank {{peer}}'s reduce-scatter contribution (chunk {j})")
-                reducers[j].launch(scale=scale, accumulate=acc, check_addresses=False)
+                reducers[j].launch(scale=scale, accumulate=acc, check_addresses=False, stream=cs if st.cuda else None)
                 t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers), stream=cs)
             if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
                 pace.after(j, cs if j < len(reducers) else t.copy_stream)

@@ -431,7 +431,7 @@ class PreparedReduceScatter(_Prepared):
                                      what=f"rank {{peer}}'s prepared reduce-scatter contribution (chunk {j})")
                     t.signal_all([me] * len(peers), slots, [0] * len(peers), stream=cs)
                     reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False,
-                                       capturing=captured)
+                                       capturing=captured, stream=cs if st.cuda else None)
                     t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
                 if st.cuda and pace is not None:
                     pace.after(j, cs if j < len(reducers) else t.copy_stream)

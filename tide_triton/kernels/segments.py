@@ -345,7 +345,8 @@ class Binding:
         self._grid = (grid,)
         self._n_iters = -(-n_tiles // grid)
 
-    def rebound(self, known_ptrs: tuple[tuple[int, ...], tuple[int, ...]], shared: SharedPointers) -> "Binding":
+    def rebound(self, known_ptrs: tuple[tuple[int, ...], tuple[int, ...]], shared: SharedPointers,
+                upload_stream: Any = None) -> "Binding":
         """This binding on other addresses, with ``shared``'s tables (uploaded by the caller,
         :func:`upload_table_pairs`): a copy sharing the program's tile table, the launch
         settings and the compiled kernels, where everything a compiled kernel is specialised on
@@ -354,7 +355,8 @@ class Binding:
         (FSDP2's MoE layers, every step) makes per chunk, without the construction's checks and
         lookups (~40 us per binding on the H200's host).  The copy keeps this binding's
         tensors (stand-ins, where the caller binds by address): launch it with
-        ``check_addresses=False``."""
+        ``check_addresses=False``.  ``upload_stream``: the stream the tables went up on, where
+        the caller has it (default: the current stream, one query)."""
         prog = self.program
         if self.shared is None or prog.n_tiles == 0 \
                 or (len(shared.dst), len(shared.src)) != (len(self.dst_ptrs), len(self.src_ptrs)):
@@ -373,7 +375,11 @@ class Binding:
         b.dst_ptrs, b.src_ptrs = known_ptrs
         b._tables = (self._tables[0], shared.dst, shared.src)
         b._events = tuple(e for e in (self._tile_event, shared.event) if e is not None)
-        b._upload_stream = torch.cuda.current_stream(self.dsts[0].device) if self._cuda else None
+        if not self._cuda:
+            b._upload_stream = None
+        else:
+            b._upload_stream = upload_stream if upload_stream is not None else torch.cuda.current_stream(
+                self.dsts[0].device)
         b._streams_seen, b._streams_kept = set(), set()
         return b  # _compiled: the same dict (the same kernels serve every agreeing binding)
 
@@ -407,7 +413,7 @@ class Binding:
 
     def launch(
         self, *, scale: float | None = None, accumulate: bool = False, check_addresses: bool = True,
-        capturing: bool = False, ordered: bool = False,
+        capturing: bool = False, ordered: bool = False, stream: Any = None,
     ) -> None:
         """Enqueue the kernel on the current stream of the destinations' device:
         ``dst = [dst +] scale * sum_k src_k`` over every tile.  ``capturing``: the stream is
@@ -418,7 +424,9 @@ class Binding:
         after this launch before the tables can be freed (the collectives' copy queue: fenced
         from the compute stream at a run's start, joined to it at its end) -- no wait and no
         ``record_stream`` here (the copy queue's stream is the transport's own, destroyed at
-        close: a table recorded on it would make torch's allocator touch a dead stream)."""
+        close: a table recorded on it would make torch's allocator touch a dead stream).
+        ``stream``: the stream to launch on, where the caller has it (a ``torch.cuda.Stream``;
+        default the current stream of the destinations' device, one query)."""
         if self.program.n_tiles == 0:
             return
         if check_addresses and not self.addresses_unchanged():
@@ -443,7 +451,8 @@ class Binding:
             else:
                 run()
             return
-        stream = torch.cuda.current_stream(self.dsts[0].device)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.dsts[0].device)
         if not (capturing or ordered) and stream != self._upload_stream and stream not in self._streams_seen:
             # First launch on another stream: wait for the table uploads, and keep the
             # tables' memory from being reused before this stream is done with them.
@@ -453,8 +462,9 @@ class Binding:
                 t.record_stream(stream)
             self._streams_seen.add(stream)
         if _JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
-            segmented_reduce_kernel[self._grid](
-                *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static)
+            with torch.cuda.stream(stream):
+                segmented_reduce_kernel[self._grid](
+                    *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static)
             return
         compiled = self._compiled.get(key)
         if compiled is None:  # first launch of this variant: compile or load, then run directly

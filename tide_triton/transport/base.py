@@ -65,9 +65,10 @@ class Transport(Protocol):
         nested graph launch) -- the copy queue is being captured."""
 
     def on_copy_queue(self, fn: Any) -> None:
-        """Call ``fn()`` -- SM-side work, a kernel launch -- so that what it enqueues runs in the
-        copy queue's order (after the waits and copies enqueued there before, before those
-        enqueued after)."""
+        """Call ``fn(stream)`` -- SM-side work, a kernel launch on ``stream`` (the copy queue's
+        ``torch.cuda`` stream; None on the host) -- so that what it enqueues runs in the copy
+        queue's order (after the waits and copies enqueued there before, before those enqueued
+        after)."""
 
     def warm_replays(self, lists: Sequence[Any]) -> None:
         """Before a collective enqueues flag waits: capture the prepared ``lists`` that

@@ -700,11 +700,11 @@ class CudaTransport:
         """The stream every copy (and, by default, every signal and wait) goes on."""
         return self._sig.copy_stream
 
-    def on_copy_queue(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` (a kernel launch) with the copy stream current: its work runs in the
-        copy queue's order, after the flag waits and copies enqueued there before."""
-        with torch.cuda.stream(self._sig.copy_stream):
-            fn()
+    def on_copy_queue(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(copy stream)`` (a kernel launch on that stream): its work runs in the copy
+        queue's order, after the flag waits and copies enqueued there before.  The caller holds
+        the device current (a collective's run, under its compute stream)."""
+        fn(self._sig.copy_stream)
 
     strided_copies = True
     """:meth:`prepare_copies` takes strided runs (``cuMemcpy2DAsync``; on one GPU with wide rows

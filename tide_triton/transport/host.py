@@ -340,10 +340,11 @@ class HostTransport:
     def copy_prepared(self, prepared, *, stream: object = None, capturable: bool = False) -> None:
         self.copy(*prepared, stream=stream)
 
-    def on_copy_queue(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (SM-side work: a kernel launch) in the copy queue's order: now on a
-        synchronous queue, else queued behind what is there (recorded so under a host capture)."""
-        self._on(None, "kernel", fn)
+    def on_copy_queue(self, fn: Callable[[Any], None]) -> None:
+        """Run ``fn(None)`` (SM-side work: a kernel launch; no stream on the host) in the copy
+        queue's order: now on a synchronous queue, else queued behind what is there (recorded
+        so under a host capture)."""
+        self._on(None, "kernel", fn, None)
 
     def _flag(self, rank: int, slot: int) -> ctypes.c_int64:
         if not 0 <= slot < self.n_flags:
