@@ -121,6 +121,14 @@ def spans_of(tensors: Sequence[torch.Tensor], esize: int | None = None) -> Spans
     return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * sizes, sizes
 
 
+def spans_at(ptrs: Sequence[int], numels: Sequence[int] | np.ndarray, esize: int) -> Spans:
+    """:func:`spans_of` of tensors whose addresses (``ptrs``, read just before) and element
+    counts (``numels``: their checked shapes') are known: no attribute read per tensor."""
+    n = len(ptrs)
+    return (np.fromiter(ptrs, np.int64, n), np.asarray(numels, dtype=np.int64) * esize,
+            np.full(n, esize, np.int64))
+
+
 def check_storage(name: str, tensors: Sequence[torch.Tensor], spans: Spans | None = None) -> None:
     """Each non-empty tensor's bytes lie inside its storage.  A storage resized to 0 (FSDP2
     frees unsharded parameters so: ``untyped_storage().resize_(0)``) or shrunk keeps the
@@ -232,12 +240,14 @@ class CheckedLists:
 
     def check_bound(self, in_name: str, inputs: Sequence[torch.Tensor], out_name: str,
                     outputs: Sequence[torch.Tensor], key: tuple, esizes: tuple[int, int], *,
-                    apart: str | None = None) -> None:
+                    apart: str | None = None, in_spans: Spans | None = None) -> None:
         """:func:`check_bound` of ``inputs`` (new) beside ``outputs`` (``key``: their addresses,
         sizes and dtype; ``esizes``: both lists' element sizes, their dtypes checked uniform),
-        the outputs' own checks skipped where they passed at ``key`` before; remembers them."""
+        the outputs' own checks skipped where they passed at ``key`` before; remembers them.
+        ``in_spans``: the inputs' :func:`spans_at`, where the caller has their addresses."""
         known = self._spans.get(key)
-        spans = (spans_of(inputs, esizes[0]), known if known is not None else spans_of(outputs, esizes[1]))
+        spans = (spans_of(inputs, esizes[0]) if in_spans is None else in_spans,
+                 known if known is not None else spans_of(outputs, esizes[1]))
         check_bound(in_name, inputs, out_name, outputs, apart=apart, spans=spans, outputs_checked=known is not None)
         self._spans[key] = spans[1]
         self._spans.move_to_end(key)

@@ -22,7 +22,7 @@ import torch
 from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
 from .ag_block import release_all_gather_block, released_block_bytes, restore_block
 from ._checks import (FLOAT_DTYPES, RS_APART, CheckedLists, check_bound, check_gather_shards, check_shapes,
-                      check_tensor_list, check_uniform, dtype_name)
+                      check_tensor_list, check_uniform, dtype_name, spans_at)
 from .errors import PeerAbortedError, PeerArgumentError
 from .executor import Streams, Work, copy_batches_paced, wait_vacated
 from .executor import capturing as _capturing  # the name the capture tests patch
@@ -241,7 +241,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         # the shards recur beside new gradients (FSDP2 on MoE layers): their own checks are remembered
         g.state(_CHECKED_SHARDS, CheckedLists).check_bound(
             "grads", grads_l, "shards", shards_l, (sdt, shard_ptrs, snumels), (gdt.itemsize, sdt.itemsize),
-            apart=RS_APART)
+            apart=RS_APART, in_spans=spans_at(gptrs, layout.numels, gdt.itemsize))
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,

@@ -36,7 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from . import envs, host_capture, node_prepare, run_graph
-from ._checks import RS_APART, CheckedLists, check_gather_shards, check_shapes, check_uniform, same_shapes
+from ._checks import (RS_APART, CheckedLists, check_gather_shards, check_shapes, check_uniform, same_shapes,
+                      spans_at)
 from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
@@ -153,8 +154,9 @@ class _Prepared:
             check_gather_shards(shards, layout, me)
         check_uniform("shards", shards, dtypes=(shard_dtype,), device=self.device)
         esizes = tuple(d.itemsize for d in (self._dtypes if self._full_first else self._dtypes[::-1]))
-        if self._full_first:
-            self._checked_second.check_bound(name, full, "shards", shards, key[1:], esizes, apart=RS_APART)
+        if self._full_first:  # the gradients' addresses are key[0], their sizes the layout's (shapes checked)
+            self._checked_second.check_bound(name, full, "shards", shards, key[1:], esizes, apart=RS_APART,
+                                             in_spans=spans_at(key[0], layout.numels, esizes[0]))
         else:
             self._checked_second.check_bound("shards", shards, name, full, key[1:], esizes)
 
