@@ -121,3 +121,66 @@ def _row(shape: tuple) -> int:
         n *= d
     return n
 
+
+
+def test_a_kernel_push_waits_for_tables_uploaded_on_another_stream() -> None:
+    """A collective prepared on one stream and run on another (``run(stream=...)``): the copy
+    queue is fenced from the run's stream only, so the push kernel must wait for its tables'
+    upload there itself (found by review, session 21: it skipped that wait, and a busy upload
+    stream would have let it read unwritten tables); on the upload stream the fence orders it
+    already.  Never ``record_stream`` on the copy queue's stream (the transport's own), always
+    kept for the run's stream."""
+    calls: dict = {}
+
+    class FakeBinding:
+        upload_stream = "upload"
+
+        def keep_tables_for(self, s):
+            calls.setdefault("kept", []).append(s)
+
+        def launch(self, **kw):
+            calls["launch"] = kw
+
+    class FakeTransport:
+        def on_copy_queue(self, fn):
+            fn("copy")
+
+    push = node_prepare.KernelPush(FakeBinding())
+    for cs, ordered in (("other", False), ("upload", True)):
+        calls.clear()
+        push.enqueue(FakeTransport(), cs)
+        kw = calls["launch"]
+        assert kw["stream"] == "copy" and kw["record"] is False and kw["ordered"] is ordered, (cs, kw)
+        assert calls["kept"] == [cs]
+    calls.clear()
+    push.enqueue(FakeTransport(), "other", captured=True)  # a capture: no waits, nothing kept
+    assert calls["launch"]["ordered"] is True and calls["launch"]["capturing"] is True and "kept" not in calls
+
+
+def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
+    """A prepared run that fails after enqueueing kernel pushes (here: its peer never runs, the
+    wait times out) leaves them queued behind a flag wait its run's end would have joined: the
+    group keeps their tables (``node_prepare.keep_after_failure``) so their memory is never
+    reused under a late launch."""
+    from tide_triton.errors import PeerTimeoutError
+
+    W = 2
+    layout = ShardLayout(SHAPES, W)
+    groups = tt.local_groups(W, timeout_s=1.0, ring_bytes=1024, rs_push="kernel")
+    key = ("node_prepare", "kernel-pushes-after-failure")
+
+    def prepare(r: int):
+        grads = [torch.ones(s, dtype=torch.bfloat16) for s in SHAPES]
+        shards = [torch.zeros(s) for s in layout.shard_shapes(r, padded=True)]
+        return tt.prepare_reduce_scatter(grads, shards, group=groups[r], op="sum")
+
+    try:
+        preps = run_threads(prepare, W, timeout=120)
+        assert groups[0].state(key) is None
+        with pytest.raises(PeerTimeoutError):
+            preps[0].run()  # rank 1 never runs
+        kept = groups[0].state(key)
+        assert kept and all(isinstance(p, node_prepare.KernelPush) for p in kept[0]), kept
+    finally:
+        for g in groups:
+            g.close()

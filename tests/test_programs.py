@@ -604,6 +604,61 @@ def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly(rs_push: s
             _assert_exact(layout, r, shards, params, want, (k,), eager=eager)
 
 
+def _other_stream_child(rank: int, world_size: int, device: str) -> list:
+    """Kernel pushes of a reduce-scatter prepared on one stream and run on another: the pair
+    runs once (kernels compiled and loaded, templates made), then the default stream sleeps
+    ~200 ms, a second prepared reduce-scatter binds on it (its tables go up behind the sleep)
+    and runs at once on a side stream -- whose copy queue is fenced from the side stream only.
+    Returns the shards of that run and of the eager call on the same values (on the CPU)."""
+    pair = _RankPair(rank, world_size, device)
+    try:
+        pair.values(5)
+        pair.run()
+        torch.cuda.synchronize()
+        shards = [torch.full_like(x, -1.0) for x in pair.shards]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # the default stream, where the tables go up, busy
+        rs = pair.tt.prepare_reduce_scatter(pair.grads, shards, group=pair.g, op="sum")
+        side = torch.cuda.Stream()
+        rs.run(stream=side)
+        pair.tt.synchronize(pair.g, timeout_s=60)
+        torch.cuda.synchronize()
+        eager = [torch.empty_like(x) for x in shards]
+        pair.tt.reduce_scatter(pair.grads, eager, group=pair.g, op="sum")
+        pair.tt.synchronize(pair.g, timeout_s=60)
+        return [[x.cpu() for x in shards], [x.cpu() for x in eager]]
+    finally:
+        pair.g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_pushes_prepared_on_a_busy_stream_and_run_on_another() -> None:
+    """Found by review in session 21 (written after that session's device time was spent: run
+    it without the fix in ``KernelPush.enqueue`` to see it fail): the push kernel skipped the
+    wait for its tables' upload, which the copy queue's fence covers only where the run's
+    stream is the upload stream; here the upload stream is busy and the run goes on another,
+    so without the wait the kernel read unwritten tables.  The run must be exact and equal
+    the eager call bit for bit."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    world = 2
+    out = run_multiprocess(_other_stream_child, world, "cuda", timeout=240,
+                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                "TIDE_TEST_RS_PUSH": "kernel"})
+    layout = ShardLayout(SHAPES, world)
+    want = _pair_want(5, world)
+    for r in range(world):
+        shards, eager = out[r]
+        for p, w in enumerate(want):
+            c, rows = layout.rows_per_rank[p], layout.shard_rows(r)[p]
+            assert torch.equal(shards[p][:rows], w[r * c: r * c + rows]), (r, p)
+            assert torch.equal(shards[p], eager[p]), (r, p)
+
+
 BACK_TO_BACK_SHAPES = [(1024, 512), (768, 1024), (2048, 256), (512, 512)]
 BACK_TO_BACK_RUNS = 12
 

@@ -259,29 +259,34 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         g.check_in(t, [d for d in peers if plan.chunks[d] or plan.chunks[me]])
         if staging is not None:  # nobody writes into a peer's region before the peer vacated it
             wait_vacated(t, fm, staging, [d for d in peers if plan.chunks[d]], timeout)
-        for j in range(plan.rounds):
-            s = j % S
-            v = base + j + 1
-            pace.before(j, t, timeout)
-            # Push: for every peer with a chunk j, its slices of my gradients into its slot for
-            # me -- once the peer has consumed what the previous use of that slot held.
-            dests = [d for d in peers if j < len(plan.chunks[d])]
-            frees = [d for d in dests if (d, s) in g.rs_last]
-            t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
-                       timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
-            node_prepare.enqueue_push(t, pushes[j][0], cs if st.cuda else None)
-            t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
-            for d in dests:
-                g.rs_last[(d, s)] = v
-            # Reduce: my chunk j from my gradients and the peers' slots, in rank order.
-            if j < len(reducers):
-                t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers,
-                           timeout_s=timeout, stream=cs,
-                           what=f"rank {{peer}}'s reduce-scatter contribution (chunk {j})")
-                reducers[j].launch(scale=scale, accumulate=acc, check_addresses=False, stream=cs if st.cuda else None)
-                t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers), stream=cs)
-            if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
-                pace.after(j, cs if j < len(reducers) else t.copy_stream)
+        try:
+            for j in range(plan.rounds):
+                s = j % S
+                v = base + j + 1
+                pace.before(j, t, timeout)
+                # Push: for every peer with a chunk j, its slices of my gradients into its slot for
+                # me -- once the peer has consumed what the previous use of that slot held.
+                dests = [d for d in peers if j < len(plan.chunks[d])]
+                frees = [d for d in dests if (d, s) in g.rs_last]
+                t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
+                           timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
+                node_prepare.enqueue_push(t, pushes[j][0], cs if st.cuda else None)
+                t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
+                for d in dests:
+                    g.rs_last[(d, s)] = v
+                # Reduce: my chunk j from my gradients and the peers' slots, in rank order.
+                if j < len(reducers):
+                    t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers,
+                               timeout_s=timeout, stream=cs,
+                               what=f"rank {{peer}}'s reduce-scatter contribution (chunk {j})")
+                    reducers[j].launch(scale=scale, accumulate=acc, check_addresses=False,
+                                       stream=cs if st.cuda else None)
+                    t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers), stream=cs)
+                if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
+                    pace.after(j, cs if j < len(reducers) else t.copy_stream)
+        except BaseException:  # queued kernel pushes may still read their tables
+            node_prepare.keep_after_failure(g, [p for p, _n in pushes])
+            raise
         g.rs_count = base + plan.rounds
         if staging is not None:
             staging._staged(cs)

@@ -71,6 +71,11 @@ class _OnStream:
     def copy(self, *a: object, **k: object) -> None:
         self.t.copy(*a, **self._on(k))
 
+    def on_copy_queue(self, fn: Any) -> None:
+        """Kernels meant for the copy queue go on this stream too (on the host: the caller's
+        thread, now)."""
+        fn(self.stream if isinstance(self.stream, torch.cuda.Stream) else None)
+
     def copy_prepared(self, *a: object, **k: object) -> None:
         self.t.copy_prepared(*a, **self._on(k))
 

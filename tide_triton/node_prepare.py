@@ -22,8 +22,8 @@ from .ranges import in_host_range
 from .schedule import ring_plan
 
 __all__ = ["AG_BATCH", "KERNEL_PUSH_MIN_PIECES", "KernelPush", "chunk_program", "push_program",
-           "kernel_push_rounds", "enqueue_push", "copy_lists", "prepare_reduce_scatter", "push_plans",
-           "prepare_all_gather", "prepare_stage", "cast_program"]
+           "kernel_push_rounds", "enqueue_push", "copy_lists", "keep_after_failure", "prepare_reduce_scatter",
+           "push_plans", "prepare_all_gather", "prepare_stage", "cast_program"]
 
 AG_BATCH = 256
 """Copy descriptors per batch of an all-gather's pulls."""
@@ -88,19 +88,32 @@ class KernelPush:
     """One round's pushes as one launch of the segment kernel (rows copied as they are:
     ``K=1``, no scale) in the copy queue's order; its tables hold the gradients' addresses,
     uploaded with the round's reductions'.  SM work, capped by ``GroupOptions.max_ctas``.
-    Ordered by the run: its copy queue starts fenced from the compute stream ``cs``, behind the
-    tables' upload, and ``cs`` waits for the copy queue at the run's end -- so the tables are
-    kept for ``cs`` (a binding cached from a run on another stream: freed there, its memory
-    could be reused before this launch ran), never recorded on the copy queue's own stream
-    (the transport's, destroyed at close)."""
+    The run's copy queue starts fenced from its compute stream ``cs``: where the tables went up
+    on ``cs`` that orders the launch after them; where they went up elsewhere (a collective
+    prepared on one stream and run on another) the copy queue waits for their upload events
+    first.  ``cs`` waits for the copy queue at the run's end, so the tables are kept for ``cs``
+    (a binding cached from a run on another stream: freed there, its memory could be reused
+    before this launch ran), never recorded on the copy queue's own stream (the transport's,
+    destroyed at close)."""
 
     binding: Binding
 
     def enqueue(self, t: Any, cs: Any, captured: bool = False) -> None:
         b = self.binding
+        ordered = captured or cs is None or cs == b.upload_stream
         if not captured and cs is not None:
             b.keep_tables_for(cs)
-        t.on_copy_queue(lambda s: b.launch(check_addresses=False, capturing=captured, ordered=True, stream=s))
+        t.on_copy_queue(lambda s: b.launch(check_addresses=False, capturing=captured, ordered=ordered, stream=s,
+                                           record=False))
+
+
+def keep_after_failure(g: Group, pushes: Sequence[Any]) -> None:
+    """A run failed after enqueueing kernel pushes (a peer's timeout, a bad argument): the copy
+    queue may still hold them, waiting on a flag its run's end would have joined -- keep their
+    tables for as long as the group, so that memory is never reused under a late launch."""
+    kept = [p for p in pushes if isinstance(p, KernelPush)]
+    if kept:
+        g.state(("node_prepare", "kernel-pushes-after-failure"), list).append(kept)
 
 
 def enqueue_push(t: Any, push: Any, cs: Any, captured: bool = False) -> None:

@@ -412,31 +412,35 @@ class PreparedReduceScatter(_Prepared):
         pending: set[tuple[int, int]] = set()  # (dest, stage): written, its free token not seen yet
         with t.session(), st.kernels():
             t.fence_from(cs)  # grads are complete before the copy queue reads them
-            for j in range(plan.rounds):
-                s = j % S
-                if pace is not None:
-                    pace.before(j, t, timeout)
-                dests = self.dests[j]
-                frees = [d for d in dests if (d, s) in pending]
-                if frees:  # the slot's previous contents were reduced by its reader
-                    slots = [fm.program_rs_free(s, d) for d in frees]
-                    t.wait_all_equal(slots, [T] * len(frees), peers=frees, timeout_s=timeout,
-                                     what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
-                    t.signal_all([me] * len(frees), slots, [0] * len(frees))
-                    pending.difference_update((d, s) for d in frees)
-                node_prepare.enqueue_push(t, pushes[j], cs if st.cuda else None, captured)
-                t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
-                pending.update((d, s) for d in dests)
-                if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order
-                    slots = [fm.program_rs_ready(s, p) for p in peers]
-                    t.wait_all_equal(slots, [T] * len(peers), peers=peers, timeout_s=timeout, stream=cs,
-                                     what=f"rank {{peer}}'s prepared reduce-scatter contribution (chunk {j})")
-                    t.signal_all([me] * len(peers), slots, [0] * len(peers), stream=cs)
-                    reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False,
-                                       capturing=captured, stream=cs if st.cuda else None)
-                    t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
-                if st.cuda and pace is not None:
-                    pace.after(j, cs if j < len(reducers) else t.copy_stream)
+            try:
+                for j in range(plan.rounds):
+                    s = j % S
+                    if pace is not None:
+                        pace.before(j, t, timeout)
+                    dests = self.dests[j]
+                    frees = [d for d in dests if (d, s) in pending]
+                    if frees:  # the slot's previous contents were reduced by its reader
+                        slots = [fm.program_rs_free(s, d) for d in frees]
+                        t.wait_all_equal(slots, [T] * len(frees), peers=frees, timeout_s=timeout,
+                                         what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
+                        t.signal_all([me] * len(frees), slots, [0] * len(frees))
+                        pending.difference_update((d, s) for d in frees)
+                    node_prepare.enqueue_push(t, pushes[j], cs if st.cuda else None, captured)
+                    t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
+                    pending.update((d, s) for d in dests)
+                    if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order
+                        slots = [fm.program_rs_ready(s, p) for p in peers]
+                        t.wait_all_equal(slots, [T] * len(peers), peers=peers, timeout_s=timeout, stream=cs,
+                                         what=f"rank {{peer}}'s prepared reduce-scatter contribution (chunk {j})")
+                        t.signal_all([me] * len(peers), slots, [0] * len(peers), stream=cs)
+                        reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False,
+                                           capturing=captured, stream=cs if st.cuda else None)
+                        t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
+                    if st.cuda and pace is not None:
+                        pace.after(j, cs if j < len(reducers) else t.copy_stream)
+            except BaseException:  # queued kernel pushes may still read their tables
+                node_prepare.keep_after_failure(g, pushes)
+                raise
             if padding is not None:  # padding rows become zero (disjoint from the sums' rows)
                 t.copy_prepared(padding[0], capturable=captured)
             t.fence_to(cs)  # the grads may be reused once the copy queue has read them

@@ -398,6 +398,11 @@ class Binding:
         self._streams_kept.add(stream)
 
     @property
+    def upload_stream(self) -> Any:
+        """The stream this binding's tables went up on (CUDA; None on the host)."""
+        return getattr(self, "_upload_stream", None)
+
+    @property
     def upload_events(self) -> tuple:
         """Events of this binding's table uploads (CUDA; empty on the host or with no tiles):
         what a launch recorded into a CUDA graph cannot wait for itself."""
@@ -413,7 +418,7 @@ class Binding:
 
     def launch(
         self, *, scale: float | None = None, accumulate: bool = False, check_addresses: bool = True,
-        capturing: bool = False, ordered: bool = False, stream: Any = None,
+        capturing: bool = False, ordered: bool = False, stream: Any = None, record: bool = True,
     ) -> None:
         """Enqueue the kernel on the current stream of the destinations' device:
         ``dst = [dst +] scale * sum_k src_k`` over every tile.  ``capturing``: the stream is
@@ -426,7 +431,10 @@ class Binding:
         ``record_stream`` here (the copy queue's stream is the transport's own, destroyed at
         close: a table recorded on it would make torch's allocator touch a dead stream).
         ``stream``: the stream to launch on, where the caller has it (a ``torch.cuda.Stream``;
-        default the current stream of the destinations' device, one query)."""
+        default the current stream of the destinations' device, one query).  ``record=False``:
+        at the first launch on another stream than the uploads', wait for them there but do not
+        ``record_stream`` the tables on it (a stream torch must not see: the caller keeps the
+        tables alive past the launch)."""
         if self.program.n_tiles == 0:
             return
         if check_addresses and not self.addresses_unchanged():
@@ -458,8 +466,9 @@ class Binding:
             # tables' memory from being reused before this stream is done with them.
             for event in self._events:
                 stream.wait_event(event)
-            for t in self._tables:
-                t.record_stream(stream)
+            if record:
+                for t in self._tables:
+                    t.record_stream(stream)
             self._streams_seen.add(stream)
         if _JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
             with torch.cuda.stream(stream):
