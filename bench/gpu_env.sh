@@ -12,8 +12,10 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# Every row records the git SHA: from TIDE_GIT_SHA, else from git (a copy without .git: pass it).
-export TIDE_GIT_SHA=${TIDE_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+# Every row records the git SHA: from TIDE_GIT_SHA, else from git (a copy without .git: pass it),
+# "+dirty" where the tree differs from that commit (session 21's rows named a commit their
+# uncommitted tree was not).
+export TIDE_GIT_SHA=${TIDE_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)}
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 
 # NCCL: torch's own unless a newer library is given; nothing inside an installed package is

@@ -829,19 +829,12 @@ def test_bindings_sharing_one_pointer_upload_match_their_own_tables(offset: int,
     for a, b in zip(own, shared):
         assert (a._static["SRC_ALIGN"], a._static["DST_ALIGN"]) == (b._static["SRC_ALIGN"], b._static["DST_ALIGN"])
         assert a._static["SRC_ALIGN"] == (2 if offset else 16)
-        for s in shards:
-            s.fill_(SENTINEL)
-        a.launch(scale=0.5)
-        want = [s.clone() for s in shards]
-        for s in shards:
-            s.fill_(SENTINEL)
-        b.launch(scale=0.5)
-        for got, exp in zip(shards, want):
-            assert_bits_equal(got, exp, "binding with shared tables")
-    ref = [torch.full_like(s, SENTINEL) for s in shards]
-    accumulate_shards_ref(srcs[::-1], ref, layout, 1, scale=0.5)
-    for got, exp in zip(shards, ref):
-        assert_bits_equal(got, exp, "against the reference")
+        want = _launched(a, shards)
+        got = _launched(b, shards)
+        for g_, exp in zip(got, want):
+            assert_bits_equal(g_, exp, "binding with shared tables")
+    for g_, exp in zip(got, _halved_sums(srcs[::-1], shards, layout)):
+        assert_bits_equal(g_, exp, "against the reference")
     with pytest.raises(ValueError, match="shared pointer tables need known_ptrs of the same lengths"):
         Binding(own[0].program, own[0].dsts, own[0].srcs, 3, None, known_ptrs=(dst_ptrs, src_lists[0][:-1]),
                 shared=tables[0])
@@ -878,27 +871,30 @@ def test_a_binding_rebound_to_new_addresses_reduces_like_a_new_one(device: torch
         assert (b._compiled is first._compiled) is shares, offset
         assert b.src_ptrs == ptrs and b._tables[2] is table.src
         assert b._static["SRC_ALIGN"] == (2 if offset else 16)
-        for s in shards:
-            s.fill_(SENTINEL)
-        own.launch(scale=0.5)
-        want = [s.clone() for s in shards]
-        for s in shards:
-            s.fill_(SENTINEL)
-        b.launch(scale=0.5, check_addresses=False)  # its tensors are the first one's: bound by address
-        for got, exp in zip(shards, want):
-            assert_bits_equal(got, exp, f"rebound binding, offset {offset}")
-        ref = [torch.full_like(s, SENTINEL) for s in shards]
-        accumulate_shards_ref(srcs, ref, layout, 1, scale=0.5)
-        for got, exp in zip(shards, ref):
-            assert_bits_equal(got, exp, f"against the reference, offset {offset}")
+        want = _launched(own, shards)
+        got = _launched(b, shards, check_addresses=False)  # its tensors are the first one's: bound by address
+        for g_, exp in zip(got, want):
+            assert_bits_equal(g_, exp, f"rebound binding, offset {offset}")
+        for g_, exp in zip(got, _halved_sums(srcs, shards, layout)):
+            assert_bits_equal(g_, exp, f"against the reference, offset {offset}")
     # the first binding still reduces its own sources
+    for g_, exp in zip(_launched(first, shards), _halved_sums(srcs0, shards, layout)):
+        assert_bits_equal(g_, exp, "the first binding after its copies")
+
+
+def _launched(binding, shards, **kw) -> list[torch.Tensor]:
+    """``binding``'s ``scale=0.5`` reduction into ``shards`` filled with SENTINEL first: the results."""
     for s in shards:
         s.fill_(SENTINEL)
-    first.launch(scale=0.5)
+    binding.launch(scale=0.5, **kw)
+    return [s.clone() for s in shards]
+
+
+def _halved_sums(srcs, shards, layout) -> list[torch.Tensor]:
+    """The reference of :func:`_launched` for rank 1's shards of ``srcs``."""
     ref = [torch.full_like(s, SENTINEL) for s in shards]
-    accumulate_shards_ref(srcs0, ref, layout, 1, scale=0.5)
-    for got, exp in zip(shards, ref):
-        assert_bits_equal(got, exp, "the first binding after its copies")
+    accumulate_shards_ref(srcs, ref, layout, 1, scale=0.5)
+    return ref
 
 
 def test_a_replay_keeps_the_tables_for_its_stream() -> None:

@@ -57,6 +57,17 @@ def _groups(**options):
                            **options)
 
 
+def _spawn(child, world: int, *args, **env: str) -> list:
+    """``child`` in ``world`` processes (``tests/_dist.run_multiprocess``, 240 s), multicast off,
+    ``env`` added to the children's environment."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+    return run_multiprocess(child, world, *args, timeout=240,
+                            env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", **env})
+
+
 def _close(groups) -> None:
     for g in groups:
         g.close()
@@ -537,14 +548,8 @@ def test_prepared_collectives_one_process_per_rank(device: str, rs_push: str) ->
     (``rs_push="kernel"``: reduce-scatter pushes by the segment kernel, on the copy stream)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
     world = 2
-    out = run_multiprocess(_prepared_child, world, device, timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                "TIDE_TEST_RS_PUSH": rs_push})
+    out = _spawn(_prepared_child, world, device, TIDE_TEST_RS_PUSH=rs_push)
     layout = ShardLayout(SHAPES, world)
     for k in range(4):
         want = _pair_want(k, world)
@@ -588,14 +593,8 @@ def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly(rs_push: s
     every replay -- and an eager run between replays -- exact, bit-identical to the eager
     reduce-scatter on the same values, padding rows zero (``rs_push="kernel"``: the pushes'
     kernel launches on the copy stream are captured too)."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
     world = 2
-    out = run_multiprocess(_captured_child, world, "cuda", timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                "TIDE_TEST_RS_PUSH": rs_push})
+    out = _spawn(_captured_child, world, "cuda", TIDE_TEST_RS_PUSH=rs_push)
     layout = ShardLayout(SHAPES, world)
     for n, k in enumerate((0, 1, 2, 7, 3)):
         want = _pair_want(k, world)
@@ -641,14 +640,8 @@ def test_kernel_pushes_prepared_on_a_busy_stream_and_run_on_another() -> None:
     stream is the upload stream; here the upload stream is busy and the run goes on another,
     so without the wait the kernel read unwritten tables.  The run must be exact and equal
     the eager call bit for bit."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
     world = 2
-    out = run_multiprocess(_other_stream_child, world, "cuda", timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                "TIDE_TEST_RS_PUSH": "kernel"})
+    out = _spawn(_other_stream_child, world, "cuda", TIDE_TEST_RS_PUSH="kernel")
     layout = ShardLayout(SHAPES, world)
     want = _pair_want(5, world)
     for r in range(world):
@@ -712,13 +705,8 @@ def test_prepared_all_gathers_back_to_back_with_a_slow_peer() -> None:
     another on the stream, a peer lagging.  Every run delivers exactly that run's values (a
     run's cast must not overwrite this rank's block while a peer still reads the previous run
     from it)."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
     world = 2
-    out = run_multiprocess(_back_to_back_child, world, "cuda", timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    out = _spawn(_back_to_back_child, world, "cuda")
     layout = ShardLayout(BACK_TO_BACK_SHAPES, world)
     for r in range(world):
         for n, run in enumerate(out[r]):

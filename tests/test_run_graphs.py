@@ -17,11 +17,11 @@ import torch
 try:
     from _dist import run_threads
     from test_programs import (SHAPES, W, _assert_each_rank_names_another, _assert_exact, _close, _grads, _groups,
-                               _refill, _want)
+                               _refill, _spawn, _want)
 except ImportError:  # pragma: no cover
     from tests._dist import run_threads
     from tests.test_programs import (SHAPES, W, _assert_each_rank_names_another, _assert_exact, _close, _grads,
-                                     _groups, _refill, _want)
+                                     _groups, _refill, _spawn, _want)
 
 import tide_triton as tt
 import tide_triton.programs as programs
@@ -386,14 +386,8 @@ def test_replays_of_different_recordings_raise_naming_the_peer_on_gpu() -> None:
     were recorded, not enqueued, at the capture): ranks replaying different recorded runs each
     get PeerTimeoutError naming the other rank from synchronize within the deadline, and the
     close releases the stuck replay and ends."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
     world = 2
-    out = run_multiprocess(_mismatch_child, world, "cuda", timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                "TIDE_TRITON_RUN_GRAPHS": "all"})
+    out = _spawn(_mismatch_child, world, "cuda", TIDE_TRITON_RUN_GRAPHS="all")
     for r, (recorded, (kind, peer, msg), seconds) in enumerate(out):
         assert recorded, f"rank {r}: the second runs were not recorded"
         assert kind == "timeout" and peer == 1 - r, (r, kind, peer, msg)
@@ -458,13 +452,7 @@ def test_a_timeout_names_the_missing_rank_not_one_whose_token_wait_passed_on_gpu
     them apart; before, both named each other: rank 0 rank 1, rank 1 rank 0).  ``off``: eager
     runs, their waits on the copy stream; ``auto``: replayed recordings, their waits noted on the
     caller's stream with the recordings' own progress words."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
-    out = run_multiprocess(_missing_rank_child, 3, timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                "TIDE_TRITON_RUN_GRAPHS": mode})
+    out = _spawn(_missing_rank_child, 3, TIDE_TRITON_RUN_GRAPHS=mode)
     for r in (0, 1):
         kind, peer, msg, seconds = out[r]
         assert kind == "timeout" and peer == 2, (r, kind, peer, msg)
@@ -516,12 +504,7 @@ def test_a_replay_on_the_side_stream_ends_before_the_next_run_on_another_stream(
     prepared run, on the caller's stream, was ordered only behind the copy queue -- not behind
     that replay -- and could push into a peer's ring slot the replay's sums still read (found
     by review, session 17).  Every round's sums exact."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
-    out = run_multiprocess(_async_then_sync_child, 2, 12, timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    out = _spawn(_async_then_sync_child, 2, 12)
     for r, (recorded, wrong) in enumerate(out):
         assert recorded, f"rank {r}: the second runs were not recorded"
         assert not wrong, (r, wrong)
@@ -699,12 +682,6 @@ def test_a_binding_evicted_while_its_replay_waits_on_the_side_stream_keeps_its_t
     found by review in session 17); with that switched off this test still passed on the
     H200 (the allocator did not hand those blocks out in time), so the tables' part is
     checked by ``test_kernels.py::test_a_replay_keeps_the_tables_for_its_stream``."""
-    try:
-        from _dist import run_multiprocess
-    except ImportError:  # pragma: no cover
-        from tests._dist import run_multiprocess
-    out = run_multiprocess(_evicted_under_replay_child, 2, 6, timeout=240,
-                           env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                "TIDE_TRITON_RUN_GRAPHS": "all"})
+    out = _spawn(_evicted_under_replay_child, 2, 6, TIDE_TRITON_RUN_GRAPHS="all")
     for r, wrong in enumerate(out):
         assert not wrong, (r, wrong)

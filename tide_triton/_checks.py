@@ -121,12 +121,13 @@ def spans_of(tensors: Sequence[torch.Tensor], esize: int | None = None) -> Spans
     return _ints(_PTR, tensors), _ints(_NUMEL, tensors) * sizes, sizes
 
 
-def spans_at(ptrs: Sequence[int], numels: Sequence[int] | np.ndarray, esize: int) -> Spans:
-    """:func:`spans_of` of tensors whose addresses (``ptrs``, read just before) and element
-    counts (``numels``: their checked shapes') are known: no attribute read per tensor."""
+def spans_at(ptrs: Sequence[int], layout: Any, esize: int) -> Spans:
+    """:func:`spans_of` of the full tensors of ``layout`` (a ``ShardLayout``: their shapes
+    checked against it) at ``ptrs`` (their addresses, read just before): no attribute read per
+    tensor; the sizes as an array are kept by the layout."""
+    numels = layout.derived(("_checks.numels",), lambda: np.asarray(layout.numels, dtype=np.int64))
     n = len(ptrs)
-    return (np.fromiter(ptrs, np.int64, n), np.asarray(numels, dtype=np.int64) * esize,
-            np.full(n, esize, np.int64))
+    return np.fromiter(ptrs, np.int64, n), numels * esize, np.full(n, esize, np.int64)
 
 
 def check_storage(name: str, tensors: Sequence[torch.Tensor], spans: Spans | None = None) -> None:

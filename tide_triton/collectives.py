@@ -241,7 +241,7 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
         # the shards recur beside new gradients (FSDP2 on MoE layers): their own checks are remembered
         g.state(_CHECKED_SHARDS, CheckedLists).check_bound(
             "grads", grads_l, "shards", shards_l, (sdt, shard_ptrs, snumels), (gdt.itemsize, sdt.itemsize),
-            apart=RS_APART, in_spans=spans_at(gptrs, layout.numels, gdt.itemsize))
+            apart=RS_APART, in_spans=spans_at(gptrs, layout, gdt.itemsize))
         with st.kernels():
             prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
                                                                     snumels, gdt, sdt, device, scale, acc,

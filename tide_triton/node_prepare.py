@@ -75,12 +75,14 @@ def kernel_push_rounds(plan, me: int, how: str) -> frozenset[int]:
     """The rounds whose pushes go as one kernel launch (:class:`KernelPush`) under
     ``GroupOptions.rs_push`` = ``how``: none (``"copy_engine"``), every round with pieces
     (``"kernel"``), or those with more than :data:`KERNEL_PUSH_MIN_PIECES` (``"auto"``).  Made
-    from the layout alone: the same for every set of addresses."""
+    from the layout alone (kept by it): the same for every set of addresses."""
     if how == "copy_engine":
         return frozenset()
     least = 1 if how == "kernel" else KERNEL_PUSH_MIN_PIECES + 1
-    return frozenset(j for j in range(plan.rounds)
-                     if sum(len(plan.chunks[d][j]) for d in _round_dests(plan, me, j)) >= least)
+    return plan.layout.derived(
+        ("node_prepare.kernel-push-rounds", plan.chunk_elems, plan.stages, me, least),
+        lambda: frozenset(j for j in range(plan.rounds)
+                          if sum(len(plan.chunks[d][j]) for d in _round_dests(plan, me, j)) >= least))
 
 
 @dataclass(frozen=True, eq=False)

@@ -156,7 +156,7 @@ class _Prepared:
         esizes = tuple(d.itemsize for d in (self._dtypes if self._full_first else self._dtypes[::-1]))
         if self._full_first:  # the gradients' addresses are key[0], their sizes the layout's (shapes checked)
             self._checked_second.check_bound(name, full, "shards", shards, key[1:], esizes, apart=RS_APART,
-                                             in_spans=spans_at(key[0], layout.numels, esizes[0]))
+                                             in_spans=spans_at(key[0], layout, esizes[0]))
         else:
             self._checked_second.check_bound("shards", shards, name, full, key[1:], esizes)
 

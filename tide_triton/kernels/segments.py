@@ -306,12 +306,11 @@ class Binding:
         device = dst0.device
         check_device("the tensors", device)
         if self.shared is not None:
-            sp, prog = self.shared, self.program
+            sp = self.shared
             if self.known_ptrs is None or (len(sp.dst), len(sp.src)) != (len(self.dst_ptrs), len(self.src_ptrs)):
                 raise ValueError("shared pointer tables need known_ptrs of the same lengths")
             dst_tbl, src_tbl, ptr_event = sp.dst, sp.src, sp.event
-            dst_align = _alignment((sp.dst_gcd, prog._dst_off_gcd * dst0.element_size()))
-            src_align = _alignment((sp.src_gcd, prog._src_off_gcd * src0.element_size()))
+            dst_align, src_align = self._shared_alignment(sp)
         else:
             dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
                 device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
@@ -357,18 +356,14 @@ class Binding:
         tensors (stand-ins, where the caller binds by address): launch it with
         ``check_addresses=False``.  ``upload_stream``: the stream the tables went up on, where
         the caller has it (default: the current stream, one query)."""
-        prog = self.program
-        if self.shared is None or prog.n_tiles == 0 \
-                or (len(shared.dst), len(shared.src)) != (len(self.dst_ptrs), len(self.src_ptrs)):
-            return Binding(prog, self.dsts, self.srcs, self.k, self.max_ctas, known_ptrs=known_ptrs, shared=shared)
-        st = self._static
-        dst_align = _alignment((shared.dst_gcd, prog._dst_off_gcd * self.dsts[0].element_size()))
-        src_align = _alignment((shared.src_gcd, prog._src_off_gcd * self.srcs[0].element_size()))
-        old_dst, old_src = self._tables[1], self._tables[2]
-        if (dst_align, src_align) != (st["DST_ALIGN"], st["SRC_ALIGN"]) \
-                or (shared.dst.data_ptr() % 16 == 0) != (old_dst.data_ptr() % 16 == 0) \
-                or (shared.src.data_ptr() % 16 == 0) != (old_src.data_ptr() % 16 == 0):
-            return Binding(prog, self.dsts, self.srcs, self.k, self.max_ctas, known_ptrs=known_ptrs, shared=shared)
+        agrees = (self.shared is not None and self.program.n_tiles > 0
+                  and (len(shared.dst), len(shared.src)) == (len(self.dst_ptrs), len(self.src_ptrs))
+                  and self._shared_alignment(shared) == (self._static["DST_ALIGN"], self._static["SRC_ALIGN"])
+                  and all((new.data_ptr() % 16 == 0) == (old.data_ptr() % 16 == 0)
+                          for new, old in ((shared.dst, self._tables[1]), (shared.src, self._tables[2]))))
+        if not agrees:
+            return Binding(self.program, self.dsts, self.srcs, self.k, self.max_ctas, known_ptrs=known_ptrs,
+                           shared=shared)
         b = object.__new__(Binding)
         b.__dict__.update(self.__dict__)
         b.known_ptrs, b.shared = known_ptrs, shared
@@ -382,6 +377,13 @@ class Binding:
                 self.dsts[0].device)
         b._streams_seen, b._streams_kept = set(), set()
         return b  # _compiled: the same dict (the same kernels serve every agreeing binding)
+
+    def _shared_alignment(self, sp: SharedPointers) -> tuple[int, int]:
+        """(DST_ALIGN, SRC_ALIGN) this binding's kernel may assume with the tables ``sp``: what
+        their addresses and the program's offsets have in common."""
+        prog = self.program
+        return (_alignment((sp.dst_gcd, prog._dst_off_gcd * self.dsts[0].element_size())),
+                _alignment((sp.src_gcd, prog._src_off_gcd * self.srcs[0].element_size())))
 
     def keep_tables_for(self, stream: Any) -> None:
         """A graph that recorded this binding's launch is being replayed on ``stream``: keep
