@@ -79,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="torchrun: every rank on cuda:0 (default: rank on cuda:LOCAL_RANK %% GPUs)")
     ap.add_argument("--tide-max-ctas", nargs="+", type=int, default=[0],
                     help="accumulation grid bounds to sweep for the tide background (0: one CTA per tile)")
+    ap.add_argument("--tide-rs-push", nargs="+", default=["auto"], choices=["auto", "copy_engine", "kernel"],
+                    help="GroupOptions.rs_push values to sweep for the tide background (kernel pushes spend SMs "
+                         "on the copies: their grid is bounded by --tide-max-ctas too)")
     ap.add_argument("--gemm-priority", nargs="+", default=["default", "high"], choices=["default", "high"],
                     help="the GEMM's stream priority: default (0, the lowest, as the collectives' streams) or "
                          "high (the highest CUDA offers: the collectives' kernels yield to it); one window each")
@@ -155,15 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             return 1
 
-        plan = [(k, m) for k in args.backgrounds for m in (args.tide_max_ctas if k == "tide" else [0])]
-        for kind, max_ctas in plan:
+        plan = [(k, m, p) for k in args.backgrounds
+                for m in (args.tide_max_ctas if k == "tide" else [0])
+                for p in (args.tide_rs_push if k == "tide" else [None])]
+        for kind, max_ctas, rs_push in plan:
             bg = None
             close: Callable[[], None] = lambda: None  # noqa: E731
             try:
                 if kind == "tide":
                     _, step, done, close = make_tide(tt, shapes, W, device, args.ring_bytes, args.timeout,
-                                                     max_ctas or None)
-                    impl = ("tide_triton.reduce_scatter bf16 -> fp32 avg (copy engines + Triton sums, "
+                                                     max_ctas or None, rs_push=rs_push)
+                    impl = (f"tide_triton.reduce_scatter bf16 -> fp32 avg (rs_push={rs_push}, Triton sums, "
                             f"{f'max_ctas={max_ctas}' if max_ctas else 'one CTA per tile'})")
                 else:
                     step, done, impl = make_sm(shapes, W, device)
@@ -182,13 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise RuntimeError("; ".join(bg.errors))
                 st = bg.stats(res["window"], before)
                 row = {**base, "background": kind, "background_impl": impl, "max_ctas": max_ctas or None,
+                       "rs_push": rs_push,
                        **window_row(res, alone, st),
                        "bg_completed_host": [y - x for x, y in zip(marks["c0"], marks["c1"])]}
                 rows.append(row)
             except Exception as e:  # noqa: BLE001
                 print(f"ERROR background {kind}: {type(e).__name__}: {e}")
                 traceback.print_exc()
-                rows.append({**base, "background": kind, "max_ctas": max_ctas or None,
+                rows.append({**base, "background": kind, "max_ctas": max_ctas or None, "rs_push": rs_push,
                              "error": f"{type(e).__name__}: {e}"})
                 if bg is not None:
                     try:

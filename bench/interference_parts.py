@@ -287,10 +287,11 @@ def append_rows(path: str | None, rows: Sequence[dict]) -> None:
 
 
 def make_tide(tt: Any, shapes: Sequence[tuple[int, ...]], W: int, device: torch.device, ring_bytes: int,
-              timeout_s: float, max_ctas: int | None = None,
+              timeout_s: float, max_ctas: int | None = None, rs_push: str = "auto",
               ) -> tuple[list, Callable[[int], None], Callable[[int], None], Callable[[], None]]:
     layout = tt.ShardLayout(shapes, W)
     groups = tt.local_groups(W, timeout_s=timeout_s, ring_bytes=ring_bytes, max_ctas=max_ctas,
+                             rs_push=rs_push,
                              devices=[device] * W if device.type == "cuda" else None)  # one GPU: the GEMM's
     grads = [[torch.randn(s, device=device).to(torch.bfloat16) for s in shapes] for _ in range(W)]
     shards = [[torch.empty(s, device=device) for s in layout.shard_shapes(r)] for r in range(W)]

@@ -606,24 +606,34 @@ def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly(rs_push: s
 def _other_stream_child(rank: int, world_size: int, device: str) -> list:
     """Kernel pushes of a reduce-scatter prepared on one stream and run on another: the pair
     runs once (kernels compiled and loaded, templates made), then the default stream sleeps
-    ~200 ms, a second prepared reduce-scatter binds on it (its tables go up behind the sleep)
-    and runs at once on a side stream -- whose copy queue is fenced from the side stream only.
-    Returns the shards of that run and of the eager call on the same values (on the CPU)."""
+    ~200 ms, a second prepared reduce-scatter binds on it and runs at once on a side stream --
+    whose copy queue is fenced from the side stream only.  Its gradients are new tensors (the
+    push tables are cached by the gradients' addresses: on the pair's own gradients no table
+    would go up behind the sleep), and the pair's gradients then hold other values (a stale
+    table read in place of the new one gives other sums, not the same ones).  Returns the
+    shards of that run and of the eager call on the same gradients (on the CPU)."""
     pair = _RankPair(rank, world_size, device)
     try:
         pair.values(5)
         pair.run()
-        torch.cuda.synchronize()
+        grads = [x.clone() for x in pair.grads]
+        # A run on other new gradients first: the new alignment's kernels compile and load
+        # there (a module load waits for the device, which would end the sleep below first).
+        warm = pair.tt.prepare_reduce_scatter([x.clone() for x in grads], [torch.empty_like(x) for x in pair.shards],
+                                              group=pair.g, op="sum")
+        warm.run(stream=torch.cuda.Stream())
+        pair.tt.synchronize(pair.g, timeout_s=60)
+        pair.values(6)
         shards = [torch.full_like(x, -1.0) for x in pair.shards]
         torch.cuda.synchronize()
         torch.cuda._sleep(400_000_000)  # the default stream, where the tables go up, busy
-        rs = pair.tt.prepare_reduce_scatter(pair.grads, shards, group=pair.g, op="sum")
+        rs = pair.tt.prepare_reduce_scatter(grads, shards, group=pair.g, op="sum")
         side = torch.cuda.Stream()
         rs.run(stream=side)
         pair.tt.synchronize(pair.g, timeout_s=60)
         torch.cuda.synchronize()
         eager = [torch.empty_like(x) for x in shards]
-        pair.tt.reduce_scatter(pair.grads, eager, group=pair.g, op="sum")
+        pair.tt.reduce_scatter(grads, eager, group=pair.g, op="sum")
         pair.tt.synchronize(pair.g, timeout_s=60)
         return [[x.cpu() for x in shards], [x.cpu() for x in eager]]
     finally:
@@ -634,8 +644,7 @@ def _other_stream_child(rank: int, world_size: int, device: str) -> list:
 @pytest.mark.multiproc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_pushes_prepared_on_a_busy_stream_and_run_on_another() -> None:
-    """Found by review in session 21 (written after that session's device time was spent: run
-    it without the fix in ``KernelPush.enqueue`` to see it fail): the push kernel skipped the
+    """Found by review in session 21.  The push kernel skipped the
     wait for its tables' upload, which the copy queue's fence covers only where the run's
     stream is the upload stream; here the upload stream is busy and the run goes on another,
     so without the wait the kernel read unwritten tables.  The run must be exact and equal

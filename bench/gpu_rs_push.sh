@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Kernel pushes against copy descriptors for the reduce-scatter of MoE layers (GroupOptions.rs_push),
+# one GPU, three views of the same question in one device call:
+#   1. the collective: W=2 processes sharing the GPU, prepared runs on new gradient addresses kept
+#      apart (FSDP2's steady state on MoE layers), synthetic-moe-256e and qwen3-30b-a3b;
+#   2. the GEMM beside it (bench/interference.py, one process): the kernel pushes spend SMs, the
+#      copy descriptors do not; swept over the grid bound MAX_CTAS (0: uncapped);
+#   3. the user's number: bench/fsdp_step.py, Qwen3-style MoE blocks, stock FSDP2 (torch's NCCL
+#      backend when a newer NCCL is given, see gpu_env.sh) and the prepared drop-in with
+#      rs_push copy_engine / auto.
+#   bash bench/gpu_rs_push.sh        (~400 s); PARTS="collective interference fsdp", ITERS=10,
+#   MAX_CTAS="0 32", STEPS=5.  Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
+# Table: docs/benchmarks.md "Kernel pushes".
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+log_env
+parts=${PARTS:-collective interference fsdp}
+if [[ " $parts " == *" collective "* ]]; then
+  for push in copy_engine kernel; do
+    echo "=== collective rs_push=$push"
+    with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py --share-gpu \
+      --models synthetic-moe-256e qwen3-30b-a3b --world-sizes 2 --iters "${ITERS:-10}" --prepared --new-grads \
+      --apart --rs-push "$push" --json "$OUT/rs_push.jsonl" > "$OUT/collective.$push.log" 2>&1
+    echo "rc=$?"; grep -E "^\||Error" "$OUT/collective.$push.log" | head -20
+  done
+fi
+if [[ " $parts " == *" interference "* ]]; then
+  run interference 200 python3 bench/interference.py --model synthetic-moe-256e --backgrounds tide \
+    --tide-rs-push copy_engine kernel --tide-max-ctas ${MAX_CTAS:-0 32} --gemm-priority default \
+    --gemm-iters ${GEMM_ITERS:-100} --json "$OUT/interference.jsonl"
+  grep "SM time" "$OUT/interference.log"
+fi
+if [[ " $parts " == *" fsdp "* ]]; then
+  stock_backend=gloo; [ -n "$NCCL_LIB" ] && stock_backend=nccl
+  python3 bench/fsdp_step.py --header
+  for spec in "stock auto $stock_backend" "prepared copy_engine gloo" "prepared auto gloo"; do
+    set -- $spec
+    log="$OUT/fsdp_step.$1.$2.log"
+    (cd bench && with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 fsdp_step.py --mode "$1" \
+      --rs-push "$2" --backend "$3" --model qwen3-30b-a3b --layers 2 --seq 1024 --share-gpu \
+      --steps "${STEPS:-5}" --json "$OUT/fsdp_step.jsonl") > "$log" 2>&1 \
+      || { echo "| $1 | $2 | failed rc=$? |"; tail -5 "$log"; }
+    grep "^|" "$log" | tail -1 | sed "s/^| $1 /| $1 (rs_push $2) /"
+  done
+fi
+exit 0
