@@ -8,9 +8,10 @@
 #   3. the user's number: bench/fsdp_step.py, Qwen3-style MoE blocks, stock FSDP2 (torch's NCCL
 #      backend when a newer NCCL is given, see gpu_env.sh) and the prepared drop-in with
 #      rs_push copy_engine / auto.
-#   bash bench/gpu_rs_push.sh        (~400 s); PARTS="collective interference fsdp", ITERS=10,
-#   MAX_CTAS="0 32", STEPS=5.  Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
-# Table: docs/benchmarks.md "Kernel pushes".
+#   bash bench/gpu_rs_push.sh        (~500 s); PARTS="collective interference fsdp", ITERS=10,
+#   MAX_CTAS="0 32", STEPS=12, PAIRS=3 (alternating copy_engine / auto runs of the step).
+#   Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
+# Tables: docs/benchmarks.md "Session 22: kernel pushes on the GPU".
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 log_env
@@ -31,16 +32,35 @@ if [[ " $parts " == *" interference "* ]]; then
   grep "SM time" "$OUT/interference.log"
 fi
 if [[ " $parts " == *" fsdp "* ]]; then
+  # Stock FSDP2 once, then PAIRS alternating pairs of the prepared drop-in (copy_engine, auto):
+  # the step spreads by ~60 ms on two processes time-slicing one GPU, so one run each decides
+  # nothing; the summary pools every step of each setting (mean, median, standard deviation).
   stock_backend=gloo; [ -n "$NCCL_LIB" ] && stock_backend=nccl
   python3 bench/fsdp_step.py --header
-  for spec in "stock auto $stock_backend" "prepared copy_engine gloo" "prepared auto gloo"; do
+  specs=("stock auto $stock_backend")
+  for i in $(seq "${PAIRS:-3}"); do specs+=("prepared copy_engine gloo" "prepared auto gloo"); done
+  n=0
+  for spec in "${specs[@]}"; do
     set -- $spec
-    log="$OUT/fsdp_step.$1.$2.log"
+    n=$((n + 1)); log="$OUT/fsdp_step.$n.$1.$2.log"
     (cd bench && with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 fsdp_step.py --mode "$1" \
       --rs-push "$2" --backend "$3" --model qwen3-30b-a3b --layers 2 --seq 1024 --share-gpu \
-      --steps "${STEPS:-5}" --json "$OUT/fsdp_step.jsonl") > "$log" 2>&1 \
+      --steps "${STEPS:-12}" --json "$OUT/fsdp_step.jsonl") > "$log" 2>&1 \
       || { echo "| $1 | $2 | failed rc=$? |"; tail -5 "$log"; }
     grep "^|" "$log" | tail -1 | sed "s/^| $1 /| $1 (rs_push $2) /"
   done
+  python3 - "$OUT/fsdp_step.jsonl" <<'PY'
+import json, statistics as st, sys
+steps = {}
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    per_rank = [x["step_ms_all"] for x in r["ranks"]]
+    steps.setdefault((r["mode"], r["rs_push"]), []).extend(map(max, zip(*per_rank)))  # the slower rank
+print("| mode | rs_push | steps | mean (ms) | median (ms) | standard deviation (ms) |")
+print("|---|---|---|---|---|---|")
+for (mode, push), xs in steps.items():
+    sd = st.stdev(xs) if len(xs) > 1 else float("nan")
+    print(f"| {mode} | {push} | {len(xs)} | {st.mean(xs):.1f} | {st.median(xs):.1f} | {sd:.1f} |")
+PY
 fi
 exit 0
