@@ -8,6 +8,8 @@
 #   3. the user's number: bench/fsdp_step.py, Qwen3-style MoE blocks, stock FSDP2 (torch's NCCL
 #      backend when a newer NCCL is given, see gpu_env.sh) and the prepared drop-in with
 #      rs_push copy_engine / auto.
+# On two GPUs or more each rank takes its own (SHARE_GPU=1: all on GPU 0), and the GEMM part
+# runs one process per rank with NCCL's reduce-scatter on FSDP2's path beside.
 #   bash bench/gpu_rs_push.sh        (~500 s); PARTS="collective interference fsdp", ITERS=10,
 #   MAX_CTAS="0 32", STEPS=12, PAIRS=3 (alternating copy_engine / auto runs of the step).
 #   Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
@@ -16,20 +18,34 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 log_env
 parts=${PARTS:-collective interference fsdp}
+# Two GPUs or more (issue 13's case): one GPU per rank -- pushes cross NVLink, copy descriptors
+# on the copy engines against the kernel's stores from SMs -- unless SHARE_GPU=1.
+share=--share-gpu
+[ "${SHARE_GPU:-auto}" = auto ] && [ "${NGPU:-0}" -ge 2 ] && share=
+if [ -n "$share" ]; then echo "GPUs: $NGPU; every rank on GPU 0"; else echo "GPUs: $NGPU; one GPU per rank"; fi
 if [[ " $parts " == *" collective "* ]]; then
   for push in copy_engine kernel; do
     echo "=== collective rs_push=$push"
-    with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py --share-gpu \
+    with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 bench/collectives_gpu.py $share \
       --models synthetic-moe-256e qwen3-30b-a3b --world-sizes 2 --iters "${ITERS:-10}" --prepared --new-grads \
       --apart --rs-push "$push" --json "$OUT/rs_push.jsonl" > "$OUT/collective.$push.log" 2>&1
     echo "rc=$?"; grep -E "^\||Error" "$OUT/collective.$push.log" | head -20
   done
 fi
 if [[ " $parts " == *" interference "* ]]; then
-  run interference 200 python3 bench/interference.py --model synthetic-moe-256e --backgrounds tide \
-    --tide-rs-push copy_engine kernel --tide-max-ctas ${MAX_CTAS:-0 32} --gemm-priority default \
-    --gemm-iters ${GEMM_ITERS:-100} --json "$OUT/interference.jsonl"
-  grep "SM time" "$OUT/interference.log"
+  if [ -n "$share" ]; then  # one process, W=2 rank threads on this GPU
+    run interference 200 python3 bench/interference.py --model synthetic-moe-256e --backgrounds tide \
+      --tide-rs-push copy_engine kernel --tide-max-ctas ${MAX_CTAS:-0 32} --gemm-priority default \
+      --gemm-iters ${GEMM_ITERS:-100} --json "$OUT/interference.jsonl"
+    grep "SM time" "$OUT/interference.log"
+  else  # one process per GPU, NCCL on FSDP2's path beside (bench/interference_ranks.py)
+    echo "=== interference_ranks"
+    with_nccl timeout -k 15 300 torchrun --standalone --nproc-per-node 2 bench/interference.py \
+      --model synthetic-moe-256e --backgrounds tide nccl --tide-rs-push copy_engine kernel \
+      --gemm-priority default --gemm-iters ${GEMM_ITERS:-100} --json "$OUT/interference.jsonl" \
+      > "$OUT/interference_ranks.log" 2>&1
+    echo "rc=$?"; grep -E "^\||Error" "$OUT/interference_ranks.log" | head -20
+  fi
 fi
 if [[ " $parts " == *" fsdp "* ]]; then
   # Stock FSDP2 once, then PAIRS alternating pairs of the prepared drop-in (copy_engine, auto):
@@ -44,7 +60,7 @@ if [[ " $parts " == *" fsdp "* ]]; then
     set -- $spec
     n=$((n + 1)); log="$OUT/fsdp_step.$n.$1.$2.log"
     (cd bench && with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 fsdp_step.py --mode "$1" \
-      --rs-push "$2" --backend "$3" --model qwen3-30b-a3b --layers 2 --seq 1024 --share-gpu \
+      --rs-push "$2" --backend "$3" --model qwen3-30b-a3b --layers 2 --seq 1024 $share \
       --steps "${STEPS:-12}" --json "$OUT/fsdp_step.jsonl") > "$log" 2>&1 \
       || { echo "| $1 | $2 | failed rc=$? |"; tail -5 "$log"; }
     grep "^|" "$log" | tail -1 | sed "s/^| $1 /| $1 (rs_push $2) /"

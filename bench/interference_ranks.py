@@ -45,14 +45,16 @@ def _device(args: Any) -> torch.device:
     return dev
 
 
-def _make(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.device, args: Any):
-    """(step, done, close, implementation) of one rank's background."""
+def _make(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.device, args: Any,
+          rs_push: str | None = None):
+    """(step, done, close, implementation) of one rank's background (``rs_push``: the tide
+    group's ``GroupOptions.rs_push``)."""
     import torch.distributed as dist
 
     grads = [torch.randn(s, device=device).to(torch.bfloat16) for s in shapes]
     gpu = device.type == "cuda"
     if kind == "tide":
-        g = tt.init(timeout_s=args.timeout, ring_bytes=args.ring_bytes)
+        g = tt.init(timeout_s=args.timeout, ring_bytes=args.ring_bytes, rs_push=rs_push or "auto")
         layout = tt.ShardLayout(shapes, W)
         shards = [torch.empty(s, device=device) for s in layout.shard_shapes(rank)]
 
@@ -62,7 +64,8 @@ def _make(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devi
         def done() -> None:
             if gpu:
                 tt.synchronize(g, timeout_s=args.timeout)
-        return step, done, g.close, "tide_triton.reduce_scatter bf16 -> fp32 avg (copy engines + Triton sums)"
+        return step, done, g.close, (f"tide_triton.reduce_scatter bf16 -> fp32 avg (rs_push={rs_push or 'auto'}, "
+                                     "Triton sums)")
     from tide_triton.layout import ShardLayout
 
     chunk_cat, cc_name = base._chunk_cat_fn()
@@ -123,9 +126,10 @@ def run_ranks(args: Any) -> int:
         if rank == 0:
             alone = base.gemm_alone(a, b, c, args.gemm_iters, clock, gate, gstream)
             rows.append({**row0, "background": "none", **{k: v for k, v in alone.items() if k != "window"}})
-        for kind in args.backgrounds:
+        plan = [(k, p) for k in args.backgrounds for p in (args.tide_rs_push if k == "tide" else [None])]
+        for kind, rs_push in plan:
             row = _one(kind, tt, shapes, rank, W, device, args, clock, gate, gstream, bg_stream, a, b, c,
-                       alone, ctl)
+                       alone, ctl, rs_push)
             ok = ok and "error" not in row
             if rank == 0:
                 rows.append({**row0, **row})
@@ -142,7 +146,7 @@ def run_ranks(args: Any) -> int:
 
 def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.device, args: Any, clock: Any,
          gate: Any, gstream: Any, bg_stream: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-         alone: dict | None, ctl: Any) -> dict:
+         alone: dict | None, ctl: Any, rs_push: str | None = None) -> dict:
     """One background on every rank; rank 0's row (others: {})."""
     import torch.distributed as dist
 
@@ -150,7 +154,7 @@ def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devic
     close: Callable[[], None] = lambda: None  # noqa: E731
     err = None
     try:
-        step, done, close, impl = _make(kind, tt, shapes, rank, W, device, args)
+        step, done, close, impl = _make(kind, tt, shapes, rank, W, device, args, rs_push)
     except Exception as e:  # noqa: BLE001 - every rank learns below, nobody waits in a collective
         err = f"setup on rank {rank}: {type(e).__name__}: {e}"
         traceback.print_exc()
@@ -158,7 +162,7 @@ def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devic
     dist.all_gather_object(errs, err, group=ctl)
     if any(errs):
         close()
-        return {"background": kind, "error": "; ".join(x for x in errs if x)}
+        return {"background": kind, "rs_push": rs_push, "error": "; ".join(x for x in errs if x)}
     ctx = torch.cuda.stream(bg_stream) if gpu else contextlib.nullcontext()
     try:
         with ctx:  # calibration: every rank, each iteration waited for
@@ -190,10 +194,11 @@ def _one(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devic
         if bg.errors:
             raise RuntimeError("; ".join(bg.errors))
         st = bg.stats(res["window"], 1, alone_ms=[iter_ms])
-        return {"background": kind, "background_impl": impl, "bg_iters": n[0], **base.window_row(res, alone, st)}
+        return {"background": kind, "background_impl": impl, "rs_push": rs_push, "bg_iters": n[0],
+                **base.window_row(res, alone, st)}
     except Exception as e:  # noqa: BLE001 - a rank stuck in a collective is the hang guard's
         traceback.print_exc()
-        return {"background": kind, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        return {"background": kind, "rs_push": rs_push, "error": f"rank {rank}: {type(e).__name__}: {e}"}
     finally:
         if gpu:
             torch.cuda.synchronize(device)
