@@ -605,8 +605,9 @@ def test_prepared_collectives_captured_in_a_cuda_graph_replay_exactly(rs_push: s
 
 def _other_stream_child(rank: int, world_size: int, device: str) -> list:
     """Kernel pushes of a reduce-scatter prepared on one stream and run on another: the pair
-    runs once (kernels compiled and loaded, templates made), then the default stream sleeps
-    ~200 ms, a second prepared reduce-scatter binds on it and runs at once on a side stream --
+    runs once and a prepared reduce-scatter on other new gradients runs (kernels compiled and
+    loaded, templates made), then the default stream sleeps ~200 ms, a third prepared
+    reduce-scatter binds on it and runs at once on a side stream --
     whose copy queue is fenced from the side stream only.  Its gradients are new tensors (the
     push tables are cached by the gradients' addresses: on the pair's own gradients no table
     would go up behind the sleep), and the pair's gradients then hold other values (a stale
@@ -648,7 +649,7 @@ def test_kernel_pushes_prepared_on_a_busy_stream_and_run_on_another() -> None:
     wait for its tables' upload, which the copy queue's fence covers only where the run's
     stream is the upload stream; here the upload stream is busy and the run goes on another,
     so without the wait the kernel read unwritten tables.  The run must be exact and equal
-    the eager call bit for bit."""
+    the eager call bit for bit.  Without the wait both ranks abort (H100, session 22)."""
     world = 2
     out = _spawn(_other_stream_child, world, "cuda", TIDE_TEST_RS_PUSH="kernel")
     layout = ShardLayout(SHAPES, world)
