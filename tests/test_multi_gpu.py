@@ -1,6 +1,7 @@
 """Ranks on several GPUs (skipped with fewer than two): the CUDA transport's cross-device
 paths -- peer access granted at creation, copy-engine copies between devices, flags written
-into another GPU's memory -- through the public reduce_scatter / all_gather, exact.
+into another GPU's memory, the kernel pushes' stores into another GPU's slots -- through the
+public reduce_scatter / all_gather, exact.
 
 Placements: round-robin (rank r on cuda:(r % n), the torchrun convention) at W = 2, 3, and a
 mixed one (two ranks on cuda:0, one on cuda:1).  Shapes are awkward on purpose: dim 0
@@ -28,12 +29,12 @@ def _grads(rank: int) -> list[torch.Tensor]:
     return [torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES]
 
 
-def _exact(rank: int, W: int, devices: list[int]) -> dict:
+def _exact(rank: int, W: int, devices: list[int], rs_push: str = "auto") -> dict:
     import tide_triton as tt
 
     dev = torch.device("cuda", devices[rank])
     torch.cuda.set_device(dev)
-    tt.init(timeout_s=60)
+    tt.init(timeout_s=60, rs_push=rs_push)
     layout = ShardLayout(SHAPES, W)
     grads = [g.to(dev) for g in _grads(rank)]
     full = [sum(_grads(r)[i].float() for r in range(W)) for i in range(len(SHAPES))]
@@ -64,9 +65,12 @@ def _placements() -> list:
     ]
 
 
+@pytest.mark.parametrize("rs_push", ["copy_engine", "kernel"])
 @pytest.mark.parametrize("W, devices", _placements())
-def test_reduce_scatter_and_all_gather_exact_across_gpus(W: int, devices: list[int]) -> None:
-    out = run_multiprocess(_exact, W, devices, timeout=300, env=MULTICAST_OFF)
+def test_reduce_scatter_and_all_gather_exact_across_gpus(W: int, devices: list[int], rs_push: str) -> None:
+    """``rs_push="kernel"``: the reduce-scatter's pushes are the segment kernel's stores into
+    the peers' slots -- across GPUs, SM stores over NVLink instead of copy engines."""
+    out = run_multiprocess(_exact, W, devices, rs_push, timeout=300, env=MULTICAST_OFF)
     for r, res in enumerate(out):
         assert res["device"] == f"cuda:{devices[r]}"
         assert all(res[k] for k in ("rs0", "ag0", "rs1", "ag1")), (r, res)
