@@ -71,3 +71,41 @@ def test_a_collective_s_preparation_is_named_in_a_trace(monkeypatch) -> None:
     assert all(bool((p == 3).all()) for r in range(W) for p in params[r])
     assert opened.count("tide_triton::prepare_reduce_scatter") == W, opened
     assert opened.count("tide_triton::prepare_all_gather") == W, opened
+
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rs_push, launches", [("copy_engine", 0), ("kernel", 2)])
+def test_kernel_pushes_are_named_in_a_trace(monkeypatch, rs_push: str, launches: int) -> None:
+    # The push kernel has the reductions' name (segmented_reduce_kernel): a range around each
+    # launch tells transport from sums in a trace -- one per round pushed by the kernel (two
+    # calls of one round each, per rank), none where the copy engines push.  (Profiler stood
+    # in for, as above.)
+    import tide_triton as tt
+
+    opened: list[str] = []
+
+    @contextlib.contextmanager
+    def record_function(name):
+        opened.append(name)
+        yield
+
+    monkeypatch.setattr(torch.autograd, "_profiler_enabled", lambda: True)
+    monkeypatch.setattr(torch.profiler, "record_function", record_function)
+    W, shapes = 2, [(6, 4), (5,), (3, 3)]
+    layout = ShardLayout(shapes, W)
+    grads = [[torch.full(s, float(r + 1), dtype=torch.bfloat16) for s in shapes] for r in range(W)]
+    shards = [[torch.zeros(s, dtype=torch.float32) for s in layout.shard_shapes(r)] for r in range(W)]
+    groups = tt.local_groups(W, timeout_s=60, rs_push=rs_push)
+
+    def body(r: int) -> None:
+        for _ in range(2):
+            tt.reduce_scatter(grads[r], shards[r], group=groups[r], op="sum")
+
+    try:
+        run_threads(body, W, timeout=120)
+    finally:
+        for g in groups:
+            g.close()
+    assert all(bool((x == 3).all()) for r in range(W) for x in shards[r])
+    assert opened.count("tide_triton::kernel_push") == launches * W, opened

@@ -18,7 +18,7 @@ from .group import Group
 from .heap import Ring
 from .kernels import Binding, SegmentProgram, Span, upload_table_pairs
 from .layout import ShardLayout
-from .ranges import in_host_range
+from .ranges import host_range, in_host_range
 from .schedule import ring_plan
 
 __all__ = ["AG_BATCH", "KERNEL_PUSH_MIN_PIECES", "KernelPush", "chunk_program", "push_program",
@@ -96,7 +96,9 @@ class KernelPush:
     first.  ``cs`` waits for the copy queue at the run's end, so the tables are kept for ``cs``
     (a binding cached from a run on another stream: freed there, its memory could be reused
     before this launch ran), never recorded on the copy queue's own stream (the transport's,
-    destroyed at close)."""
+    destroyed at close).  In a profiler's trace the launch lies in a ``tide_triton::kernel_push``
+    range: the kernel's name is the reductions' (``segmented_reduce_kernel``), the range tells
+    the SM time spent on transport from the sums'."""
 
     binding: Binding
 
@@ -105,8 +107,9 @@ class KernelPush:
         ordered = captured or cs is None or cs == b.upload_stream
         if not captured and cs is not None:
             b.keep_tables_for(cs)
-        t.on_copy_queue(lambda s: b.launch(check_addresses=False, capturing=captured, ordered=ordered, stream=s,
-                                           record=False))
+        with host_range("tide_triton::kernel_push"):
+            t.on_copy_queue(lambda s: b.launch(check_addresses=False, capturing=captured, ordered=ordered,
+                                               stream=s, record=False))
 
 
 def keep_after_failure(g: Group, pushes: Sequence[Any]) -> None:
