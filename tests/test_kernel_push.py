@@ -46,6 +46,27 @@ def test_the_rounds_pushed_by_the_kernel() -> None:
         tt.GroupOptions(rs_push="sms")
 
 
+def test_rs_push_from_the_environment_unless_given(monkeypatch) -> None:
+    """``$TIDE_TRITON_RS_PUSH`` sets a group's ``rs_push`` where the caller gave none (a job
+    run both ways without a code change); an explicit option wins; a bad value names the
+    variable.  The group's rounds follow it."""
+    monkeypatch.delenv("TIDE_TRITON_RS_PUSH", raising=False)
+    assert tt.GroupOptions().rs_push == "auto"
+    monkeypatch.setenv("TIDE_TRITON_RS_PUSH", "copy_engine")
+    assert tt.GroupOptions().rs_push == "copy_engine"
+    assert tt.GroupOptions(rs_push="kernel").rs_push == "kernel"
+    monkeypatch.setenv("TIDE_TRITON_RS_PUSH", "kernel")
+    groups = tt.local_groups(2, timeout_s=60)
+    try:
+        assert [g.options.rs_push for g in groups] == ["kernel", "kernel"]
+    finally:
+        for g in groups:
+            g.close()
+    monkeypatch.setenv("TIDE_TRITON_RS_PUSH", "sms")
+    with pytest.raises(ValueError, match=r"\$TIDE_TRITON_RS_PUSH must be one of"):
+        tt.GroupOptions()
+
+
 @pytest.mark.parametrize("W, queue, ring", [(2, "sync", 1024), (3, "async", 64 << 10)],
                          ids=["W2-sync-rounds", "W3-async-one-round"])
 def test_kernel_pushes_equal_copy_engine_pushes_bit_for_bit(monkeypatch, W: int, queue: str, ring: int) -> None:

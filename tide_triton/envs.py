@@ -20,6 +20,11 @@ Variables of the package
     Seconds a communicator's close (window deregistration and destroy, which wait for the
     other members) may take before an error names the rank and the members and the
     communicator is left to process exit; default 60.  (:mod:`tide_triton.transport.nccl`)
+``TIDE_TRITON_RS_PUSH``
+    ``GroupOptions.rs_push`` for groups made without it: ``auto`` (default), ``copy_engine``
+    or ``kernel`` -- how a reduce-scatter pushes its slices (copy descriptors, or the segment
+    kernel on SMs), so a training job can be run both ways without a code change.  An
+    explicit option wins.  Read when a group's options are made.  (:mod:`tide_triton.options`)
 ``TIDE_TRITON_COPY_MODE``
     Diagnostics: pins the CUDA transport's copy path when its ``copy_mode`` is ``"auto"``:
     ``auto`` (default), ``batch`` (``cuMemcpyBatchAsync``) or ``loop`` (one
@@ -117,11 +122,14 @@ __all__ = [
     "torch_symm_mem_multicast_disabled",
     "host_copy_queue",
     "host_copy_queue_jitter_s",
+    "RS_PUSH",
+    "rs_push",
 ]
 
 log = logging.getLogger("tide_triton")
 
 NCCL_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
+RS_PUSH = "TIDE_TRITON_RS_PUSH"
 MULTICAST = "TIDE_TRITON_MULTICAST"
 
 _NCCL_CLOSE = ("destroy", "abort", "none")
@@ -130,6 +138,7 @@ _LAUNCH_MODES = ("direct", "jit")
 _COPY_GRAPHS = ("auto", "always", "off")
 _HOST_COPY_QUEUES = ("sync", "async")
 _RUN_GRAPHS = ("auto", "all", "all-gathers", "off")
+RS_PUSH_CHOICES = ("auto", "copy_engine", "kernel")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -146,6 +155,11 @@ def nccl_library(env: Mapping[str, str] | None = None) -> str | None:
     """``$TIDE_TRITON_NCCL_LIBRARY`` (a path), or None when unset or empty."""
     raw = (os.environ if env is None else env).get(NCCL_LIBRARY)
     return raw if raw else None
+
+
+def rs_push(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_RS_PUSH``: ``"auto"`` (default), ``"copy_engine"`` or ``"kernel"``."""
+    return _choice(RS_PUSH, "auto", RS_PUSH_CHOICES, env)
 
 
 def nccl_close(env: Mapping[str, str] | None = None) -> str:

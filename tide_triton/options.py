@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import envs
 from ._checks import is_int
 
 __all__ = ["GroupOptions"]
@@ -34,7 +35,7 @@ class GroupOptions:
     it, by ``timeout_s`` at the latest).  Either way every collective carries its identity
     (call number and signature) to the peers before any data moves, so calls never pair
     with other calls."""
-    rs_push: str = "auto"
+    rs_push: str | None = None
     """How a node-local reduce-scatter moves this rank's gradient slices into its peers' ring
     slots: ``"copy_engine"`` -- copy descriptors (no SMs; gradients allocated back to back
     merge into a few strided ones); ``"kernel"`` -- one launch of the segment kernel per
@@ -43,8 +44,10 @@ class GroupOptions:
     piece); ``"auto"``: the kernel where a round holds more than
     :data:`tide_triton.node_prepare.KERNEL_PUSH_MIN_PIECES` pieces (MoE layers: hundreds of
     parameters, whose gradients land at new, scattered addresses every step, so each step
-    pays a descriptor per piece and parameter), else copy descriptors.  This rank's own affair
-    (its peers only see their slots and flags)."""
+    pays a descriptor per piece and parameter), else copy descriptors.  ``None`` (default):
+    ``$TIDE_TRITON_RS_PUSH``, else ``"auto"`` -- resolved when the options are made, so the
+    field always holds one of the three.  What the kernel pushes cost and save:
+    docs/collectives.md.  This rank's own affair (its peers only see their slots and flags)."""
     max_inflight_chunks: int = 8
     """How many reduce-scatter chunks the host may enqueue ahead of the GPU."""
     chunk_bytes: int = 4 << 20
@@ -72,7 +75,9 @@ class GroupOptions:
     rank, saying why, where the guard fails).  Never run on multicast hardware yet."""
 
     def __post_init__(self) -> None:
-        if self.rs_push not in ("auto", "copy_engine", "kernel"):
+        if self.rs_push is None:
+            object.__setattr__(self, "rs_push", envs.rs_push())
+        elif self.rs_push not in envs.RS_PUSH_CHOICES:
             raise ValueError(f"rs_push must be 'auto', 'copy_engine' or 'kernel', got {self.rs_push!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
