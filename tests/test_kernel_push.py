@@ -154,7 +154,8 @@ def test_a_kernel_push_waits_for_tables_uploaded_on_another_stream() -> None:
     calls: dict = {}
 
     class FakeBinding:
-        upload_stream = "upload"
+        def uploaded_on(self, s):
+            return s == "upload"
 
         def keep_tables_for(self, s):
             calls.setdefault("kept", []).append(s)
@@ -182,13 +183,14 @@ def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
     """A prepared run that fails after enqueueing kernel pushes (here: its peer never runs, the
     wait times out) leaves them queued behind a flag wait its run's end would have joined: the
     group keeps their tables (``node_prepare.keep_after_failure``) so their memory is never
-    reused under a late launch."""
+    reused under a late launch -- past the group's close where that leaked the heap (its streams
+    still busy), else until it."""
+    from tide_triton import group as group_mod
     from tide_triton.errors import PeerTimeoutError
 
     W = 2
     layout = ShardLayout(SHAPES, W)
     groups = tt.local_groups(W, timeout_s=1.0, ring_bytes=1024, rs_push="kernel")
-    key = ("node_prepare", "kernel-pushes-after-failure")
 
     def prepare(r: int):
         grads = [torch.ones(s, dtype=torch.bfloat16) for s in SHAPES]
@@ -197,11 +199,22 @@ def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
 
     try:
         preps = run_threads(prepare, W, timeout=120)
-        assert groups[0].state(key) is None
+        assert groups[0].kept_until_idle == ()
         with pytest.raises(PeerTimeoutError):
             preps[0].run()  # rank 1 never runs
-        kept = groups[0].state(key)
+        kept = groups[0].kept_until_idle
         assert kept and all(isinstance(p, node_prepare.KernelPush) for p in kept[0]), kept
+        # close: rank 0's transport leaked its heap (what a GPU's close does when its streams do
+        # not drain) -- the pushes stay for the rest of the process; rank 1's did not -- freed
+        groups[1].keep_until_idle(marker := object())
+        tr = groups[0].transport(torch.device("cpu"))
+        getattr(tr, "inner", tr).leaked = True
+        groups[0].close()
+        groups[1].close()
+        assert groups[0].kept_until_idle == () == groups[1].kept_until_idle
+        assert any(x is kept[0] for x in group_mod._KEPT_PAST_LEAKED_HEAPS)
+        assert not any(x is marker for x in group_mod._KEPT_PAST_LEAKED_HEAPS)
+        group_mod._KEPT_PAST_LEAKED_HEAPS.remove(kept[0])
     finally:
         for g in groups:
             g.close()

@@ -897,6 +897,130 @@ def _halved_sums(srcs, shards, layout) -> list[torch.Tensor]:
     return ref
 
 
+def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
+    """Found by review in session 22.  A program's tile table goes up once, on the stream
+    current at its first binding; a later binding of it (rebound to new gradients, or made by
+    another group: programs are shared) uploads its pointer tables on another stream.  A launch
+    on that pointer-upload stream skipped every wait, so the kernel could read tile rows not yet
+    uploaded (a busy first stream): zero-length tiles, a silent wrong sum.  The launch must wait
+    for the tile table's event; the kernel push's copy queue is not "ordered" by a fence from
+    the pointer-upload stream alone; nothing waits where both went up on the launch stream.
+    (Host-side fakes: the streams and the compiled kernel; the GPU test is in test_programs.)"""
+    from tide_triton.kernels.segments import Binding
+    from tide_triton.node_prepare import KernelPush
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited, self.cuda_stream = name, [], 0
+
+        def wait_event(self, ev):
+            self.waited.append(ev)
+
+    class Table:
+        def record_stream(self, s):
+            pass
+
+    class Kernel:
+        function = packed_metadata = None
+        launches = 0
+
+        def launch_metadata(self, *a):
+            return None
+
+        def run(self, *a):
+            Kernel.launches += 1
+
+    tiles_stream, ptr_stream = Stream("tiles"), Stream("pointers")
+
+    def binding(tile_home):
+        b = object.__new__(Binding)
+        b.program = type("P", (), {"n_tiles": 4, "n_src": 1})()
+        b.k, b._same_dtype, b._grid, b._n_iters = 1, True, (1,), 4
+        b._cuda, b._upload_stream, b._tile_upload = True, ptr_stream, ("tile-event", tile_home)
+        b._tables, b._static = (Table(), Table(), Table()), {}
+        b._streams_seen, b._streams_kept = set(), set()
+        b._set_uploads("pointer-event")
+        b._compiled = {b._variant(None, False): (Kernel(), ())}
+        return b
+
+    b = binding(tiles_stream)
+    assert not b.uploaded_on(ptr_stream) and not b.uploaded_on(tiles_stream)
+    b.launch(check_addresses=False, stream=ptr_stream)
+    assert ptr_stream.waited == ["tile-event"], ptr_stream.waited
+    b.launch(check_addresses=False, stream=ptr_stream)  # once per stream
+    assert ptr_stream.waited == ["tile-event"]
+    other = Stream("other")
+    b.launch(check_addresses=False, stream=other)
+    assert other.waited == ["tile-event", "pointer-event"]
+    same = binding(ptr_stream)  # both went up on the launch stream: no wait
+    assert same.uploaded_on(ptr_stream)
+    ptr_stream.waited.clear()
+    same.launch(check_addresses=False, stream=ptr_stream)
+    assert ptr_stream.waited == [] and Kernel.launches == 4
+
+    class Transport:  # the copy queue: a stream of its own, fenced from the run's stream
+        def __init__(self):
+            self.queue = Stream("copy queue")
+
+        def on_copy_queue(self, fn):
+            fn(self.queue)
+
+    t = Transport()
+    KernelPush(binding(tiles_stream)).enqueue(t, ptr_stream)
+    assert t.queue.waited == ["tile-event", "pointer-event"], t.queue.waited
+    t = Transport()
+    KernelPush(binding(ptr_stream)).enqueue(t, ptr_stream)  # ordered by the fence: no wait
+    assert t.queue.waited == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_program_first_bound_on_a_busy_stream_reduces_exactly_when_bound_again_on_another() -> None:
+    """The GPU side of the test above: a fresh program's first binding made on a stream that
+    sleeps ~200 ms (its tile table goes up behind the sleep); the binding rebound to new
+    sources, and one made anew, with their pointer tables uploaded on a second stream and
+    launched there at once.  Both reductions exact; without the wait for the tile table they
+    read rows not yet uploaded."""
+    from tide_triton.kernels import Binding, SegmentProgram, upload_table_pairs
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layout = ShardLayout([(96, 40), (5, 24), (640,), (33, 7)], 2)
+    g = torch.Generator().manual_seed(23)
+    shards = [torch.full(s, SENTINEL, dtype=FP32, device=dev) for s in layout.shard_shapes(1, padded=True)]
+    dst_ptrs = tuple(t.data_ptr() for t in shards)
+    flat = layout.flat_shard_numel
+
+    def sources():
+        srcs = [int_tensor((flat,), BF16, dev, generator=g) for _ in range(3)]
+        own = bind_accumulate_shards(srcs, shards, layout, 1)
+        return srcs, own, tuple(t.data_ptr() for t in own.srcs)
+
+    srcs0, own0, ptrs0 = sources()
+    _launched(own0, shards)  # its kernel variant loaded now (a load would settle the device below)
+    srcs1, own1, ptrs1 = sources()
+    srcs2, own2, ptrs2 = sources()
+    p0 = own0.program
+    fresh = SegmentProgram(p0.runs, p0.n_dst, p0.n_src, tile_numel=p0.tile_numel)  # no tile table yet
+    busy, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(400_000_000)
+        first = Binding(fresh, own0.dsts, own0.srcs, own0.k, None, known_ptrs=(dst_ptrs, ptrs0),
+                        shared=upload_table_pairs(dev, [(dst_ptrs, ptrs0)])[0])
+    with torch.cuda.stream(other):
+        t1, t2 = upload_table_pairs(dev, [(dst_ptrs, ptrs1), (dst_ptrs, ptrs2)])
+        rebound = first.rebound((dst_ptrs, ptrs1), t1)
+        anew = Binding(fresh, own2.dsts, own2.srcs, own2.k, None, known_ptrs=(dst_ptrs, ptrs2), shared=t2)
+        assert rebound._tables[0] is anew._tables[0] is first._tables[0]
+        got1 = _launched(rebound, shards, check_addresses=False)
+        got2 = _launched(anew, shards, check_addresses=False)
+    assert busy.query() is False, "the first stream was expected to be still asleep"
+    torch.cuda.synchronize(dev)
+    for got, srcs, what in ((got1, srcs1, "rebound"), (got2, srcs2, "made anew")):
+        for g_, exp in zip(got, _halved_sums(srcs, shards, layout)):
+            assert_bits_equal(g_, exp, f"binding {what} on another stream than its tile table's")
+
+
 def test_a_replay_keeps_the_tables_for_its_stream() -> None:
     """A graph that recorded a binding's launch may be replayed on another stream than the
     tables' upload (``async_op``: the group's side stream) and the binding dropped before
@@ -915,9 +1039,15 @@ def test_a_replay_keeps_the_tables_for_its_stream() -> None:
     b = object.__new__(Binding)
     b._cuda, b._upload_stream, b._streams_kept = True, "upload", set()
     b._tables = (Table(), Table(), Table())
+    b._table_streams = ("upload",) * 3
     for s in ("side", "side", "upload", "other"):
         b.keep_tables_for(s)
     assert all(t.streams == ["side", "other"] for t in b._tables), [t.streams for t in b._tables]
+    # the tile table went up with an earlier binding on another stream: kept for the upload stream too
+    b._streams_kept, b._tables, b._table_streams = set(), (Table(), Table(), Table()), ("tiles", "upload", "upload")
+    for s in ("side", "upload", "tiles"):
+        b.keep_tables_for(s)
+    assert [t.streams for t in b._tables] == [["side", "upload"], ["side", "tiles"], ["side", "tiles"]]
     host = object.__new__(Binding)
     host._cuda = False
     host.keep_tables_for("side")  # the host transport: nothing to keep

@@ -284,15 +284,15 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
                     t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers), stream=cs)
                 if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
                     pace.after(j, cs if j < len(reducers) else t.copy_stream)
-        except BaseException:  # queued kernel pushes may still read their tables
-            node_prepare.keep_after_failure(g, [p for p, _n in pushes])
+            g.rs_count = base + plan.rounds
+            if staging is not None:
+                staging._staged(cs)
+            if padding is not None:  # padding rows of padded shards become zero: after the pushes, on
+                t.copy_prepared(padding[0])  # the copy queue (disjoint from the reductions' rows)
+            t.fence_to(cs)  # my grads may be reused once the copy queue has read them
+        except BaseException:  # queued kernel pushes may still read their tables (to the run's end:
+            node_prepare.keep_after_failure(g, [p for p, _n in pushes])  # until cs waits for them)
             raise
-        g.rs_count = base + plan.rounds
-        if staging is not None:
-            staging._staged(cs)
-        if padding is not None:  # padding rows of padded shards become zero: after the pushes, on
-            t.copy_prepared(padding[0])  # the copy queue (disjoint from the reductions' rows)
-        t.fence_to(cs)  # my grads may be reused once the copy queue has read them
     return st.finish()
 
 

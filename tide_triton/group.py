@@ -120,6 +120,7 @@ class Group(CallIdentity):
             self.n_flags += heap.extra_flags(self.world_size, self.options.inflight_chunks)
         self._transports: dict[str, Any] = {}
         self._extras: dict[tuple, Any] = {}
+        self._until_idle: list[Any] = []  # see keep_until_idle
         self._prepared: OrderedDict[tuple, Any] = OrderedDict()
         self.preparations = 0
         """Collectives prepared so far (cache fills): flat in a training loop's steady state."""
@@ -368,6 +369,20 @@ class Group(CallIdentity):
         with self._lock:
             return self._transports.get(device_type)
 
+    def keep_until_idle(self, obj: Any) -> None:
+        """Keep ``obj`` (device memory that queued work may still read: a failed run's kernel
+        pushes' tables) as long as this group's streams may run: until :meth:`close`, and past
+        it -- for the rest of the process -- where close leaked a heap because its streams did not
+        drain (freed then, the memory could be reused under a launch that runs late)."""
+        with self._lock:
+            self._until_idle.append(obj)
+
+    @property
+    def kept_until_idle(self) -> tuple:
+        """What :meth:`keep_until_idle` holds."""
+        with self._lock:
+            return tuple(self._until_idle)
+
     def state(self, key: tuple, make: Any = None) -> Any:
         """Per-group state an executor keeps under ``key`` (made by ``make()`` if missing and
         ``make`` is given; else None).  A value with a ``close_extra()`` method is closed by
@@ -531,7 +546,13 @@ class Group(CallIdentity):
                 inner.close(drain_timeout_s=_BROKEN_DRAIN_S, may_release=self._all_aborted)
             else:
                 t.close()
+            if getattr(inner, "leaked", False):  # its streams may still run: what they read stays
+                with self._lock:
+                    _KEPT_PAST_LEAKED_HEAPS.extend(self._until_idle)
+                    self._until_idle.clear()
         self._transports.clear()
+        with self._lock:
+            self._until_idle.clear()
         for key, x in list(self._extras.items()):  # the side streams: idle ones serve later groups
             if isinstance(key, tuple) and key[:1] == ("stream",) and key[1] == "cuda":
                 del self._extras[key]
@@ -749,6 +770,9 @@ def local_groups(world_size: int, *, local_size: int | None = None,
 
 
 _GROUPS: dict[int, Group] = {}
+_KEPT_PAST_LEAKED_HEAPS: list[Any] = []
+"""What closed groups kept for their streams (:meth:`Group.keep_until_idle`) where close leaked
+a heap: never freed."""
 _ALL: "weakref.WeakSet[Group]" = weakref.WeakSet()
 """Every open group of this process: closed at interpreter exit and when their process
 group is destroyed (a group left open there aborted the process in 3 of 27 exits)."""

@@ -104,7 +104,7 @@ class KernelPush:
 
     def enqueue(self, t: Any, cs: Any, captured: bool = False) -> None:
         b = self.binding
-        ordered = captured or cs is None or cs == b.upload_stream
+        ordered = captured or cs is None or b.uploaded_on(cs)
         if not captured and cs is not None:
             b.keep_tables_for(cs)
         with host_range("tide_triton::kernel_push"):
@@ -115,10 +115,11 @@ class KernelPush:
 def keep_after_failure(g: Group, pushes: Sequence[Any]) -> None:
     """A run failed after enqueueing kernel pushes (a peer's timeout, a bad argument): the copy
     queue may still hold them, waiting on a flag its run's end would have joined -- keep their
-    tables for as long as the group, so that memory is never reused under a late launch."""
+    tables while the group's streams may run (:meth:`Group.keep_until_idle`: past its close where
+    that leaked the heap), so that memory is never reused under a late launch."""
     kept = [p for p in pushes if isinstance(p, KernelPush)]
     if kept:
-        g.state(("node_prepare", "kernel-pushes-after-failure"), list).append(kept)
+        g.keep_until_idle(kept)
 
 
 def enqueue_push(t: Any, push: Any, cs: Any, captured: bool = False) -> None:

@@ -438,20 +438,20 @@ class PreparedReduceScatter(_Prepared):
                         t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
                     if st.cuda and pace is not None:
                         pace.after(j, cs if j < len(reducers) else t.copy_stream)
-            except BaseException:  # queued kernel pushes may still read their tables
+                if padding is not None:  # padding rows become zero (disjoint from the sums' rows)
+                    t.copy_prepared(padding[0], capturable=captured)
+                t.fence_to(cs)  # the grads may be reused once the copy queue has read them
+                if pending:  # quiescent end: every slot this run wrote has been reduced
+                    ds = sorted(pending)
+                    slots = [fm.program_rs_free(s, d) for d, s in ds]
+                    t.wait_all_equal(slots, [T] * len(ds), peers=[d for d, _ in ds], timeout_s=timeout,
+                                     what="rank {peer} to free prepared reduce-scatter slots (end of run)")
+                    t.signal_all([me] * len(ds), slots, [0] * len(ds))
+                if self._joined(captured):
+                    t.fence_to(cs)
+            except BaseException:  # queued kernel pushes may still read their tables (to the run's end)
                 node_prepare.keep_after_failure(g, pushes)
                 raise
-            if padding is not None:  # padding rows become zero (disjoint from the sums' rows)
-                t.copy_prepared(padding[0], capturable=captured)
-            t.fence_to(cs)  # the grads may be reused once the copy queue has read them
-            if pending:  # quiescent end: every slot this run wrote has been reduced
-                ds = sorted(pending)
-                slots = [fm.program_rs_free(s, d) for d, s in ds]
-                t.wait_all_equal(slots, [T] * len(ds), peers=[d for d, _ in ds], timeout_s=timeout,
-                                 what="rank {peer} to free prepared reduce-scatter slots (end of run)")
-                t.signal_all([me] * len(ds), slots, [0] * len(ds))
-            if self._joined(captured):
-                t.fence_to(cs)
         return st.finish()
 
 

@@ -112,16 +112,18 @@ def tile_numel_for(total_numel: int) -> int:
     return tile
 
 
-def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
+def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object, object]:
     """Copy a small host table to ``device`` without a host sync: pinned memory, a
-    non-blocking copy on the current stream, and an event that other streams wait on
-    before their first use (see :meth:`Binding.launch`)."""
+    non-blocking copy on the current stream, an event that other streams wait on before
+    their first use, and that stream (the table's memory is its, in torch's caching
+    allocator; see :meth:`Binding.launch`)."""
     if device.type != "cuda":
-        return host, None
+        return host, None, None
+    stream = torch.cuda.current_stream(device)
     table = host.pin_memory().to(device, non_blocking=True)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return table, event
+    event.record(stream)
+    return table, event, stream
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -178,7 +180,7 @@ def upload_table_pairs(device: torch.device,
         if id(seq) not in at:
             at[id(seq)] = len(parts)
             parts.append(np.asarray(seq, dtype=np.int64))
-    table, event = _upload(torch.from_numpy(np.concatenate(parts)), device)
+    table, event, _ = _upload(torch.from_numpy(np.concatenate(parts)), device)
     starts = np.cumsum([0] + [len(p) for p in parts]).tolist()
     slices = [table[starts[i]:starts[i + 1]] for i in range(len(parts))]
     gcds = [int(np.gcd.reduce(p)) if len(p) else 0 for p in parts]
@@ -228,8 +230,10 @@ class SegmentProgram:
     def n_tiles(self) -> int:
         return int(self.tiles.shape[0])
 
-    def tiles_on(self, device: torch.device) -> tuple[torch.Tensor, object]:
-        """The tile table on ``device`` and the event its upload recorded."""
+    def tiles_on(self, device: torch.device) -> tuple[torch.Tensor, object, object]:
+        """The tile table on ``device``, the event its upload recorded and the stream it went
+        up on -- the stream current at the program's first binding on ``device``, which later
+        bindings (other streams, other groups: programs are shared) need not share."""
         hit = self._device_tiles.get(device)
         if hit is None:
             hit = _upload(self.tiles, device)
@@ -250,7 +254,7 @@ class SegmentProgram:
                 self._pointer_cache.move_to_end(key)
                 return hit
         host = torch.frombuffer(array("q", dst_ptrs + src_ptrs), dtype=torch.int64).clone()  # 2x torch.tensor
-        table, event = _upload(host, device)
+        table, event, _ = _upload(host, device)
         dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
         src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
         hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event)
@@ -315,15 +319,15 @@ class Binding:
             dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
                 device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
             )
-        tiles, tile_event = self.program.tiles_on(device)
-        self._tile_event = tile_event
+        tiles, tile_event, tile_stream = self.program.tiles_on(device)
+        self._tile_upload = (tile_event, tile_stream)
         cfg = launch_config(dst0.dtype, self.k)
         n_tiles = self.program.n_tiles
         grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
         self._tables = (tiles, dst_tbl, src_tbl)
         self._cuda = device.type == "cuda"
         self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
-        self._events = tuple(e for e in (tile_event, ptr_event) if e is not None)
+        self._set_uploads(ptr_event)
         self._streams_seen: set = set()
         self._streams_kept: set = set()  # streams replays of a recorded launch ran on
         self._compiled: dict = {}
@@ -369,14 +373,25 @@ class Binding:
         b.known_ptrs, b.shared = known_ptrs, shared
         b.dst_ptrs, b.src_ptrs = known_ptrs
         b._tables = (self._tables[0], shared.dst, shared.src)
-        b._events = tuple(e for e in (self._tile_event, shared.event) if e is not None)
         if not self._cuda:
             b._upload_stream = None
         else:
             b._upload_stream = upload_stream if upload_stream is not None else torch.cuda.current_stream(
                 self.dsts[0].device)
+        b._set_uploads(shared.event)
         b._streams_seen, b._streams_kept = set(), set()
         return b  # _compiled: the same dict (the same kernels serve every agreeing binding)
+
+    def _set_uploads(self, ptr_event: Any) -> None:
+        """Each table's upload as (event, stream): the tile table's went up with the program's
+        first binding on this device, the pointer tables' on ``_upload_stream`` -- two streams
+        where a program bound on one stream is rebound (or bound by another group) on another.
+        A launch waits for the uploads of the streams it is not ordered after, and keeps each
+        table for the streams other than the one its memory came from."""
+        ups = ((self._tile_upload[0], self._tile_upload[1]), (ptr_event, self._upload_stream))
+        self._uploads = tuple(u for u in ups if u[0] is not None)
+        self._events = tuple(e for e, _ in self._uploads)
+        self._table_streams = (self._tile_upload[1], self._upload_stream, self._upload_stream)
 
     def _shared_alignment(self, sp: SharedPointers) -> tuple[int, int]:
         """(DST_ALIGN, SRC_ALIGN) this binding's kernel may assume with the tables ``sp``: what
@@ -393,15 +408,26 @@ class Binding:
         allocator, whose next allocation on the upload stream -- the next binding's tables --
         could overwrite them before the replayed kernel read them.  (The uploads themselves
         had finished: the host waited for them before the first replay.)"""
-        if not getattr(self, "_cuda", False) or stream == self._upload_stream or stream in self._streams_kept:
+        if not getattr(self, "_cuda", False) or stream in self._streams_kept:
             return
-        for t in self._tables:
-            t.record_stream(stream)
+        self._record_tables(stream)
         self._streams_kept.add(stream)
+
+    def _record_tables(self, stream: Any) -> None:
+        for t, home in zip(self._tables, self._table_streams):
+            if home != stream:
+                t.record_stream(stream)
+
+    def uploaded_on(self, stream: Any) -> bool:
+        """Every table of this binding went up on ``stream`` (work on it is ordered after them;
+        CUDA).  Not so where the program's tile table went up with an earlier binding on
+        another stream."""
+        return all(home == stream for _, home in getattr(self, "_uploads", ()))
 
     @property
     def upload_stream(self) -> Any:
-        """The stream this binding's tables went up on (CUDA; None on the host)."""
+        """The stream this binding's pointer tables went up on (CUDA; None on the host); the
+        tile table's may differ (:meth:`uploaded_on`)."""
         return getattr(self, "_upload_stream", None)
 
     @property
@@ -427,14 +453,15 @@ class Binding:
         being captured into a CUDA graph, whose capture began with the device idle
         (``torch.cuda.graph`` synchronizes first): the tables are uploaded, and a capture may
         not wait on an event recorded outside it -- so no wait for the uploads.  ``ordered``:
-        the caller has ordered this stream after the uploads' stream and orders that stream
+        the caller has ordered this stream after the uploads' streams (:meth:`uploaded_on`) and
+        orders that stream
         after this launch before the tables can be freed (the collectives' copy queue: fenced
         from the compute stream at a run's start, joined to it at its end) -- no wait and no
         ``record_stream`` here (the copy queue's stream is the transport's own, destroyed at
         close: a table recorded on it would make torch's allocator touch a dead stream).
         ``stream``: the stream to launch on, where the caller has it (a ``torch.cuda.Stream``;
         default the current stream of the destinations' device, one query).  ``record=False``:
-        at the first launch on another stream than the uploads', wait for them there but do not
+        at the first launch on a stream, wait there for the uploads made on others but do not
         ``record_stream`` the tables on it (a stream torch must not see: the caller keeps the
         tables alive past the launch)."""
         if self.program.n_tiles == 0:
@@ -463,14 +490,14 @@ class Binding:
             return
         if stream is None:
             stream = torch.cuda.current_stream(self.dsts[0].device)
-        if not (capturing or ordered) and stream != self._upload_stream and stream not in self._streams_seen:
-            # First launch on another stream: wait for the table uploads, and keep the
-            # tables' memory from being reused before this stream is done with them.
-            for event in self._events:
-                stream.wait_event(event)
+        if not (capturing or ordered) and stream not in self._streams_seen:
+            # First launch on this stream: wait for the table uploads made on other streams,
+            # and keep the tables' memory from being reused before this stream is done with them.
+            for event, home in self._uploads:
+                if home != stream:
+                    stream.wait_event(event)
             if record:
-                for t in self._tables:
-                    t.record_stream(stream)
+                self._record_tables(stream)
             self._streams_seen.add(stream)
         if _JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
             with torch.cuda.stream(stream):

@@ -177,6 +177,8 @@ class CudaTransport:
     n_flags: int
     device: torch.device
     options: CudaOptions
+    leaked: bool = False
+    """Set by a close that left the heap mapped because the streams did not drain."""
 
     def __init__(
         self,
@@ -926,6 +928,7 @@ class CudaTransport:
             log.error("rank %d: streams still busy after %.0f s at close; "
                       "leaking the heap rather than unmapping it under running work",
                       self.rank, drain_timeout_s)
+            self.leaked = True
             return
         self._heap.release_segments()
         self._heap.free_ranges()
