@@ -996,29 +996,43 @@ def test_a_program_first_bound_on_a_busy_stream_reduces_exactly_when_bound_again
         return srcs, own, tuple(t.data_ptr() for t in own.srcs)
 
     srcs0, own0, ptrs0 = sources()
-    _launched(own0, shards)  # its kernel variant loaded now (a load would settle the device below)
-    srcs1, own1, ptrs1 = sources()
-    srcs2, own2, ptrs2 = sources()
     p0 = own0.program
-    fresh = SegmentProgram(p0.runs, p0.n_dst, p0.n_src, tile_numel=p0.tile_numel)  # no tile table yet
     busy, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-    torch.cuda.synchronize(dev)
-    with torch.cuda.stream(busy):
-        torch.cuda._sleep(400_000_000)
-        first = Binding(fresh, own0.dsts, own0.srcs, own0.k, None, known_ptrs=(dst_ptrs, ptrs0),
-                        shared=upload_table_pairs(dev, [(dst_ptrs, ptrs0)])[0])
-    with torch.cuda.stream(other):
-        t1, t2 = upload_table_pairs(dev, [(dst_ptrs, ptrs1), (dst_ptrs, ptrs2)])
-        rebound = first.rebound((dst_ptrs, ptrs1), t1)
-        anew = Binding(fresh, own2.dsts, own2.srcs, own2.k, None, known_ptrs=(dst_ptrs, ptrs2), shared=t2)
-        assert rebound._tables[0] is anew._tables[0] is first._tables[0]
-        got1 = _launched(rebound, shards, check_addresses=False)
-        got2 = _launched(anew, shards, check_addresses=False)
-    assert busy.query() is False, "the first stream was expected to be still asleep"
-    torch.cuda.synchronize(dev)
-    for got, srcs, what in ((got1, srcs1, "rebound"), (got2, srcs2, "made anew")):
-        for g_, exp in zip(got, _halved_sums(srcs, shards, layout)):
-            assert_bits_equal(g_, exp, f"binding {what} on another stream than its tile table's")
+
+    def attempt() -> tuple:
+        """A fresh program (no tile table yet) first bound behind the sleep, then bound again on
+        ``other`` and launched there: (was ``busy`` still asleep after the launches, results)."""
+        srcs1, own1, ptrs1 = sources()
+        srcs2, own2, ptrs2 = sources()
+        fresh = SegmentProgram(p0.runs, p0.n_dst, p0.n_src, tile_numel=p0.tile_numel)
+        torch.cuda.synchronize(dev)
+        with torch.cuda.stream(busy):
+            t0 = upload_table_pairs(dev, [(dst_ptrs, ptrs0)])[0]
+            # Zeros where the tile table will lie (the block the allocator gives it next on this
+            # stream): read before its upload, every tile has n = 0 and the shards keep SENTINEL.
+            # (Without this the block held the first attempt's identical rows.)
+            torch.zeros_like(fresh.tiles, device=dev)
+            torch.cuda._sleep(400_000_000)
+            first = Binding(fresh, own0.dsts, own0.srcs, own0.k, None, known_ptrs=(dst_ptrs, ptrs0), shared=t0)
+        with torch.cuda.stream(other):
+            t1, t2 = upload_table_pairs(dev, [(dst_ptrs, ptrs1), (dst_ptrs, ptrs2)])
+            rebound = first.rebound((dst_ptrs, ptrs1), t1)
+            anew = Binding(fresh, own2.dsts, own2.srcs, own2.k, None, known_ptrs=(dst_ptrs, ptrs2), shared=t2)
+            assert rebound._tables[0] is anew._tables[0] is first._tables[0]
+            got1 = _launched(rebound, shards, check_addresses=False)
+            got2 = _launched(anew, shards, check_addresses=False)
+        asleep = busy.query() is False
+        torch.cuda.synchronize(dev)
+        return asleep, ((got1, srcs1, "rebound"), (got2, srcs2, "made anew"))
+
+    # The first attempt loads the kernel variants these tables' alignments need (a module load
+    # settles the device: the sleep ends before the launches); the second loads nothing.
+    for n in range(2):
+        asleep, results = attempt()
+        for got, srcs, what in results:
+            for g_, exp in zip(got, _halved_sums(srcs, shards, layout)):
+                assert_bits_equal(g_, exp, f"attempt {n}: binding {what} on another stream than its tile table's")
+    assert asleep, "the first stream was expected to be still asleep at the second attempt's launches"
 
 
 def test_a_replay_keeps_the_tables_for_its_stream() -> None:
