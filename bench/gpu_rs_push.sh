@@ -11,7 +11,8 @@
 # On two GPUs or more each rank takes its own (SHARE_GPU=1: all on GPU 0), and the GEMM part
 # runs one process per rank with NCCL's reduce-scatter on FSDP2's path beside.
 #   bash bench/gpu_rs_push.sh        (~500 s); PARTS="collective interference fsdp", ITERS=10,
-#   MAX_CTAS="0 32", STEPS=12, PAIRS=3 (alternating copy_engine / auto runs of the step).
+#   MAX_CTAS="0 32", STEPS=12, PAIRS=3 (alternating copy_engine / auto runs of the step;
+#   FSDP_AB=stock: alternating stock FSDP2 / the drop-in with auto instead).
 #   Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
 # Tables: docs/benchmarks.md "Session 22: kernel pushes on the GPU".
 set -uo pipefail
@@ -53,8 +54,13 @@ if [[ " $parts " == *" fsdp "* ]]; then
   # nothing; the summary pools every step of each setting (mean, median, standard deviation).
   stock_backend=gloo; [ -n "$NCCL_LIB" ] && stock_backend=nccl
   python3 bench/fsdp_step.py --header
-  specs=("stock auto $stock_backend")
-  for i in $(seq "${PAIRS:-3}"); do specs+=("prepared copy_engine gloo" "prepared auto gloo"); done
+  if [ "${FSDP_AB:-rs_push}" = stock ]; then  # the user's question: stock FSDP2 or the drop-in
+    specs=()
+    for i in $(seq "${PAIRS:-3}"); do specs+=("stock auto $stock_backend" "prepared auto gloo"); done
+  else
+    specs=("stock auto $stock_backend")
+    for i in $(seq "${PAIRS:-3}"); do specs+=("prepared copy_engine gloo" "prepared auto gloo"); done
+  fi
   n=0
   for spec in "${specs[@]}"; do
     set -- $spec
