@@ -190,6 +190,9 @@ def _scenario_slot(W, rank, device):
                     res["reenable"] = str(e)
             if tide:
                 tt.fsdp.disable(model)  # stock storage again: one more step trains the same
+                from tide_triton.fsdp import slots as slots_mod
+                # no heap address stays marked a slot (a stock storage there later would not be freed)
+                res["heap_storages_after_disable"] = len(slots_mod._HEAP_STORAGES)
                 res["after_disable"] = _step(model, opt, rank, 2, device)
             else:
                 res["after_disable"] = _step(model, opt, rank, 2, device)
@@ -603,6 +606,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
             close(sl["slot"]["losses"], sl["tide"]["losses"], f"slot-reuse vs tide losses rank {rank}")
             close(sl["slot"]["after_disable"], sl["stock"]["after_disable"], f"slot-reuse then disable, rank {rank}")
             assert sl["slot"]["attrs_written"] == [], sl["slot"]["attrs_written"]
+            assert sl["slot"]["heap_storages_after_disable"] == 0, sl["slot"]["heap_storages_after_disable"]
             assert sl["slot"]["reenable"].startswith("enable(slot_reuse=False): <root> is enabled already with "
                                                      "Slot-Reuse; disable it first"), sl["slot"]["reenable"]
             # heap_bytes counts the heap once per group, now: the ring (tide); slots on top

@@ -207,14 +207,20 @@ def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
         # close: rank 0's transport leaked its heap (what a GPU's close does when its streams do
         # not drain) -- the pushes stay for the rest of the process; rank 1's did not -- freed
         groups[1].keep_until_idle(marker := object())
-        tr = groups[0].transport(torch.device("cpu"))
+        cpu = torch.device("cpu")
+        small = groups[0].zeros(cpu, 1 << 20)  # the zero buffer (padding copies read it), grown
+        big = groups[0].zeros(cpu, 1 << 21)
+        assert any(x is small for x in groups[0].kept_until_idle)
+        tr = groups[0].transport(cpu)
         getattr(tr, "inner", tr).leaked = True
         groups[0].close()
         groups[1].close()
         assert groups[0].kept_until_idle == () == groups[1].kept_until_idle
-        assert any(x is kept[0] for x in group_mod._KEPT_PAST_LEAKED_HEAPS)
-        assert not any(x is marker for x in group_mod._KEPT_PAST_LEAKED_HEAPS)
-        group_mod._KEPT_PAST_LEAKED_HEAPS.remove(kept[0])
+        left = group_mod._KEPT_PAST_LEAKED_HEAPS
+        for x in (kept[0], small, big):
+            assert any(y is x for y in left)
+        assert not any(x is marker for x in left)
+        left[:] = [y for y in left if not any(y is x for x in (kept[0], small, big))]
     finally:
         for g in groups:
             g.close()

@@ -973,6 +973,83 @@ def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
     assert t.queue.waited == []
 
 
+def test_a_pointer_table_cache_hit_keeps_the_stream_its_tables_went_up_on(monkeypatch) -> None:
+    """Found by review in session 23, the same class as the tile table's: a program's pointer
+    tables are cached by address, and a binding made on a cache hit took the current stream for
+    their home.  Bound on B (tile table up there), then on busy A for addresses X1 (X1's table
+    goes up on A), then on B again for X1: the launch on B must wait for A's upload and keep
+    X1's table for B (its memory is A's in the caching allocator).  Fails without the stream in
+    the cache entry: B waits for nothing.  (Fake streams, uploads and kernel.)"""
+    from tide_triton.kernels import segments
+    from tide_triton.kernels.segments import Binding, SegmentProgram, Span
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited, self.cuda_stream = name, [], 0
+
+        def wait_event(self, ev):
+            self.waited.append(ev)
+
+    class Table:  # slices share their parent's record log (one storage)
+        def __init__(self, log=None):
+            self.log = [] if log is None else log
+
+        def __getitem__(self, s):
+            return Table(self.log)
+
+        def record_stream(self, s):
+            self.log.append(s)
+
+        def data_ptr(self):
+            return 0
+
+    class T:  # a stand-in CUDA tensor
+        device, dtype = torch.device("cuda", 0), torch.bfloat16
+
+        def element_size(self):
+            return 2
+
+    class Kernel:
+        function = packed_metadata = None
+
+        def launch_metadata(self, *a):
+            return None
+
+        def run(self, *a):
+            pass
+
+    cur: dict = {}
+    tables: dict = {}
+
+    def fake_upload(host, device):
+        what = "tiles" if host.dim() == 2 else tuple(host.tolist())
+        tables[what] = Table()
+        return tables[what], (what, cur["s"].name), cur["s"]
+
+    monkeypatch.setattr(segments, "_upload", fake_upload)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cur["s"])
+    prog = SegmentProgram((Span(0, 0, 0, 0, 100),), n_dst=1, n_src=1, tile_numel=64)
+    A, B = Stream("A"), Stream("B")
+
+    def bind(ptrs):
+        b = Binding(prog, (T(),), (T(),), 1, None, known_ptrs=((ptrs[0],), (ptrs[1],)))
+        b._compiled = {b._variant(None, False): (Kernel(), ())}
+        return b
+
+    cur["s"] = B
+    bind((0x1000, 0x2000)).launch(check_addresses=False, stream=B)
+    cur["s"] = A
+    bind((0x3000, 0x4000)).launch(check_addresses=False, stream=A)
+    assert A.waited == [("tiles", "B")]
+    cur["s"] = B
+    again = bind((0x3000, 0x4000))  # a cache hit: X1's tables went up on A
+    B.waited.clear()
+    again.launch(check_addresses=False, stream=B)
+    assert B.waited == [((0x3000, 0x4000), "A")], B.waited
+    assert B in tables[(0x3000, 0x4000)].log
+    assert not again.uploaded_on(B)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_program_first_bound_on_a_busy_stream_reduces_exactly_when_bound_again_on_another() -> None:

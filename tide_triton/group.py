@@ -471,14 +471,15 @@ class Group(CallIdentity):
 
     def zeros(self, device: torch.device, nbytes: int) -> torch.Tensor:
         """A zero-filled buffer of at least ``nbytes`` on ``device`` (grown, never shrunk).
-        A grown-out buffer is kept until the group closes: prepared copy lists (cached by
+        A grown-out buffer is kept until the group closes (:meth:`keep_until_idle`; past it
+        where close leaked a heap, like the buffer in use): prepared copy lists (cached by
         address) may still read it from the copy queue, where torch's allocator would not
         see the use and could hand its memory out again."""
         key = ("zeros", device.type, device.index)
         with self._lock:
             z = self._extras.get(key)
             if z is not None and z.numel() < nbytes:
-                self._extras.setdefault(("zeros-outgrown", device.type, device.index), []).append(z)
+                self._until_idle.append(z)
             if z is None or z.numel() < nbytes:
                 if z is None and device.type == "cuda":  # the fill kernel's first launch may load it
                     device_wide.before("the zero buffer's first fill (torch may load its kernel)",
@@ -549,6 +550,8 @@ class Group(CallIdentity):
             if getattr(inner, "leaked", False):  # its streams may still run: what they read stays
                 with self._lock:
                     _KEPT_PAST_LEAKED_HEAPS.extend(self._until_idle)
+                    _KEPT_PAST_LEAKED_HEAPS.extend(x for k, x in self._extras.items()
+                                                   if isinstance(k, tuple) and k[:1] == ("zeros",))
                     self._until_idle.clear()
         self._transports.clear()
         with self._lock:

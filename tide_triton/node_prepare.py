@@ -165,18 +165,17 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
     tables = upload_table_pairs(device, [(shard_ptrs, p) for p in sources] + [(d, gptrs) for d in slot_tables])
     mx = g.options.max_ctas
     made = layout.derived(("node_prepare.bindings", device.type, device.index), dict)
-    up = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the tables' upload stream
     reducers = []
     for j, (ptrs, shared) in enumerate(zip(sources, tables)):
         b = _bound(made, ("reduce", ring, es, S, me, j, gdt, sdt, W, mx),
                    partial(chunk_program, layout, ring, es, S, me, j),
-                   dst_stub, (src_stub,) * len(ptrs), W, mx, (shard_ptrs, ptrs), shared, up)
+                   dst_stub, (src_stub,) * len(ptrs), W, mx, (shard_ptrs, ptrs), shared)
         b.prepare(scale=scale, accumulate=acc)
         reducers.append(b)
     kernels = {}
     for j, dsts, shared in zip(by_kernel, slot_tables, tables[len(sources):]):
         b = _bound(made, ("push", ring, es, S, me, j, gdt, mx), partial(push_program, layout, ring, es, S, me, j),
-                   (src_stub,) * len(dsts), (src_stub,) * len(gptrs), 1, mx, (dsts, gptrs), shared, up)
+                   (src_stub,) * len(dsts), (src_stub,) * len(gptrs), 1, mx, (dsts, gptrs), shared)
         b.prepare()
         kernels[j] = (KernelPush(b), 1)
     plans = push_plans(me, plan, t.address, reg, gptrs, es, skip=kernels)
@@ -187,7 +186,7 @@ def prepare_reduce_scatter(g: Group, t, reg: Ring, plan, layout: ShardLayout, gp
 
 
 def _bound(made: dict, key: tuple, program: Any, dsts: tuple, srcs: tuple, k: int, max_ctas: int | None,
-           known_ptrs: tuple, shared: Any, upload_stream: Any) -> Binding:
+           known_ptrs: tuple, shared: Any) -> Binding:
     """The binding of ``key`` (its ``program()``, stand-in tensors, ``k``, ``max_ctas``) on
     ``known_ptrs`` with tables ``shared``: the first one made, kept in ``made`` (the layout's,
     per device), :meth:`~tide_triton.kernels.Binding.rebound` to them -- its tile table, launch
@@ -196,7 +195,7 @@ def _bound(made: dict, key: tuple, program: Any, dsts: tuple, srcs: tuple, k: in
     if first is None:
         made[key] = b = Binding(program(), dsts, srcs, k, max_ctas, known_ptrs=known_ptrs, shared=shared)
         return b
-    return first.rebound(known_ptrs, shared, upload_stream)
+    return first.rebound(known_ptrs, shared)
 
 
 def _reduce_template(plan, me: int, es: int) -> list[tuple]:

@@ -241,6 +241,10 @@ def unbind(pg: Any, st: _state.GroupState) -> None:
     if st.slot is None:
         return
     for fp in pg.fsdp_params:
+        for view in fp.all_gather_outputs:  # its address may hold a stock storage later
+            key = (view.device.type, view.untyped_storage().data_ptr())
+            if _HEAP_STORAGES.get(key) is st.slot:
+                del _HEAP_STORAGES[key]
         fp.all_gather_outputs = []
         if hasattr(fp, "_unsharded_param"):
             del fp._unsharded_param

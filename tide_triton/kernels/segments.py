@@ -156,6 +156,8 @@ class SharedPointers:
     dst_gcd: int
     src_gcd: int
     event: object
+    stream: object = None
+    """The stream the upload went on (CUDA): the tables' home."""
 
 
 def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
@@ -180,11 +182,11 @@ def upload_table_pairs(device: torch.device,
         if id(seq) not in at:
             at[id(seq)] = len(parts)
             parts.append(np.asarray(seq, dtype=np.int64))
-    table, event, _ = _upload(torch.from_numpy(np.concatenate(parts)), device)
+    table, event, up = _upload(torch.from_numpy(np.concatenate(parts)), device)
     starts = np.cumsum([0] + [len(p) for p in parts]).tolist()
     slices = [table[starts[i]:starts[i + 1]] for i in range(len(parts))]
     gcds = [int(np.gcd.reduce(p)) if len(p) else 0 for p in parts]
-    return [SharedPointers(slices[at[id(d)]], slices[at[id(x)]], gcds[at[id(d)]], gcds[at[id(x)]], event)
+    return [SharedPointers(slices[at[id(d)]], slices[at[id(x)]], gcds[at[id(d)]], gcds[at[id(x)]], event, up)
             for d, x in pairs]
 
 
@@ -243,10 +245,10 @@ class SegmentProgram:
     def pointer_tables(
         self, device: torch.device, dst_ptrs: tuple[int, ...], src_ptrs: tuple[int, ...],
         dst_elem: int, src_elem: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, int, int, object]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, object, object]:
         """Device tables of destination and source addresses (cached by address), the
         byte alignment every tile's destination and source address is known to have, and
-        the event the upload recorded."""
+        the event and stream of the upload (a cache hit: maybe long ago, on another stream)."""
         key = (device, dst_ptrs, src_ptrs, dst_elem, src_elem)
         with self._lock:
             hit = self._pointer_cache.get(key)
@@ -254,10 +256,10 @@ class SegmentProgram:
                 self._pointer_cache.move_to_end(key)
                 return hit
         host = torch.frombuffer(array("q", dst_ptrs + src_ptrs), dtype=torch.int64).clone()  # 2x torch.tensor
-        table, event, _ = _upload(host, device)
+        table, event, up = _upload(host, device)
         dst_align = _alignment(dst_ptrs + (self._dst_off_gcd * dst_elem,))
         src_align = _alignment(src_ptrs + (self._src_off_gcd * src_elem,))
-        hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event)
+        hit = (table[: len(dst_ptrs)], table[len(dst_ptrs):], dst_align, src_align, event, up)
         with self._lock:
             self._pointer_cache[key] = hit
             while len(self._pointer_cache) > _POINTER_CACHE_SIZE:
@@ -313,10 +315,10 @@ class Binding:
             sp = self.shared
             if self.known_ptrs is None or (len(sp.dst), len(sp.src)) != (len(self.dst_ptrs), len(self.src_ptrs)):
                 raise ValueError("shared pointer tables need known_ptrs of the same lengths")
-            dst_tbl, src_tbl, ptr_event = sp.dst, sp.src, sp.event
+            dst_tbl, src_tbl, ptr_event, ptr_stream = sp.dst, sp.src, sp.event, sp.stream
             dst_align, src_align = self._shared_alignment(sp)
         else:
-            dst_tbl, src_tbl, dst_align, src_align, ptr_event = self.program.pointer_tables(
+            dst_tbl, src_tbl, dst_align, src_align, ptr_event, ptr_stream = self.program.pointer_tables(
                 device, self.dst_ptrs, self.src_ptrs, dst0.element_size(), src0.element_size()
             )
         tiles, tile_event, tile_stream = self.program.tiles_on(device)
@@ -326,7 +328,9 @@ class Binding:
         grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
         self._tables = (tiles, dst_tbl, src_tbl)
         self._cuda = device.type == "cuda"
-        self._upload_stream = torch.cuda.current_stream(device) if self._cuda else None
+        # the pointer tables' home: where they went up (a cache hit: maybe long ago, elsewhere)
+        self._upload_stream = (ptr_stream if ptr_stream is not None else torch.cuda.current_stream(device)) \
+            if self._cuda else None
         self._set_uploads(ptr_event)
         self._streams_seen: set = set()
         self._streams_kept: set = set()  # streams replays of a recorded launch ran on
@@ -358,8 +362,8 @@ class Binding:
         (FSDP2's MoE layers, every step) makes per chunk, without the construction's checks and
         lookups (~40 us per binding on the H200's host).  The copy keeps this binding's
         tensors (stand-ins, where the caller binds by address): launch it with
-        ``check_addresses=False``.  ``upload_stream``: the stream the tables went up on, where
-        the caller has it (default: the current stream, one query)."""
+        ``check_addresses=False``.  ``upload_stream``: the stream the tables went up on
+        (default: ``shared.stream``, where :func:`upload_table_pairs` put them)."""
         agrees = (self.shared is not None and self.program.n_tiles > 0
                   and (len(shared.dst), len(shared.src)) == (len(self.dst_ptrs), len(self.src_ptrs))
                   and self._shared_alignment(shared) == (self._static["DST_ALIGN"], self._static["SRC_ALIGN"])
@@ -376,8 +380,8 @@ class Binding:
         if not self._cuda:
             b._upload_stream = None
         else:
-            b._upload_stream = upload_stream if upload_stream is not None else torch.cuda.current_stream(
-                self.dsts[0].device)
+            b._upload_stream = upload_stream if upload_stream is not None else (
+                shared.stream if shared.stream is not None else torch.cuda.current_stream(self.dsts[0].device))
         b._set_uploads(shared.event)
         b._streams_seen, b._streams_kept = set(), set()
         return b  # _compiled: the same dict (the same kernels serve every agreeing binding)
