@@ -1112,6 +1112,42 @@ def test_a_program_first_bound_on_a_busy_stream_reduces_exactly_when_bound_again
     assert asleep, "the first stream was expected to be still asleep at the second attempt's launches"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pointer_table_cached_from_a_busy_stream_is_waited_for_on_another() -> None:
+    """The GPU side of the pointer-cache test: sources X1 bound and launched on one stream
+    (the program's tile table goes up there); sources X2 bound on a stream that sleeps ~200 ms
+    (X2's pointer table goes up behind the sleep, into a block that holds a copy of X1's table);
+    X2 bound again on the first stream -- a cache hit -- and launched there at once.  Exact with
+    the wait; without it the kernel reads X1's pointers: X1's sums, no error."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layout = ShardLayout([(96, 40), (5, 24), (640,), (33, 7)], 2)
+    g = torch.Generator().manual_seed(24)
+    shards = [torch.full(s, SENTINEL, dtype=FP32, device=dev) for s in layout.shard_shapes(1, padded=True)]
+    flat = layout.flat_shard_numel
+    busy, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    for n in range(2):  # the first attempt loads what the second needs (a load settles the device)
+        srcs1 = [int_tensor((flat,), BF16, dev, generator=g) for _ in range(3)]
+        srcs2 = [int_tensor((flat,), BF16, dev, generator=g) for _ in range(3)]
+        torch.cuda.synchronize(dev)
+        with torch.cuda.stream(other):
+            own1 = bind_accumulate_shards(srcs1, shards, layout, 1)
+            _launched(own1, shards)
+        torch.cuda.synchronize(dev)
+        with torch.cuda.stream(busy):
+            own1._tables[1]._base.clone()  # X1's table where X2's will lie (freed at once)
+            torch.cuda._sleep(400_000_000)
+            bind_accumulate_shards(srcs2, shards, layout, 1)  # X2's table up behind the sleep
+        with torch.cuda.stream(other):
+            own2 = bind_accumulate_shards(srcs2, shards, layout, 1)  # the cache hit
+            got = _launched(own2, shards)
+        asleep = busy.query() is False
+        torch.cuda.synchronize(dev)
+        for g_, exp in zip(got, _halved_sums(srcs2, shards, layout)):
+            assert_bits_equal(g_, exp, f"attempt {n}: pointer table cached from a busy stream")
+    assert asleep, "the busy stream was expected to be still asleep at the second attempt's launch"
+
+
 def test_a_replay_keeps_the_tables_for_its_stream() -> None:
     """A graph that recorded a binding's launch may be replayed on another stream than the
     tables' upload (``async_op``: the group's side stream) and the binding dropped before
