@@ -458,11 +458,11 @@ class Binding:
         (``torch.cuda.graph`` synchronizes first): the tables are uploaded, and a capture may
         not wait on an event recorded outside it -- so no wait for the uploads.  ``ordered``:
         the caller has ordered this stream after the uploads' streams (:meth:`uploaded_on`) and
-        orders that stream
-        after this launch before the tables can be freed (the collectives' copy queue: fenced
-        from the compute stream at a run's start, joined to it at its end) -- no wait and no
-        ``record_stream`` here (the copy queue's stream is the transport's own, destroyed at
-        close: a table recorded on it would make torch's allocator touch a dead stream).
+        orders that stream after this launch before the tables can be freed (the collectives'
+        copy queue: fenced from the compute stream at a run's start, joined to it at its end) --
+        no wait and no ``record_stream`` here (the copy queue's stream is the transport's own,
+        destroyed at close: a table recorded on it would make torch's allocator touch a dead
+        stream).
         ``stream``: the stream to launch on, where the caller has it (a ``torch.cuda.Stream``;
         default the current stream of the destinations' device, one query).  ``record=False``:
         at the first launch on a stream, wait there for the uploads made on others but do not
