@@ -897,6 +897,48 @@ def _halved_sums(srcs, shards, layout) -> list[torch.Tensor]:
     return ref
 
 
+class _FakeStream:
+    """A CUDA stream for host-side tests of the launch's waits: records the events it waits on."""
+
+    def __init__(self, name):
+        self.name, self.waited, self.cuda_stream = name, [], 0
+
+    def wait_event(self, ev):
+        self.waited.append(ev)
+
+
+class _FakeTable:
+    """A device table: records the streams it is kept for; slices share their parent's record
+    (one storage)."""
+
+    def __init__(self, log=None):
+        self.log = [] if log is None else log
+
+    def __getitem__(self, s):
+        return _FakeTable(self.log)
+
+    def record_stream(self, s):
+        self.log.append(s)
+
+    def data_ptr(self):
+        return 0
+
+
+class _FakeKernel:
+    """A compiled kernel as ``Binding.launch`` calls it directly: counts its launches."""
+
+    function = packed_metadata = None
+
+    def __init__(self):
+        self.launches = 0
+
+    def launch_metadata(self, *a):
+        return None
+
+    def run(self, *a):
+        self.launches += 1
+
+
 def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
     """Found by review in session 22.  A program's tile table goes up once, on the stream
     current at its first binding; a later binding of it (rebound to new gradients, or made by
@@ -909,38 +951,18 @@ def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
     from tide_triton.kernels.segments import Binding
     from tide_triton.node_prepare import KernelPush
 
-    class Stream:
-        def __init__(self, name):
-            self.name, self.waited, self.cuda_stream = name, [], 0
-
-        def wait_event(self, ev):
-            self.waited.append(ev)
-
-    class Table:
-        def record_stream(self, s):
-            pass
-
-    class Kernel:
-        function = packed_metadata = None
-        launches = 0
-
-        def launch_metadata(self, *a):
-            return None
-
-        def run(self, *a):
-            Kernel.launches += 1
-
-    tiles_stream, ptr_stream = Stream("tiles"), Stream("pointers")
+    tiles_stream, ptr_stream = _FakeStream("tiles"), _FakeStream("pointers")
+    kernel = _FakeKernel()
 
     def binding(tile_home):
         b = object.__new__(Binding)
         b.program = type("P", (), {"n_tiles": 4, "n_src": 1})()
         b.k, b._same_dtype, b._grid, b._n_iters = 1, True, (1,), 4
         b._cuda, b._upload_stream, b._tile_upload = True, ptr_stream, ("tile-event", tile_home)
-        b._tables, b._static = (Table(), Table(), Table()), {}
+        b._tables, b._static = (_FakeTable(), _FakeTable(), _FakeTable()), {}
         b._streams_seen, b._streams_kept = set(), set()
         b._set_uploads("pointer-event")
-        b._compiled = {b._variant(None, False): (Kernel(), ())}
+        b._compiled = {b._variant(None, False): (kernel, ())}
         return b
 
     b = binding(tiles_stream)
@@ -949,18 +971,18 @@ def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
     assert ptr_stream.waited == ["tile-event"], ptr_stream.waited
     b.launch(check_addresses=False, stream=ptr_stream)  # once per stream
     assert ptr_stream.waited == ["tile-event"]
-    other = Stream("other")
+    other = _FakeStream("other")
     b.launch(check_addresses=False, stream=other)
     assert other.waited == ["tile-event", "pointer-event"]
     same = binding(ptr_stream)  # both went up on the launch stream: no wait
     assert same.uploaded_on(ptr_stream)
     ptr_stream.waited.clear()
     same.launch(check_addresses=False, stream=ptr_stream)
-    assert ptr_stream.waited == [] and Kernel.launches == 4
+    assert ptr_stream.waited == [] and kernel.launches == 4
 
     class Transport:  # the copy queue: a stream of its own, fenced from the run's stream
         def __init__(self):
-            self.queue = Stream("copy queue")
+            self.queue = _FakeStream("copy queue")
 
         def on_copy_queue(self, fn):
             fn(self.queue)
@@ -983,57 +1005,28 @@ def test_a_pointer_table_cache_hit_keeps_the_stream_its_tables_went_up_on(monkey
     from tide_triton.kernels import segments
     from tide_triton.kernels.segments import Binding, SegmentProgram, Span
 
-    class Stream:
-        def __init__(self, name):
-            self.name, self.waited, self.cuda_stream = name, [], 0
-
-        def wait_event(self, ev):
-            self.waited.append(ev)
-
-    class Table:  # slices share their parent's record log (one storage)
-        def __init__(self, log=None):
-            self.log = [] if log is None else log
-
-        def __getitem__(self, s):
-            return Table(self.log)
-
-        def record_stream(self, s):
-            self.log.append(s)
-
-        def data_ptr(self):
-            return 0
-
     class T:  # a stand-in CUDA tensor
         device, dtype = torch.device("cuda", 0), torch.bfloat16
 
         def element_size(self):
             return 2
 
-    class Kernel:
-        function = packed_metadata = None
-
-        def launch_metadata(self, *a):
-            return None
-
-        def run(self, *a):
-            pass
-
     cur: dict = {}
     tables: dict = {}
 
     def fake_upload(host, device):
         what = "tiles" if host.dim() == 2 else tuple(host.tolist())
-        tables[what] = Table()
+        tables[what] = _FakeTable()
         return tables[what], (what, cur["s"].name), cur["s"]
 
     monkeypatch.setattr(segments, "_upload", fake_upload)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cur["s"])
     prog = SegmentProgram((Span(0, 0, 0, 0, 100),), n_dst=1, n_src=1, tile_numel=64)
-    A, B = Stream("A"), Stream("B")
+    A, B = _FakeStream("A"), _FakeStream("B")
 
     def bind(ptrs):
         b = Binding(prog, (T(),), (T(),), 1, None, known_ptrs=((ptrs[0],), (ptrs[1],)))
-        b._compiled = {b._variant(None, False): (Kernel(), ())}
+        b._compiled = {b._variant(None, False): (_FakeKernel(), ())}
         return b
 
     cur["s"] = B

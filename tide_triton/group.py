@@ -528,6 +528,7 @@ class Group(CallIdentity):
             return
         self._closed = True
         failed: BaseException | None = None
+        leaked = False
         for x in list(self._extras.values()):  # e.g. the cross-node path's NCCL communicator
             close = getattr(x, "close_extra", None)
             if close is not None:
@@ -547,14 +548,13 @@ class Group(CallIdentity):
                 inner.close(drain_timeout_s=_BROKEN_DRAIN_S, may_release=self._all_aborted)
             else:
                 t.close()
-            if getattr(inner, "leaked", False):  # its streams may still run: what they read stays
-                with self._lock:
-                    _KEPT_PAST_LEAKED_HEAPS.extend(self._until_idle)
-                    _KEPT_PAST_LEAKED_HEAPS.extend(x for k, x in self._extras.items()
-                                                   if isinstance(k, tuple) and k[:1] == ("zeros",))
-                    self._until_idle.clear()
+            leaked = leaked or getattr(inner, "leaked", False)
         self._transports.clear()
         with self._lock:
+            if leaked:  # its streams may still run: what they read stays, the zero buffer too
+                _KEPT_PAST_LEAKED_HEAPS.extend(self._until_idle)
+                _KEPT_PAST_LEAKED_HEAPS.extend(x for k, x in self._extras.items()
+                                               if isinstance(k, tuple) and k[:1] == ("zeros",))
             self._until_idle.clear()
         for key, x in list(self._extras.items()):  # the side streams: idle ones serve later groups
             if isinstance(key, tuple) and key[:1] == ("stream",) and key[1] == "cuda":

@@ -228,7 +228,7 @@ def _bind(pg: Any, st: _state.GroupState, slot: Slot) -> None:
     dt, offs, _ = group_layout(pg, st.group.world_size)
     for fp, (off, n) in zip(pg.fsdp_params, offs):
         view = slot.region.tensor(dt, n, off)
-        _HEAP_STORAGES[(view.device.type, view.untyped_storage().data_ptr())] = slot
+        _HEAP_STORAGES[_storage_key(view)] = slot
         fp.all_gather_outputs = [view]  # torch's attribute: FSDP2 all-gathers into it
         if hasattr(fp, "_unsharded_param"):  # a stock-allocated one from before: made anew
             del fp._unsharded_param
@@ -242,7 +242,7 @@ def unbind(pg: Any, st: _state.GroupState) -> None:
         return
     for fp in pg.fsdp_params:
         for view in fp.all_gather_outputs:  # its address may hold a stock storage later
-            key = (view.device.type, view.untyped_storage().data_ptr())
+            key = _storage_key(view)
             if _HEAP_STORAGES.get(key) is st.slot:
                 del _HEAP_STORAGES[key]
         fp.all_gather_outputs = []
@@ -255,7 +255,12 @@ def heap_slot(tensor: torch.Tensor) -> Slot | None:
     """The slot whose heap storage ``tensor`` views, or None."""
     if not _HEAP_STORAGES:
         return None
-    return _HEAP_STORAGES.get((tensor.device.type, tensor.untyped_storage().data_ptr()))
+    return _HEAP_STORAGES.get(_storage_key(tensor))
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """``_HEAP_STORAGES``' key of the storage ``tensor`` views."""
+    return tensor.device.type, tensor.untyped_storage().data_ptr()
 
 
 def free_storage(tensor: torch.Tensor) -> None:

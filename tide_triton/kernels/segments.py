@@ -156,8 +156,8 @@ class SharedPointers:
     dst_gcd: int
     src_gcd: int
     event: object
-    stream: object = None
-    """The stream the upload went on (CUDA): the tables' home."""
+    stream: object
+    """The stream the upload went on (CUDA; None on the host): the tables' home."""
 
 
 def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
@@ -328,9 +328,7 @@ class Binding:
         grid = n_tiles if self.max_ctas is None else max(1, min(self.max_ctas, n_tiles))
         self._tables = (tiles, dst_tbl, src_tbl)
         self._cuda = device.type == "cuda"
-        # the pointer tables' home: where they went up (a cache hit: maybe long ago, elsewhere)
-        self._upload_stream = (ptr_stream if ptr_stream is not None else torch.cuda.current_stream(device)) \
-            if self._cuda else None
+        self._upload_stream = ptr_stream  # where they went up (a cache hit: maybe long ago, elsewhere)
         self._set_uploads(ptr_event)
         self._streams_seen: set = set()
         self._streams_kept: set = set()  # streams replays of a recorded launch ran on
@@ -352,8 +350,7 @@ class Binding:
         self._grid = (grid,)
         self._n_iters = -(-n_tiles // grid)
 
-    def rebound(self, known_ptrs: tuple[tuple[int, ...], tuple[int, ...]], shared: SharedPointers,
-                upload_stream: Any = None) -> "Binding":
+    def rebound(self, known_ptrs: tuple[tuple[int, ...], tuple[int, ...]], shared: SharedPointers) -> "Binding":
         """This binding on other addresses, with ``shared``'s tables (uploaded by the caller,
         :func:`upload_table_pairs`): a copy sharing the program's tile table, the launch
         settings and the compiled kernels, where everything a compiled kernel is specialised on
@@ -362,8 +359,7 @@ class Binding:
         (FSDP2's MoE layers, every step) makes per chunk, without the construction's checks and
         lookups (~40 us per binding on the H200's host).  The copy keeps this binding's
         tensors (stand-ins, where the caller binds by address): launch it with
-        ``check_addresses=False``.  ``upload_stream``: the stream the tables went up on
-        (default: ``shared.stream``, where :func:`upload_table_pairs` put them)."""
+        ``check_addresses=False``."""
         agrees = (self.shared is not None and self.program.n_tiles > 0
                   and (len(shared.dst), len(shared.src)) == (len(self.dst_ptrs), len(self.src_ptrs))
                   and self._shared_alignment(shared) == (self._static["DST_ALIGN"], self._static["SRC_ALIGN"])
@@ -377,11 +373,7 @@ class Binding:
         b.known_ptrs, b.shared = known_ptrs, shared
         b.dst_ptrs, b.src_ptrs = known_ptrs
         b._tables = (self._tables[0], shared.dst, shared.src)
-        if not self._cuda:
-            b._upload_stream = None
-        else:
-            b._upload_stream = upload_stream if upload_stream is not None else (
-                shared.stream if shared.stream is not None else torch.cuda.current_stream(self.dsts[0].device))
+        b._upload_stream = shared.stream
         b._set_uploads(shared.event)
         b._streams_seen, b._streams_kept = set(), set()
         return b  # _compiled: the same dict (the same kernels serve every agreeing binding)
@@ -394,7 +386,6 @@ class Binding:
         table for the streams other than the one its memory came from."""
         ups = ((self._tile_upload[0], self._tile_upload[1]), (ptr_event, self._upload_stream))
         self._uploads = tuple(u for u in ups if u[0] is not None)
-        self._events = tuple(e for e, _ in self._uploads)
         self._table_streams = (self._tile_upload[1], self._upload_stream, self._upload_stream)
 
     def _shared_alignment(self, sp: SharedPointers) -> tuple[int, int]:
@@ -438,7 +429,7 @@ class Binding:
     def upload_events(self) -> tuple:
         """Events of this binding's table uploads (CUDA; empty on the host or with no tiles):
         what a launch recorded into a CUDA graph cannot wait for itself."""
-        return getattr(self, "_events", ())
+        return tuple(e for e, _ in getattr(self, "_uploads", ()))
 
     def addresses_unchanged(self) -> bool:
         if self.program.n_tiles == 0:
