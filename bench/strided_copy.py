@@ -41,18 +41,36 @@ GEOMETRIES = [
 ]
 
 
-def timed(fn, iters: int) -> list[float]:
+def timed(fn, iters: int, back_to_back: int = 1) -> list[float]:
+    """Event times of ``fn``; with ``back_to_back`` > 1 each sample is the mean of that many calls
+    queued between two events, so a launch's host time hides behind the previous copy."""
     fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(back_to_back):
+            fn()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b))
+        out.append(a.elapsed_time(b) / back_to_back)
     return out
+
+
+@triton.jit
+def _rows_copy_loop(dst, src, width, dpitch, spitch, tiles_per_row, n_tiles, BLOCK: tl.constexpr,
+                    CACHE: tl.constexpr):
+    """A fixed grid; program ``p`` copies tiles ``p, p + grid, ...`` (row-major over rows x tiles)."""
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        row = (t // tiles_per_row).to(tl.int64)
+        col = (t % tiles_per_row) * BLOCK + tl.arange(0, BLOCK)
+        m = col < width
+        if CACHE:
+            v = tl.load(src + row * spitch + col, mask=m, cache_modifier=".cg", eviction_policy="evict_first")
+            tl.store(dst + row * dpitch + col, v, mask=m, cache_modifier=".cs")
+        else:
+            tl.store(dst + row * dpitch + col, tl.load(src + row * spitch + col, mask=m), mask=m)
 
 
 @triton.jit
@@ -64,7 +82,8 @@ def _rows_copy(dst, src, width, dpitch, spitch, BLOCK: tl.constexpr):
     tl.store(dst + row * dpitch + col, tl.load(src + row * spitch + col, mask=m), mask=m)
 
 
-def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, src: torch.Tensor, s: int) -> dict:
+def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, src: torch.Tensor, s: int,
+            tune: bool = False) -> dict:
     """The ways to make ``dst``'s rows ``src``'s (see the module notes), as callables."""
     d, x = dst.data_ptr(), src.data_ptr()
     ways = {"contiguous": lambda: check(cu.cuMemcpyAsync(d, x, rows * width, s), "1d")}
@@ -88,12 +107,32 @@ def ways_of(rows: int, width: int, dpitch: int, spitch: int, dst: torch.Tensor, 
             grid = (rows, triton.cdiv(width // 8, block))
             ways[f"triton/{block * 8 >> 10}K"] = (lambda g, b, nw: lambda: _rows_copy[g](
                 d8, x8, width // 8, dpitch // 8, spitch // 8, BLOCK=b, num_warps=nw))(grid, block, warps)
+        if tune:
+            sms = torch.cuda.get_device_properties(dst.device).multi_processor_count
+            for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
+                per_row = triton.cdiv(width // 8, block)
+                for ctas_per_sm in (1, 2, 4, 8):
+                    for cache in (0, 1):
+                        grid = (min(rows * per_row, sms * ctas_per_sm),)
+                        ways[f"loop/{block * 8 >> 10}K/w{warps}/x{ctas_per_sm}/c{cache}"] = (
+                            lambda g, b, nw, pr, c: lambda: _rows_copy_loop[g](
+                                d8, x8, width // 8, dpitch // 8, spitch // 8, pr, rows * pr,
+                                BLOCK=b, CACHE=c, num_warps=nw))(grid, block, warps, per_row, cache)
+            for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
+                grid = (rows, triton.cdiv(width // 8, block))
+                ways[f"triton/{block * 8 >> 10}K/w{warps}"] = (lambda g, b, nw: lambda: _rows_copy[g](
+                    d8, x8, width // 8, dpitch // 8, spitch // 8, BLOCK=b, num_warps=nw))(grid, block, warps)
     return ways
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--back-to-back", type=int, default=1,
+                    help="copies queued between the two events of a sample (hides launch host time)")
+    ap.add_argument("--tune", action="store_true",
+                    help="also a grid-stride Triton copy over tile sizes, warps, CTAs per SM, cache hints")
+    ap.add_argument("--only", default="", help="substring of the geometries to run")
     args = ap.parse_args()
     torch.cuda.init()
     s = torch.cuda.current_stream().cuda_stream
@@ -104,13 +143,17 @@ def main() -> None:
     print("| geometry | way | mean ms | median ms | GB/s (read + write) | of contiguous |")
     print("|---|---|---|---|---|---|")
     for name, rows, width, dpitch, spitch in GEOMETRIES:
+        if args.only not in name:
+            continue
         src = torch.randint(0, 100, (rows * spitch,), dtype=torch.uint8, device="cuda")
         dst = torch.zeros(rows * dpitch, dtype=torch.uint8, device="cuda")
         want = src.view(rows, spitch)[:, :width]
         base = None
-        for way, fn in ways_of(rows, width, dpitch, spitch, dst, src, s).items():
+        for way, fn in ways_of(rows, width, dpitch, spitch, dst, src, s, args.tune).items():
+            if args.tune and way in ("rows", "2d"):
+                continue
             dst.zero_()
-            t = timed(fn, args.iters)
+            t = timed(fn, args.iters, args.back_to_back)
             if way != "contiguous":
                 assert torch.equal(dst.view(rows, dpitch)[:, :width], want), (name, way)
             gbps = 2 * rows * width / (statistics.mean(t) * 1e-3) / 1e9
