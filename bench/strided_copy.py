@@ -67,7 +67,7 @@ def _rows_copy_loop(dst, src, width, dpitch, spitch, tiles_per_row, n_tiles, BLO
         col = (t % tiles_per_row) * BLOCK + tl.arange(0, BLOCK)
         m = col < width
         if CACHE:
-            v = tl.load(src + row * spitch + col, mask=m, cache_modifier=".cg", eviction_policy="evict_first")
+            v = tl.load(src + row * spitch + col, mask=m, cache_modifier=".cg")
             tl.store(dst + row * dpitch + col, v, mask=m, cache_modifier=".cs")
         else:
             tl.store(dst + row * dpitch + col, tl.load(src + row * spitch + col, mask=m), mask=m)
