@@ -14,7 +14,9 @@ works anywhere but moves CUDA tensors through the host).  The model (``--model``
 key-value heads, SwiGLU 28672: 855,654,400 parameters a layer, the shapes of
 ``shared/workloads/models.json``), or ``examples/train_moe.py``'s Qwen3-style MoE blocks at
 Qwen3-30B-A3B's expert sizes (dim 2048, 32 query / 4 key-value heads, 128 SwiGLU experts of
-hidden 768, top 8: 397 parameters a block, the many-parameter case), stacked ``--layers``
+hidden 768, top 8: 397 parameters a block, the many-parameter case), or
+``examples/train_dit.py``'s DiT blocks at Wan2.2-14B's size (dim 5120, 40 heads, feed-forward
+13824, biases, norms and a [1, 6, 5120] modulation: 27 parameters, 351,394,304 a block), stacked ``--layers``
 deep, with a small vocabulary so that the blocks dominate.  FSDP2 as torchtitan wraps it (every block, then
 the root), mixed precision bf16 parameters / fp32 reduce, AdamW.  Parameters are made on the
 meta device and initialised shard by shard, so no rank ever holds the whole model.
@@ -185,8 +187,9 @@ def main(argv=None) -> int:
                     help="prepared: tide_triton.fsdp.enable(model, prepared=True)")
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                     help="process group for CUDA tensors (nccl: stock FSDP2's collectives run on NCCL)")
-    ap.add_argument("--model", choices=["llama-3.1-70b", "qwen3-30b-a3b"], default="llama-3.1-70b",
-                    help="decoder layers of Llama-3.1-70B, or Qwen3-style MoE blocks (397 parameters each)")
+    ap.add_argument("--model", choices=["llama-3.1-70b", "qwen3-30b-a3b", "wan2.2-14b"], default="llama-3.1-70b",
+                    help="decoder layers of Llama-3.1-70B, Qwen3-style MoE blocks (397 parameters each), or "
+                         "Wan2.2-14B's DiT blocks (27 parameters each; examples/train_dit.py)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=2048)
@@ -229,6 +232,7 @@ def main(argv=None) -> int:
     import tide_triton
     from tide_triton.bench import env_info
     from tide_triton.measure import GcPasses
+    from train_dit import DiT, DiTConfig
     from train_llama import Llama, LlamaConfig, batch, loss_fn, shard
     from train_moe import MoEConfig, MoEModel
 
@@ -241,12 +245,18 @@ def main(argv=None) -> int:
     else:
         dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()
-    moe = args.model == "qwen3-30b-a3b"
+    moe, dit = args.model == "qwen3-30b-a3b", args.model == "wan2.2-14b"
     if args.dry_run:
-        cfg = (MoEConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, experts=8, top_k=2, expert_hidden=24,
-                         fixed_routing=args.fixed_routing)
-               if moe else LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=88, tied=False))
+        if dit:
+            cfg = DiTConfig(vocab=64, dim=32, n_layers=2, n_heads=4, ffn=88, context=8)
+        elif moe:
+            cfg = MoEConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, experts=8, top_k=2,
+                            expert_hidden=24, fixed_routing=args.fixed_routing)
+        else:
+            cfg = LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=88, tied=False)
         args.seq, args.steps, args.warmup = 16, 2, 1
+    elif dit:
+        cfg = DiTConfig.wan22_14b(args.layers, vocab=args.vocab)
     elif moe:
         cfg = MoEConfig(vocab=args.vocab, dim=2048, n_layers=args.layers, n_heads=32, n_kv_heads=4, experts=128,
                         top_k=8, expert_hidden=768, fixed_routing=args.fixed_routing)
@@ -254,7 +264,7 @@ def main(argv=None) -> int:
         cfg = LlamaConfig(vocab=args.vocab, dim=8192, n_layers=args.layers, n_heads=64, n_kv_heads=8,
                           hidden=28672, tied=False)
     with torch.device("meta"):
-        model = MoEModel(cfg) if moe else Llama(cfg)
+        model = DiT(cfg) if dit else MoEModel(cfg) if moe else Llama(cfg)
     mesh = init_device_mesh(device.type, (W,))
     shard(model, mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     model.to_empty(device=device)
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for n, p in model.named_parameters():
             local = p.to_local()
-            if n.endswith("norm.weight"):
+            if n.split(".")[-1] == "weight" and "norm" in n.split(".")[-2]:  # norms' scales (DiT: norm_q, norm3)
                 local.fill_(1.0)
             else:
                 local.normal_(0.0, 0.02, generator=g)

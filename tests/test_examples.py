@@ -104,6 +104,28 @@ def test_train_moe_example() -> None:
     _losses(out, 2)
 
 
+def test_train_dit_example() -> None:
+    out = _run([str(EXAMPLES / "train_dit.py"), "--steps", "2", "--dim", "16", "--ffn", "24"], torchrun=2)
+    assert "tide_triton on 2/2 FSDP modules" in out and "27 parameters per block" in out
+    _losses(out, 2)
+
+
+def test_dit_example_block_is_wan22_14b_block() -> None:
+    """The DiT example's block at Wan2.2-14B's size has the parameters of workloads.json's
+    ``wan2.2-14b`` layer, name for name and shape for shape (the benchmarks' shapes)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from train_dit import DiT, DiTConfig
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from tide_triton.workloads import layer_names, layer_shapes
+
+    with torch.device("meta"):
+        model = DiT(DiTConfig.wan22_14b(1))
+    got = {n: tuple(p.shape) for n, p in model.layers[0].named_parameters()}
+    assert got == dict(zip(layer_names("wan2.2-14b"), layer_shapes("wan2.2-14b")))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_examples_refuse_cuda_without_gpu() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -127,13 +149,14 @@ def test_bench_interference_one_process_per_rank_dry_run() -> None:
     assert "ERROR" not in out, out[-3000:]
 
 
-def test_bench_fsdp_step_moe_dry_run() -> None:
-    """bench/fsdp_step.py with the Qwen3-style MoE blocks: stock FSDP2 and tide_triton with
-    Slot-Reuse train to the same loss; the row carries the new columns."""
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "wan2.2-14b"])
+def test_bench_fsdp_step_dry_run(model: str) -> None:
+    """bench/fsdp_step.py with the Qwen3-style MoE blocks and Wan2.2's DiT blocks: stock FSDP2
+    and tide_triton with Slot-Reuse train to the same loss; the row carries the new columns."""
     loss = {}
     for mode in ("stock", "slot"):
         out = _run_retrying_teardown_abort([str(BENCH / "fsdp_step.py"), "--dry-run", "--mode", mode, "--model",
-                                            "qwen3-30b-a3b"], torchrun=2)
+                                            model], torchrun=2)
         rows = [line for line in out.splitlines() if line.startswith(f"| {mode} | gloo | 2 | 2 |")]
         assert len(rows) == 1, out[-3000:]
         cells = [c.strip() for c in rows[0].strip(" |").split("|")]
