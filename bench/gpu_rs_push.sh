@@ -12,7 +12,8 @@
 # runs one process per rank with NCCL's reduce-scatter on FSDP2's path beside.
 #   bash bench/gpu_rs_push.sh        (~500 s); PARTS="collective interference fsdp", ITERS=10,
 #   MAX_CTAS="0 32", STEPS=12, PAIRS=3 (alternating copy_engine / auto runs of the step;
-#   FSDP_AB=stock: alternating stock FSDP2 / the drop-in with auto instead).
+#   FSDP_AB=stock: alternating stock FSDP2 / the drop-in with auto instead; FSDP_MODEL=wan2.2-14b
+#   or llama-3.1-70b: another model's blocks, default qwen3-30b-a3b).
 #   Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
 # Tables: docs/benchmarks.md "Session 22: kernel pushes on the GPU".
 set -uo pipefail
@@ -66,7 +67,7 @@ if [[ " $parts " == *" fsdp "* ]]; then
     set -- $spec
     n=$((n + 1)); log="$OUT/fsdp_step.$n.$1.$2.log"
     (cd bench && with_nccl timeout -k 15 150 torchrun --standalone --nproc-per-node 2 fsdp_step.py --mode "$1" \
-      --rs-push "$2" --backend "$3" --model qwen3-30b-a3b --layers 2 --seq 1024 $share \
+      --rs-push "$2" --backend "$3" --model "${FSDP_MODEL:-qwen3-30b-a3b}" --layers 2 --seq 1024 $share \
       --steps "${STEPS:-12}" --json "$OUT/fsdp_step.jsonl") > "$log" 2>&1 \
       || { echo "| $1 | $2 | failed rc=$? |"; tail -5 "$log"; }
     grep "^|" "$log" | tail -1 | sed "s/^| $1 /| $1 (rs_push $2) /"
