@@ -122,6 +122,7 @@ def all_gather_node_rounds(nodes: int) -> tuple[NodeRound, ...]:
     ``ceil(log2 nodes)`` rounds, and every node still sends exactly ``nodes - 1`` shards
     in total (no extra fix-up round, no node sending twice its share).  Because data lands
     at its own address in per-parameter storage, Bruck's final rotation is not needed."""
+    _check_pos("nodes", nodes)
     rounds: list[NodeRound] = []
     if is_power_of_two(nodes):
         for k in range(_log2_ceil(nodes)):
@@ -148,6 +149,7 @@ def reduce_scatter_node_rounds(nodes: int) -> tuple[NodeRound, ...]:
     partial sums for the ``min(2^k, nodes - 2^k)`` destinations ``n + 2^k, ...``; every
     destination's contributions flow up the reversed all-gather tree, so each arrives
     exactly once, in ``ceil(log2 nodes)`` rounds and ``nodes - 1`` shards sent per node."""
+    _check_pos("nodes", nodes)
     rounds: list[NodeRound] = []
     if is_power_of_two(nodes):
         for k in range(_log2_ceil(nodes)):

@@ -123,6 +123,7 @@ class HostInterNode:
         self._data_off = region_off + round_up(n_slots * _HEADER, 64)
         self._slot_stride = round_up(chunk_bytes, 64)
         self._g = 0
+        self._holder: dict[int, int] = {}  # slot -> the rank its last chunk went to
         self._sent: dict[int, int] = {}
         self._recvd: dict[int, int] = {}
         self.bytes_sent = self.bytes_received = self.chunks_sent = 0
@@ -163,11 +164,13 @@ class HostInterNode:
         pause = 1e-6
         while True:
             moved = False
+            held = None  # the rank whose unread chunk holds the slot my next send needs
             for peer, cur in out:
                 while cur.pos < cur.total:
                     g = self._g + 1
                     slot = (g - 1) % self.n_slots
                     if g > self.n_slots and t.read_flag(self._free(slot)) < g - self.n_slots:
+                        held = self._holder[slot]  # maybe not this send's peer: an earlier round's
                         break  # the slot's previous chunk is still unread
                     n = min(C, cur.total - cur.pos)
                     cur.move(self._slot(me, slot), n, out=True)
@@ -176,7 +179,7 @@ class HostInterNode:
                     h[1], h[2] = g, n
                     h[0] = (peer << _CHAN_BITS) | chan  # one aligned 8-byte store, written last
                     t.signal(peer, self._ready(me), chan)
-                    self._g, self._sent[peer] = g, chan
+                    self._g, self._sent[peer], self._holder[slot] = g, chan, peer
                     self.bytes_sent += n
                     self.chunks_sent += 1
                     moved = True
@@ -205,11 +208,16 @@ class HostInterNode:
             if moved:
                 pause = 1e-6
                 continue
+            watch = t.watch  # the call's look for a peer's published abort, as every host wait has
+            if watch is not None:
+                for p in {p for p, c in inc if c.pos < c.total} | ({held} if held is not None else set()):
+                    watch(p)
             if time.monotonic() > deadline:
+                why = what or "inter-node sendrecv"
                 late = next((p for p, c in inc if c.pos < c.total), None)
-                if late is None:
-                    late = next(p for p, c in out if c.pos < c.total)
-                raise PeerTimeoutError(late, what or "inter-node sendrecv", timeout_s)
+                if late is None:  # only sends are left: blocked on the reader of my next slot
+                    late, why = held, f"{why}: its read of my chunk in the wire slot my next send needs"
+                raise PeerTimeoutError(late, why, timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -380,7 +388,9 @@ def nccl_hop(t: Any, rank: int, rail: Sequence[int], exchange: Any, stream: Any,
     rank's request and local obstacles -- the library's features, allocating its window
     memory; (2) if none: registering the windows (collective per rail) and a first signal to
     each rail peer.  ``"auto"`` falls back to send/recv when any rank has an obstacle
-    (logged once, naming it); ``"put_signal"`` raises on every rank, naming it."""
+    (logged once, naming it); ``"put_signal"`` raises on every rank, naming it.  An exchange
+    that raises (a peer aborted, or never came) aborts the communicator first: no group holds
+    it yet, so nothing else would release it."""
     global _fallback_logged
     from . import nccl
 
@@ -400,7 +410,11 @@ def nccl_hop(t: Any, rank: int, rail: Sequence[int], exchange: Any, stream: Any,
                 addr = comm.mem_alloc(nbytes)
             except Exception as e:  # noqa: BLE001 -- reported to every rank below
                 why = f"NCCL {v}: {e}"
-    asked = exchange((want, why))
+    try:
+        asked = exchange((want, why))
+    except BaseException:  # a peer aborted or never came: the hop is nobody's, release it here
+        comm.abort()
+        raise
     odd = next((r for r, (w, _) in enumerate(asked) if w != want), None)
     if odd is not None:
         comm.close()
@@ -419,7 +433,11 @@ def nccl_hop(t: Any, rank: int, rail: Sequence[int], exchange: Any, stream: Any,
                     comm.signal(i, handle)  # a first signal: RMA works between us (counted below)
         except Exception as e:  # noqa: BLE001 -- reported to every rank below
             why = f"NCCL {v}: {e}"
-        whys = exchange(why)
+        try:
+            whys = exchange(why)
+        except BaseException:
+            comm.abort()  # local: a peer may never come to a collective close
+            raise
     bad = next((r for r, w in enumerate(whys) if w), None)
     if bad is not None:
         if want == "put_signal":

@@ -1,0 +1,258 @@
+"""Review of the cross-node path (declared nodes): regressions for what the review found.
+
+* A rank whose cross-node call fails publishes its abort; its rail peers waiting in the host
+  inter-node hop (``HostInterNode.sendrecv``) must raise it within a poll, as every other host
+  wait does, not after the group's whole ``timeout_s``.
+* ``tide_triton.synchronize(device="cuda")`` (a device without an index) on a group across
+  nodes waits for the cross-node executor's side stream -- the stream the executor ran on,
+  not one looked up (and created) under another spelling of the device.
+* ``nccl_hop`` releases the communicator it made when the collective set-up fails in an
+  exchange (a peer that aborted or never came): nothing is left for the process's life.
+* A host hop whose send waits for a wire slot names the rank that has not read the slot's
+  chunk (maybe an earlier round's peer), not the peer of the send it was trying.
+* The public node-level schedules refuse a bad node count, naming it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+try:
+    from _dist import run_threads
+    from test_hier_host import _CHUNK, _int, _ring_bytes
+except ImportError:  # pragma: no cover
+    from tests._dist import run_threads
+    from tests.test_hier_host import _CHUNK, _int, _ring_bytes
+
+from tide_triton.layout import ShardLayout
+from tide_triton.transport.base import PeerTimeoutError
+
+
+# ----------------------------------------------------------------------- aborts in the hop
+@pytest.mark.parametrize("queue", ["sync", "async"])
+def test_a_rail_peers_abort_ends_the_host_hop_wait_at_once(monkeypatch, queue: str) -> None:
+    """2 nodes x 1 rank: rank 1 fails inside its first inter-node exchange (after the call's
+    check-in, so it publishes an abort); rank 0, waiting in the hop for rank 1's partial sums,
+    raises ``PeerAbortedError`` naming rank 1 at once -- it used to poll the wire until its
+    own deadline (``timeout_s``), then explain the timeout.  With the host copy queue behind
+    the caller (``async``) the check-in put the call's abort watch on the executor's
+    stream-bound wrapper, where no host wait reads it: the same, through another door."""
+    import tide_triton as tt
+    from tide_triton.errors import PeerAbortedError
+    from tide_triton.transport.internode import HostInterNode
+
+    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", queue)
+    W, L, timeout = 2, 1, 12.0
+    real = HostInterNode.sendrecv
+
+    def failing(self, sends, recvs, **kw):
+        if self.rank == 1:
+            raise RuntimeError("injected failure of rank 1's inter-node hop")
+        return real(self, sends, recvs, **kw)
+
+    monkeypatch.setattr(HostInterNode, "sendrecv", failing)
+    groups = tt.local_groups(W, local_size=L, timeout_s=timeout, ring_bytes=max(256, _ring_bytes(W, L)),
+                             chunk_bytes=_CHUNK)
+    shapes = [(W * 4 + 1, 3)]
+    layout = ShardLayout(shapes, W)
+    gen = torch.Generator().manual_seed(3)
+    grads = [[_int(s, gen) for s in shapes] for _ in range(W)]
+
+    def body(r: int) -> tuple:
+        shards = [torch.zeros(s) for s in layout.shard_shapes(r)]
+        t0 = time.monotonic()
+        try:
+            tt.reduce_scatter(grads[r], shards, group=groups[r], op="sum")
+        except Exception as e:  # noqa: BLE001 -- the test looks at it
+            return e, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    try:
+        out = run_threads(body, W, timeout=3 * timeout)
+    finally:
+        for g in groups:
+            g.close()
+    err1, _ = out[1]
+    assert isinstance(err1, RuntimeError) and "injected failure" in str(err1), err1
+    err0, took = out[0]
+    assert isinstance(err0, PeerAbortedError), repr(err0)
+    assert err0.rank == 1 and "injected failure" in str(err0), str(err0)
+    assert took < timeout / 2, f"rank 0 waited {took:.1f} s for a peer that had aborted (timeout_s={timeout})"
+
+
+# ----------------------------------------------------------------------- synchronize's side stream
+def test_synchronize_side_waits_the_executors_stream_whatever_the_device_spelling() -> None:
+    """The executor runs on ``g.side_stream(tensors' device)`` (``cuda:0``); ``synchronize``
+    hands ``synchronize_side`` the device as the caller spelled it.  ``"cuda"`` (no index)
+    used to look up another side stream -- on a GPU ``own_streams.take`` fails on its missing
+    index with a bare ``TypeError``; with an index-free key it would wait for an idle new
+    stream while an ``async_op`` collective still ran on the real one."""
+    from tide_triton.hier_collectives import _State, synchronize_side
+
+    class _T:  # the node's transport as the group holds it (GlobalRanks over a CUDA transport)
+        def __init__(self) -> None:
+            self.inner = SimpleNamespace(device=torch.device("cuda", 0))
+            self.streams: list = []
+
+        def synchronize(self, *, timeout_s, stream):
+            self.streams.append(stream)
+
+    made: list = []
+
+    def side_stream(device: torch.device) -> tuple:  # as Group.side_stream + own_streams.take key it
+        made.append(device)
+        return ("side", device.type, int(device.index))
+
+    t = _T()
+    state = {("hier", id(t)): _State(SimpleNamespace(stuck=lambda: None))}
+    g = SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
+                        side_stream=side_stream)
+    for spelled in (torch.device("cuda", 0), torch.device("cuda")):
+        synchronize_side(g, spelled, 1.0)
+    assert t.streams == [("side", "cuda", 0)] * 2, t.streams
+    assert made == [torch.device("cuda", 0)] * 2
+
+
+# ----------------------------------------------------------------------- nccl_hop's failure path
+class _Comm:
+    def __init__(self, lib, members, rank, exchange, *, device_index) -> None:
+        self.members, self.index = tuple(members), tuple(members).index(rank)
+        self.closed = self.aborted = False
+        self.allocs: list = []
+        exchange(None)  # the unique id's exchange (collective, as the real one)
+
+    def mem_alloc(self, nbytes: int) -> int:
+        self.allocs.append(nbytes)
+        return 0x7000_0000
+
+    def register_window(self, addr: int, nbytes: int) -> str:
+        return "WIN"
+
+    def signal(self, peer: int, stream: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("failing_exchange", [2, 3], ids=["requests", "registration"])
+def test_nccl_hop_releases_its_communicator_when_an_exchange_fails(monkeypatch, failing_exchange: int) -> None:
+    """2 nodes x 1 rank, ``inter_node="put_signal"``: the set-up's exchange number
+    ``failing_exchange`` (2: the requests after the window memory; 3: the registrations)
+    raises on every rank, as a peer's published abort or a missing peer makes it.  Every
+    rank's communicator (and the window memory it holds) must be released, not leaked for
+    the process's life: the hop was never handed to the group, whose close cannot reach it."""
+    from tide_triton.transport import internode as inode
+    from tide_triton.transport import nccl
+
+    W = 2
+    comms: dict[int, _Comm] = {}
+    barrier = threading.Barrier(W, timeout=5)
+    slots: list = [None] * W
+    counts = [0] * W
+    here = threading.local()
+
+    def exchange(rank: int, obj: object) -> list:
+        counts[rank] += 1
+        if counts[rank] == failing_exchange:
+            raise PeerTimeoutError(1 - rank, "the hop's set-up exchange", 1.0)
+        slots[rank] = obj
+        barrier.wait()
+        got = list(slots)
+        barrier.wait()
+        return got
+
+    def make_comm(lib, members, rank, ex, *, device_index):
+        comms[rank] = c = _Comm(lib, members, rank, ex, device_index=device_index)
+        return c
+
+    lib = SimpleNamespace(version=(2, 32, 0), path="/fake/libnccl.so.2", features=SimpleNamespace(rma_landing=True))
+    monkeypatch.setattr(nccl, "load", lambda path: lib)
+    monkeypatch.setattr(nccl, "NcclComm", make_comm)
+    t = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
+
+    def one(rank: int) -> object:
+        here.rank = rank
+        try:
+            return inode.nccl_hop(t, rank, (0, 1), lambda obj: exchange(rank, obj), SimpleNamespace(cuda_stream=1),
+                                  inter_node="put_signal", nccl_library=None, chunk_bytes=1 << 20,
+                                  inflight_chunks=2)
+        except Exception as e:  # noqa: BLE001 -- the test looks at it
+            return e
+
+    out = run_threads(one, W, timeout=10)
+    for r in range(W):
+        assert isinstance(out[r], PeerTimeoutError), out[r]
+        c = comms[r]
+        assert c.closed or c.aborted, f"rank {r}: the communicator of a failed set-up is left open"
+
+
+# ----------------------------------------------------------------------- schedules' inputs
+@pytest.mark.parametrize("bad, exc, msg", [(0, ValueError, "nodes must be >= 1, got 0"),
+                                           (-3, ValueError, "nodes must be >= 1, got -3"),
+                                           (2.0, TypeError, "nodes must be an int, got float"),
+                                           (True, TypeError, "nodes must be an int, got bool")])
+def test_node_rounds_refuse_a_bad_node_count(bad: object, exc: type, msg: str) -> None:
+    """The public node-level schedules named no argument on a bad node count: 0 and negative
+    counts returned rounds without transfers (a schedule that moves nothing), a float failed
+    deep inside with ``unsupported operand type(s) for &``."""
+    from tide_triton.hier_schedule import all_gather_node_rounds, reduce_scatter_node_rounds
+
+    for fn in (all_gather_node_rounds, reduce_scatter_node_rounds):
+        with pytest.raises(exc, match=msg):
+            fn(bad)
+    assert all_gather_node_rounds(1) == () == reduce_scatter_node_rounds(1)
+
+
+# ----------------------------------------------------------------------- who a host hop waits for
+def _host_transports(W: int, n_flags: int, heap_bytes: int) -> list:
+    """``W`` host transports of one process (every heap mapped by every one), made by threads
+    over a barrier all-gather; used single-threaded afterwards."""
+    from tide_triton.transport.host import HostTransport
+
+    barrier = threading.Barrier(W, timeout=10)
+    slots: list = [None] * W
+
+    def exchange(r: int, obj: object) -> list:
+        slots[r] = obj
+        barrier.wait()
+        got = list(slots)
+        barrier.wait()
+        return got
+
+    def make(r: int):
+        t = HostTransport(r, W, lambda obj: exchange(r, obj), n_flags=n_flags)
+        t.ensure_heap(heap_bytes)
+        return t
+
+    return run_threads(make, W, timeout=30)
+
+
+def test_a_host_hop_blocked_on_its_wire_slot_names_the_rank_holding_it() -> None:
+    """Rank 0 sends one chunk to rank 2, which never reads it (dead or stuck), then sends to
+    rank 1: its only wire slot still holds rank 2's chunk.  The timeout must name rank 2 --
+    the rank whose read it waits for -- not rank 1, which is fine (the hop named the peer of
+    the send it was trying, pointing the user away from the rank at fault)."""
+    from tide_triton.transport.internode import HostInterNode
+
+    W, chunk, n_flags = 3, 64, 16
+    region = 4096
+    ts = _host_transports(W, n_flags, region + HostInterNode.region_bytes(chunk, 1))
+    try:
+        nets = [HostInterNode(t, r, W, 1, 0, region, chunk, 1) for r, t in enumerate(ts)]
+        src = torch.arange(16, dtype=torch.float32)  # 64 bytes: one chunk
+        nets[0].sendrecv([(2, [(src.data_ptr(), 64)])], [], timeout_s=1.0)  # packed, never read
+        with pytest.raises(PeerTimeoutError) as e:
+            nets[0].sendrecv([(1, [(src.data_ptr(), 64)])], [], timeout_s=0.2, what="all-gather round 1")
+        assert e.value.peer == 2, str(e.value)
+        assert "all-gather round 1: its read of my chunk in the wire slot my next send needs" in str(e.value)
+    finally:
+        for t in ts:
+            t.close()
