@@ -10,6 +10,10 @@ ordinary (CPU) memory, injects failures.  No GPU, no real driver.
   bound buffer, a reducing load sums them in fp32 (the kernels' torch references).
 * ``fail={"cuMulticastBindAddr"}`` makes the first call of that name fail (whichever rank
   makes it); :meth:`FakeDriver.live` lists what is still acquired.
+* The GPU form (``multicast_exec.path`` -> ``GpuMulticast``) on CPU: :class:`FakeGroup`,
+  :class:`FakeHeaps` (each rank's heap a CPU tensor registered as its device memory),
+  :class:`OnCuda` (a CPU tensor the kernel launchers take for a CUDA one) and
+  :class:`FakeKernel` (records each launch and runs the kernel's torch reference).
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from tide_triton.errors import PeerTimeoutError
 from tide_triton.kernels.multimem import multimem_reduce_ref, multimem_store_ref
+from tide_triton.options import GroupOptions
 
 SUCCESS = 0
 INVALID_VALUE = 1
@@ -82,6 +88,7 @@ class FakeDriver:
         self.tensors: dict[int, torch.Tensor] = {}  # registered ptr -> uint8 tensor
         self.access: list[tuple[int, int]] = []
         self.owner: dict[int, int] = {}  # registered ptr -> device
+        self.contexts: dict[int, int] = {}  # device -> primary context retains not released
 
     # ---- helpers --------------------------------------------------------------------------
     def register(self, t: torch.Tensor, device: int) -> int:
@@ -123,6 +130,21 @@ class FakeDriver:
         return out
 
     # ---- driver calls -------------------------------------------------------------------
+    def cuDeviceGet(self, index: int) -> tuple:
+        return (_Res(SUCCESS), index)
+
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple:
+        with self._lock:
+            self.contexts[dev] = self.contexts.get(dev, 0) + 1
+        return (_Res(SUCCESS), f"ctx{dev}")
+
+    def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple:
+        with self._lock:
+            self.contexts[dev] -= 1
+            if not self.contexts[dev]:
+                del self.contexts[dev]
+        return (_Res(SUCCESS),)
+
     def cuDeviceGetAttribute(self, attr: int, dev: int) -> tuple:
         self.calls.append("cuDeviceGetAttribute")
         return (_Res(SUCCESS), int(self.supported))
@@ -238,3 +260,149 @@ class EmulatedBuffers:
 
     def barrier(self) -> None:
         self._barrier()
+
+
+class ThreadExchange:
+    """All-gather of small objects among ``n`` threads (rank order)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.box: list = [None] * n
+        self.b = threading.Barrier(n, timeout=30)
+
+    def of(self, rank: int) -> Callable[[Any], list]:
+        def ex(obj: Any) -> list:
+            self.b.wait()
+            self.box[rank] = obj
+            self.b.wait()
+            out = list(self.box)
+            self.b.wait()
+            return out
+        return ex
+
+
+# ---------------------------------------------------------------------------------------
+# the GPU form on CPU
+# ---------------------------------------------------------------------------------------
+class FakeGroup:
+    """What ``multicast_exec.path`` / ``_create`` use of a :class:`tide_triton.Group`."""
+
+    def __init__(self, rank: int, world_size: int, exchange: Callable[[Any], list], *,
+                 multicast: str = "on", timeout_s: float = 10.0) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.options = GroupOptions(multicast=multicast, timeout_s=timeout_s)
+        self._ex = exchange
+        self._extras: dict = {}
+        self.regions: list[tuple[str, int]] = []
+
+    def exchange(self, obj: Any) -> list:
+        return self._ex(obj)
+
+    def heap_region(self, key: str, nbytes: int, device: Any) -> Any:
+        self.regions.append((key, nbytes))
+        return types.SimpleNamespace(offset=4096, nbytes=nbytes)  # not on a granularity boundary
+
+    def heap_barrier(self) -> None:
+        pass
+
+    def state(self, key: tuple, make: Any = None) -> Any:
+        v = self._extras.get(key)
+        if v is None and make is not None:
+            v = self._extras.setdefault(key, make())
+        return v
+
+    def close(self) -> None:
+        for x in list(self._extras.values()):
+            close = getattr(x, "close_extra", None)
+            if close is not None:
+                close()
+
+
+class FakeHeaps:
+    """Every rank's heap as a CPU tensor registered with ``fake`` as that rank's device memory;
+    :meth:`of` is rank ``r``'s transport (the calls ``_create`` and the barrier make)."""
+
+    def __init__(self, fake: FakeDriver, world_size: int, nbytes: int) -> None:
+        self.heaps = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(world_size)]
+        for r, h in enumerate(self.heaps):
+            fake.register(h, r)
+        self.fail_heap_tensor: set[int] = set()
+        self.stuck_on: int | None = None
+
+    def of(self, rank: int) -> Any:
+        heaps = self
+
+        class _T:
+            def ensure_heap(self, nbytes: int) -> None:
+                if nbytes > heaps.heaps[rank].numel():
+                    raise ValueError(f"fake heap of {heaps.heaps[rank].numel()} bytes, asked for {nbytes}")
+
+            def address(self, r: int, offset: int) -> int:
+                return heaps.heaps[r].data_ptr() + offset
+
+            def heap_tensor(self, r: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+                if rank in heaps.fail_heap_tensor:
+                    raise RuntimeError(f"heap_tensor failed on rank {rank} (injected)")
+                return heaps.heaps[r][offset:offset + numel * dtype.itemsize].view(dtype)
+
+            def busy_error(self, what: str) -> BaseException:
+                if heaps.stuck_on is None:
+                    return TimeoutError(f"rank {rank}: {what}")
+                return PeerTimeoutError(heaps.stuck_on, f"{what}: this rank's streams wait for it", 0.0)
+        return _T()
+
+
+class OnCuda:
+    """A CPU tensor that the multimem launchers take for a CUDA one (their checks run; the
+    kernels are :class:`FakeKernel`)."""
+
+    def __init__(self, t: torch.Tensor, index: int = 0) -> None:
+        self.t = t
+        self.device = torch.device("cuda", index)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.t.dtype
+
+    def is_contiguous(self) -> bool:
+        return self.t.is_contiguous()
+
+    def numel(self) -> int:
+        return self.t.numel()
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def _at(fake: FakeDriver, addr: int) -> tuple[int, int]:
+    """(mapped multicast va, bf16 element offset) of a multicast address."""
+    va = max(v for v in fake.maps if v <= addr)
+    return va, (addr - va) // 2
+
+
+def run_reduce(fake: FakeDriver, addr: int, out: OnCuda, n: int, scale: float, *, HAS_SCALE: bool,
+               ACCUMULATE: bool, **_: Any) -> None:
+    va, off = _at(fake, addr)
+    multimem_reduce_ref(fake.bound_buffers(va), off, out.t, scale=scale if HAS_SCALE else None, accumulate=ACCUMULATE)
+
+
+def run_store(fake: FakeDriver, src: OnCuda, addr: int, n: int, **_: Any) -> None:
+    va, off = _at(fake, addr)
+    multimem_store_ref(src.t, fake.bound_buffers(va), off)
+
+
+class FakeKernel:
+    """Stands in for a multimem kernel: ``kernel[grid](*args, **kw)`` records the launch and
+    runs ``run(fake, *args, **kw)`` (the torch reference over the bound buffers)."""
+
+    def __init__(self, fake: FakeDriver, run: Callable[..., None]) -> None:
+        self.fake, self.run = fake, run
+        self.launches: list[tuple[Any, tuple, dict]] = []
+        self._lock = threading.Lock()
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kw: Any) -> None:
+            with self._lock:
+                self.launches.append((grid, args, kw))
+            self.run(self.fake, *args, **kw)
+        return launch

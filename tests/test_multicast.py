@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from _dist import run_threads
-from fake_multicast import EmulatedBuffers, FakeDriver
+from fake_multicast import EmulatedBuffers, FakeDriver, ThreadExchange
 
 import tide_triton as tt
 from tide_triton import envs
@@ -24,25 +24,6 @@ from tide_triton.transport.multicast import (MulticastObject, RankFacts, device_
                                              multicast_allowed, resolve_multicast)
 
 KILL = [{"TIDE_TRITON_MULTICAST": "0"}, {"NCCL_NVLS_ENABLE": "0"}, {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}]
-
-
-class ThreadExchange:
-    """All-gather of small objects among ``n`` threads (rank order)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.box: list = [None] * n
-        self.b = threading.Barrier(n, timeout=30)
-
-    def of(self, rank: int):
-        def ex(obj):
-            self.b.wait()
-            self.box[rank] = obj
-            self.b.wait()
-            out = list(self.box)
-            self.b.wait()
-            return out
-        return ex
 
 
 # ---------------------------------------------------------------------------------- guard

@@ -41,7 +41,7 @@ def test_reduce_kernel_ptx(has_scale, accumulate):
     assert len(k.asm["cubin"]) > 0  # ptxas accepted the instruction for sm_90
 
 
-@pytest.mark.parametrize("src", ["*fp32", "*bf16"])
+@pytest.mark.parametrize("src", ["*fp32", "*fp16", "*bf16"])
 def test_store_kernel_ptx(src):
     k = _compile(mm.multimem_store_kernel, {"src_ptr": src, "mc_addr": "i64", "numel": "i64", "BLOCK": "constexpr"},
                  {"BLOCK": 512})
@@ -49,7 +49,7 @@ def test_store_kernel_ptx(src):
     lines = [ln.strip() for ln in ptx.splitlines() if ln.strip().startswith(("multimem.", "@%p multimem."))]
     assert lines and all(mm.ST_PTX in ln for ln in lines), lines
     assert "ld_reduce" not in "\n".join(lines)
-    if src == "*fp32":  # the fp32 -> bf16 cast is fused (one rounding, to nearest even)
+    if src != "*bf16":  # the cast to bf16 is fused (one rounding, to nearest even; fp16 -> fp32 is exact)
         assert "cvt.rn.bf16" in ptx
     assert len(k.asm["cubin"]) > 0
 
@@ -59,7 +59,7 @@ def test_launchers_validate():
 
     with pytest.raises(TypeError, match="out must be a contiguous float32 CUDA tensor"):
         mm.multimem_reduce(0, 0, torch.empty(8))
-    with pytest.raises(TypeError, match="src must be a contiguous float32 or bfloat16 CUDA tensor"):
+    with pytest.raises(TypeError, match="src must be a contiguous float32, float16 or bfloat16 CUDA tensor"):
         mm.multimem_store(torch.empty(8), 0, 0)
     with pytest.raises(ValueError, match="offset must be a multiple of 8"):
         mm.multimem_store_ref(torch.empty(8), [torch.zeros(16, dtype=torch.bfloat16)], 4)

@@ -13,18 +13,18 @@ The programs, over any :class:`MulticastBuffers` (the GPU one here, the CPU emul
   writes), barrier, each rank reads its shard's pieces through the multicast address with an
   in-switch sum (:func:`~tide_triton.kernels.multimem.multimem_reduce`), scales / accumulates
   in fp32 into its fp32 shards, barrier (the memory may be overwritten).
-* all-gather: each rank stores its shard pieces once to the multicast address, cast to bf16
+* all-gather: barrier (nothing queued ahead of the stores); each rank stores its shard pieces
+  once to the multicast address, cast to bf16
   (:func:`~tide_triton.kernels.multimem.multimem_store`): every rank's bound memory receives
   them; barrier; each rank copies the pieces into its parameters; barrier.
 
-Barriers synchronise through the host (the stream, then the group's exchange) -- simple and
-correct, not fast; a stream-ordered version with flags is future work.  Never run on
-multicast hardware (docs/multicast.md).
+Barriers synchronise through the host (the stream, with the group's deadline, then the group's
+exchange) -- simple and correct, not fast; a stream-ordered version with flags is future
+work.  Never run on multicast hardware (docs/multicast.md).
 """
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Sequence
 
@@ -34,7 +34,8 @@ from .heap import round_up
 from .kernels.multimem import GROUP, multimem_reduce, multimem_store
 from .layout import ShardLayout
 from .transport import driver
-from .transport._once import log_once
+from .transport._once import describe, log_once, raise_if_failed
+from .transport.driver import wait_with_deadline
 from .transport.multicast import MulticastObject, device_supports_multicast, resolve_multicast
 
 __all__ = ["MulticastBuffers", "Piece", "chunk_plan", "reduce_scatter_node", "all_gather_node", "path",
@@ -134,6 +135,9 @@ def all_gather_node(buf: MulticastBuffers, shards: Sequence[torch.Tensor], param
     c = layout.padded_shard_numels
     flat_s = [s.reshape(-1) for s in shards]
     flat_p = [p.reshape(-1) for p in params]
+    # Nothing queued ahead of the stores into the peers' memory: a store left behind a stuck
+    # wait when a barrier raises could run after close unmapped the object.
+    buf.barrier()
     for i, p in enumerate(flat_p):  # padding rows of padded parameters
         if p.numel() > layout.numels[i]:
             for s in range(layout.world_size):
@@ -176,11 +180,23 @@ class GpuMulticast:
         multimem_store(src.contiguous(), self.obj.mc_ptr, offset)
 
     def barrier(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        # with a deadline: the stream may hold an earlier collective's waits on a peer that died
+        wait_with_deadline(torch.cuda.current_stream(self.device).synchronize, self.timeout_s,
+                           lambda: self._busy("multicast barrier: this rank's stream still busy"))
         self.exchange(None)
+
+    def _busy(self, what: str) -> BaseException:
+        if self.busy_error is not None:
+            return self.busy_error(what)
+        return TimeoutError(f"rank {self.obj.rank}: {what} after {self.timeout_s:.1f} s")
 
     release: Any = None
     """Undoes the context retained for the object's driver calls."""
+    timeout_s: float = 120.0
+    """The group's deadline for the barrier's stream wait."""
+    busy_error: Any = None
+    """``busy_error(what)``: the transport's error for a stream wait past the deadline (a
+    ``PeerTimeoutError`` naming the peer its pending waits wait for); None: a TimeoutError."""
 
     def close_extra(self) -> None:
         self.obj.close()
@@ -189,7 +205,10 @@ class GpuMulticast:
             self.release = None
 
 
-_DECIDED: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_DECIDED = ("multicast", "decided")
+"""Group state key: ``{device type: MulticastBuffers or None}``, the path each resolution chose.
+Kept by the group (a module-level map keyed weakly by the group never let it go: the buffers
+hold the group's exchange)."""
 _BOUND_BYTES = 64 << 20
 """Bytes bound per rank (chunks of the collectives).  Not measured: no multicast hardware."""
 
@@ -201,7 +220,7 @@ def path(g: Any, device: torch.device, t: Any) -> MulticastBuffers | None:
     mode = g.options.multicast
     if mode == "off":
         return None
-    per_group = _DECIDED.setdefault(g, {})
+    per_group = g.state(_DECIDED, dict)
     if device.type in per_group:
         return per_group[device.type]
     if device.type != "cuda":
@@ -231,7 +250,10 @@ def _create(g: Any, device: torch.device, t: Any, cu: Any) -> GpuMulticast:
     g.heap_barrier()
     base = t.address(g.rank, region.offset)
     ptr = round_up(base, gran)
-    cudev, ctx = driver.device_context(device)  # one thread per rank may drive it: push the context
+    # One thread per rank may drive it: push the context.  The primary context, which the
+    # transport made already: no device_context(), whose torch.cuda.synchronize(device) would
+    # wait, mid-collective and with no deadline, for streams that may wait on peers.
+    cudev, ctx = driver.primary_context(device.index)
     try:
         obj = MulticastObject(cu, rank=g.rank, local_size=g.world_size, exchange=g.exchange, cudev=cudev,
                               device_index=device.index, bind_ptr=ptr, size=_BOUND_BYTES,
@@ -239,8 +261,19 @@ def _create(g: Any, device: torch.device, t: Any, cu: Any) -> GpuMulticast:
     except BaseException:
         cu.cuDevicePrimaryCtxRelease(cudev)
         raise
-    local = t.heap_tensor(g.rank, region.offset + (ptr - base), _BOUND_BYTES // 2, torch.bfloat16)
-    buf = GpuMulticast(obj, local, g.exchange, device, release=lambda: cu.cuDevicePrimaryCtxRelease(cudev))
+    err = None
+    try:
+        local = t.heap_tensor(g.rank, region.offset + (ptr - base), _BOUND_BYTES // 2, torch.bfloat16)
+        buf = GpuMulticast(obj, local, g.exchange, device, release=lambda: cu.cuDevicePrimaryCtxRelease(cudev),
+                           timeout_s=g.options.timeout_s, busy_error=getattr(t, "busy_error", None))
+    except Exception as exc:  # noqa: BLE001 - shared with the peers
+        err = describe(exc)
+    try:  # agreed: every rank keeps its buffers (and takes the path from now on), or none does
+        raise_if_failed(g.exchange({"err": err}), "multicast buffers")
+    except BaseException:  # nothing reads through it yet: undo this rank's part
+        obj.close()
+        cu.cuDevicePrimaryCtxRelease(cudev)
+        raise
     g.state(("multicast", device.type), lambda: buf)  # closed with the group
     log_once("mc-created", logging.INFO, "multicast object of %d bytes bound on %d ranks", obj.size, g.world_size)
     return buf

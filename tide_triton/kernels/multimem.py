@@ -8,7 +8,7 @@
   is exact only where every sum is representable in bf16 -- unlike the copy-engine path,
   whose fp32 sums keep 24 bits.
 * :data:`multimem_store_kernel` -- the all-gather's write: each rank loads its shard
-  (fp32 or bf16), casts to bf16 once (round to nearest even), and stores 16 bytes at a time
+  (fp32, fp16 or bf16), casts to bf16 once (round to nearest even), and stores 16 bytes at a time
   with ``multimem.st.relaxed.sys.global.v4.bf16x2``: every bound GPU receives them.
 
 Both need sm_90 and a multicast address (``MulticastObject.mc_ptr``); they cannot run
@@ -25,12 +25,15 @@ anywhere (tests/test_multicast_kernels.py).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from .. import device_wide
 
 __all__ = [
     "GROUP",
@@ -103,7 +106,7 @@ def _multimem_reduce_kernel(
 
 
 def _multimem_store_kernel(
-    # addresses: the source shard (fp32 or bf16), the multicast range (an int)
+    # addresses: the source shard (fp32, fp16 or bf16), the multicast range (an int)
     src_ptr, mc_addr,
     # sizes
     numel,
@@ -153,6 +156,33 @@ def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(triton.cdiv(numel, GROUP), _BLOCK),)
 
 
+_LOADED: set = set()
+"""Kernel variants launched before in this process (see :func:`_settle_before_load`)."""
+_LOADED_LOCK = threading.Lock()
+
+
+def _settle_before_load(key: tuple, device_index: int | None) -> bool:
+    """Before a variant's first launch, which loads its module -- a driver call that waits for
+    every stream of the process (:mod:`tide_triton.device_wide`) -- the groups of this process
+    settle, with their deadlines.  ``key``: what Triton specialises the variant on (the
+    constexprs, each pointer's 16-byte alignment, each int's ``== 1`` / ``% 16 == 0`` /
+    64-bit width).  Returns whether the variant is new (the caller adds it once launched)."""
+    with _LOADED_LOCK:
+        if (device_index, key) in _LOADED:
+            return False
+    device_wide.before(f"loading a kernel variant ({key[0]} {key[1:]})", device_index)
+    return True
+
+
+def _int_spec(v: int) -> tuple[bool, bool, bool]:
+    return v == 1, v % 16 == 0, v >= 1 << 31
+
+
+def _launched(key: tuple, device_index: int | None) -> None:
+    with _LOADED_LOCK:
+        _LOADED.add((device_index, key))
+
+
 def _check_common(mc_addr: int, offset: int, numel: int) -> None:
     if offset % GROUP:
         raise ValueError(f"offset must be a multiple of {GROUP} elements (16 bytes), got {offset}")
@@ -173,21 +203,35 @@ def multimem_reduce(mc_addr: int, offset: int, out: torch.Tensor, *, scale: floa
     _check_common(mc_addr, offset, n)
     if n == 0:
         return
+    key = ("multimem_reduce_kernel", scale is not None, bool(accumulate), out.data_ptr() % 16 == 0, _int_spec(n))
+    new = _settle_before_load(key, out.device.index)
+    # No fused multiply-add: ``scale * sum + old`` rounds twice, like the reference and the
+    # copy-engine path's kernel (kernels/segments.py).
     multimem_reduce_kernel[_grid(n)](mc_addr + 2 * offset, out, n, 1.0 if scale is None else float(scale),
-                                     HAS_SCALE=scale is not None, ACCUMULATE=bool(accumulate), BLOCK=_BLOCK)
+                                     HAS_SCALE=scale is not None, ACCUMULATE=bool(accumulate), BLOCK=_BLOCK,
+                                     enable_fp_fusion=False)
+    if new:
+        _launched(key, out.device.index)
 
 
 def multimem_store(src: torch.Tensor, mc_addr: int, offset: int) -> None:
     """Every bound GPU's ``range[offset : offset + src.numel()]`` = ``src`` as bf16 (one
     store per 16 bytes; the rest of a partial last group of 8 is written as zeros); enqueued
-    on the current stream of ``src``'s device.  GPU with multicast only."""
-    if src.dtype not in (torch.float32, torch.bfloat16) or not src.is_contiguous() or src.device.type != "cuda":
-        raise TypeError(f"src must be a contiguous float32 or bfloat16 CUDA tensor, got {src.dtype} on {src.device}")
+    on the current stream of ``src``'s device.  ``src``: fp32, fp16 or bf16 (the all-gather's
+    shard dtypes).  GPU with multicast only."""
+    if (src.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not src.is_contiguous()
+            or src.device.type != "cuda"):
+        raise TypeError(f"src must be a contiguous float32, float16 or bfloat16 CUDA tensor, got {src.dtype} "
+                        f"on {src.device}")
     n = src.numel()
     _check_common(mc_addr, offset, n)
     if n == 0:
         return
+    key = ("multimem_store_kernel", str(src.dtype), src.data_ptr() % 16 == 0, _int_spec(n))
+    new = _settle_before_load(key, src.device.index)
     multimem_store_kernel[_grid(n)](src, mc_addr + 2 * offset, n, BLOCK=_BLOCK)
+    if new:
+        _launched(key, src.device.index)
 
 
 def multimem_reduce_ref(bound: Sequence[torch.Tensor], offset: int, out: torch.Tensor, *,

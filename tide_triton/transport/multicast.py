@@ -17,7 +17,8 @@ once, touching neither the driver nor the peers.
 acquisition undone by a :class:`~.driver.Transaction` when any rank fails):
 
 1. granularity (``cuMulticastGetGranularity``, minimum: the recommended one can be far larger
-   than the bound range), the size rounded up to it;
+   than the bound range), the size rounded up to it -- the same on every rank, checked (rank 0
+   creates the object with its size, every rank binds and maps its own);
 2. rank 0 creates the object (``cuMulticastCreate``) and exports a POSIX fd
    (``cuMemExportToShareableHandle``), which reaches the other ranks over the fd passing of
    :mod:`~tide_triton.transport.handles`; they import it (``cuMemImportFromShareableHandle``);
@@ -205,6 +206,7 @@ class MulticastObject:
         self.H = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         with Transaction() as tx:
             self._step("granularity", lambda: self._granularity(size))
+            self._agree_size()
             self._share(tx, fd_passing, timeout_s)
             self._step("cuMulticastAddDevice", lambda: self._add_device())
             self._step("cuMulticastBindAddr", lambda: self._bind(tx))
@@ -249,6 +251,16 @@ class MulticastObject:
         if self.bind_ptr % gran:
             raise ValueError(f"bind_ptr must be a multiple of the multicast granularity {gran}, "
                              f"got {self.bind_ptr:#x}; align the bound heap range to it")
+
+    def _agree_size(self) -> None:
+        """Every rank's rounded size and granularity are the same, or every rank raises (each
+        sees the same list): a rank binding less than the others would miss, silently, every
+        store past its end."""
+        got = self._exchange((self.size, self.gran))
+        if any(x != got[0] for x in got):
+            raise ValueError("multicast object: the ranks' sizes differ ("
+                             + ", ".join(f"rank {r}: {sz} bytes, granularity {g}" for r, (sz, g) in enumerate(got))
+                             + "); every rank must pass the same size")
 
     def _release(self, handle: Any) -> None:
         with self._ctx():
