@@ -361,3 +361,71 @@ def test_all_gather_enqueues_no_store_behind_a_stuck_stream(monkeypatch):
     finally:
         stuck.set()
         form.close()
+
+
+class _SharedBuffers:
+    """:class:`~tide_triton.multicast_exec.MulticastBuffers` of plain tensors shared by rank
+    threads: a store lands in every rank's buffer, a reducing load sums them all."""
+
+    def __init__(self, bufs: list, rank: int, barrier: threading.Barrier) -> None:
+        self.bufs, self.rank, self._barrier = bufs, rank, barrier
+        self.numel = bufs[rank].numel()
+
+    def local(self, offset: int, numel: int) -> torch.Tensor:
+        return self.bufs[self.rank][offset:offset + numel]
+
+    def reduce(self, offset: int, out: torch.Tensor, *, scale, accumulate: bool) -> None:
+        mm.multimem_reduce_ref(self.bufs, offset, out, scale=scale, accumulate=accumulate)
+
+    def store(self, src: torch.Tensor, offset: int) -> None:
+        mm.multimem_store_ref(src, self.bufs, offset)
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_the_multicast_branches_check_their_tensors_like_the_copy_engine_path(collective, monkeypatch):
+    """Finding (review A): the collectives' multicast branches skipped the checks the
+    copy-engine path runs on a new set of addresses -- two shards over the same bytes summed
+    into each other without an error, a shard over parameter bytes sent rows another chunk had
+    overwritten.  Now every rank raises, naming the argument, before anything moves."""
+    import tide_triton as tt
+    from tide_triton import collectives
+
+    W = 2
+    shapes = [(6, 4), (6, 4)]
+    layout = ShardLayout(shapes, W)
+    bar = threading.Barrier(W, timeout=20)
+    bufs = [torch.zeros(256, dtype=torch.bfloat16) for _ in range(W)]
+    monkeypatch.setattr(collectives.multicast_exec, "path",
+                        lambda g, device, t: _SharedBuffers(bufs, g.rank, bar))
+    groups = tt.local_groups(W, timeout_s=10, multicast="on")
+
+    def rank(r: int) -> str:
+        try:
+            if collective == "reduce_scatter":
+                grads = [torch.ones(s, dtype=torch.bfloat16) for s in shapes]
+                flat = torch.zeros(layout.shard_shapes(r)[0]).reshape(-1)
+                shards = [flat.view(layout.shard_shapes(r)[0])] * 2 if r == 1 else \
+                    [torch.zeros(s) for s in layout.shard_shapes(r)]
+                tt.reduce_scatter(grads, shards, group=groups[r], op="sum")
+            else:
+                params = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+                rows = layout.rows_per_rank[0]
+                bf16 = torch.bfloat16
+                shard = params[0][(1 - r) * rows:(2 - r) * rows] if r == 1 else torch.ones(rows, 4, dtype=bf16)
+                tt.all_gather([shard, torch.ones(rows, 4, dtype=bf16)], params, group=groups[r])
+        except Exception as e:  # noqa: BLE001 - every rank must raise
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    try:
+        out = run_threads(rank, W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    want = "shards[1] shares memory with shards[0]" if collective == "reduce_scatter" else \
+        "params[0] shares memory with shards[0]"
+    assert want in out[1] or ("overlap" in out[1] and collective == "reduce_scatter"), out
+    assert out[0] != "no error" and "rank 1" in out[0], out

@@ -210,6 +210,8 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     t = g.transport(device)
     if g.options.multicast != "off" and multicast_exec.eligible_rs(gdt, sdt, staging):  # docs/multicast.md
         if (mc := multicast_exec.path(g, device, t)) is not None:
+            # the checks of the copy-engine path, every call (this path caches nothing by address)
+            check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
             g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
             st = Streams(g, t, device, stream, async_op)
             with st.kernels():
@@ -376,6 +378,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
     t = g.transport(device)
     if source is None and g.options.multicast != "off" and multicast_exec.eligible_ag(pdt):  # docs/multicast.md
         if (mc := multicast_exec.path(g, device, t)) is not None:
+            check_bound("shards", shards_l, "params", params_l, apart=multicast_exec.AG_APART)
             g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
             st = Streams(g, t, device, stream, async_op)
             with st.kernels():

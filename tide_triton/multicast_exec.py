@@ -38,7 +38,7 @@ from .transport._once import describe, log_once, raise_if_failed
 from .transport.driver import wait_with_deadline
 from .transport.multicast import MulticastObject, device_supports_multicast, resolve_multicast
 
-__all__ = ["MulticastBuffers", "Piece", "chunk_plan", "reduce_scatter_node", "all_gather_node", "path",
+__all__ = ["AG_APART", "MulticastBuffers", "Piece", "chunk_plan", "reduce_scatter_node", "all_gather_node", "path",
            "REGION_KEY", "GpuMulticast"]
 
 log = logging.getLogger("tide_triton")
@@ -277,6 +277,12 @@ def _create(g: Any, device: torch.device, t: Any, cu: Any) -> GpuMulticast:
     g.state(("multicast", device.type), lambda: buf)  # closed with the group
     log_once("mc-created", logging.INFO, "multicast object of %d bytes bound on %d ranks", obj.size, g.world_size)
     return buf
+
+
+AG_APART = ("the multicast all-gather reads the shards chunk by chunk while it writes the parameters, so a shard "
+            "over parameter bytes would send rows another chunk already overwrote")
+"""Why the multicast all-gather's shards may not share memory with its parameters (the
+copy-engine path stages them in its block first)."""
 
 
 def eligible_rs(gdt: torch.dtype, sdt: torch.dtype, staging: object) -> bool:
