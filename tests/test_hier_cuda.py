@@ -116,3 +116,52 @@ def test_a_late_rank_is_named_by_synchronize_across_nodes() -> None:
     # rank 2 waits for rank 3's node-local push (a flag); rank 1 for its rail peer 3 (NCCL);
     # rank 0 for its rail peer 2, itself held up by rank 3 (NCCL)
     assert [o["err"][0] for o in out[:3]] == [2, 3, 3], out
+
+
+def _mixed_calls(rank: int, W: int, local: int) -> dict:
+    """Two signatures agreed, then the nodes make different collectives as one call: the
+    next call raises on every rank (identities posted one call late, the NCCL hop being the
+    rail peers' only link)."""
+    import tide_triton as tt
+    from tide_triton.errors import ArgumentMismatchError
+    from tide_triton.layout import ShardLayout
+
+    torch.cuda.set_device(0)
+    g = tt.init(local_size=local, timeout_s=60, chunk_bytes=1 << 20, agree="first")
+    node = rank // local
+
+    def rs(shapes):
+        layout = ShardLayout(shapes, W)
+        grads = [torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda") for s in shapes]
+        shards = [torch.zeros(s, device="cuda") for s in layout.shard_shapes(rank)]
+        tt.reduce_scatter(grads, shards, group=g, op="sum")
+
+    a, b = [(W * 64, 256)], [(W * 128, 128)]  # the same bytes, other signatures
+    rs(a)
+    rs(b)
+    tt.synchronize(g)
+    rs(a if node == 0 else b)  # call #3 differs across the nodes, the same within each
+    out: dict = {}
+    try:
+        rs(a)
+        tt.synchronize(g)
+        out["err"] = None
+    except ArgumentMismatchError as e:
+        out["err"] = str(e)
+    try:
+        g.close()
+    except Exception as e:  # noqa: BLE001 - a broken group may report its state on close
+        out["close"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_nodes_making_different_calls_raise_on_every_rank(local: int) -> None:
+    W = 2 * local
+    why = nccl_problem(W)
+    if why:
+        pytest.skip(why)
+    env = {**MULTICAST_OFF, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    out = run_multiprocess(_mixed_calls, W, local, timeout=180, env=env)
+    for r, o in enumerate(out):
+        assert o["err"] is not None and "made different collectives as call #3" in o["err"], (r, out)

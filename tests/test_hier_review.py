@@ -110,7 +110,7 @@ def test_synchronize_side_waits_the_executors_stream_whatever_the_device_spellin
     t = _T()
     state = {("hier", id(t)): _State(SimpleNamespace(stuck=lambda: None))}
     g = SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
-                        side_stream=side_stream)
+                        side_stream=side_stream, check_posted=lambda timeout_s=None: None)
     for spelled in (torch.device("cuda", 0), torch.device("cuda")):
         synchronize_side(g, spelled, 1.0)
     assert t.streams == [("side", "cuda", 0)] * 2, t.streams
@@ -256,3 +256,52 @@ def test_a_host_hop_blocked_on_its_wire_slot_names_the_rank_holding_it() -> None
     finally:
         for t in ts:
             t.close()
+
+
+def test_cross_node_calls_that_differ_raise_at_the_next_call_where_no_flag_reaches_the_rail(monkeypatch):
+    """Review finding (high): on CUDA a cross-node call's identity was checked with node peers
+    only (flag words); the rail peers' only link is the NCCL hop, and under ``agree="first"``
+    (no exchange for signatures agreed before) two nodes making different collectives as the
+    same call paired them -- wrong sums, no error.  Now each call posts its identity and
+    checks the rail peers' of the previous such call: both ranks raise at the next call.
+    Here on the host, with its rail flag check taken away as on CUDA (two nodes of one rank)."""
+    import tide_triton as tt
+    from tide_triton import hier_collectives as hc
+    from tide_triton.errors import ArgumentMismatchError
+
+    monkeypatch.setattr(hc, "_direct_peers", lambda g, cuda: [])  # local_size 1: no node peers
+    monkeypatch.setattr(hc, "_posted_peers", lambda g, cuda: hc._rail_peers(g) if g.options.agree == "first" else [])
+    W = 2
+    a, b = [(8, 4)], [(4, 8)]  # the same bytes, other shapes: other signatures, the same messages
+    groups = tt.local_groups(W, local_size=1, agree="first", timeout_s=20)
+
+    def rank(r: int) -> list:
+        g = groups[r]
+        out = []
+
+        def rs(shapes):
+            layout = ShardLayout(shapes, W)
+            grads = [torch.full(s, float(r + 1), dtype=torch.bfloat16) for s in shapes]
+            shards = [torch.zeros(s) for s in layout.shard_shapes(r)]
+            tt.reduce_scatter(grads, shards, group=g, op="sum")
+            return shards
+
+        rs(a)
+        rs(b)  # both signatures agreed: no exchange for them from now on
+        mixed = rs(a if r == 0 else b)  # call #3: different collectives across the nodes
+        out.append(bool(all((x == 3).all() for x in mixed)))
+        try:
+            rs(a)
+            out.append("no error")
+        except ArgumentMismatchError as e:
+            out.append(str(e))
+        return out
+
+    try:
+        got = run_threads(rank, W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    for r in range(W):
+        assert "made different collectives as call #3" in got[r][1], got
+        assert f"rank {1 - r}" in got[r][1], got

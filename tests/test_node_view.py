@@ -202,7 +202,7 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
         net = SimpleNamespace(stuck=lambda: stuck)
         state = {("hier", id(t)): _State(net)}
         return SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
-                               side_stream=lambda device: "SIDE")
+                               side_stream=lambda device: "SIDE", check_posted=lambda timeout_s=None: None)
 
     dev = torch.device("cuda", 0)
     t = _T(None)

@@ -31,6 +31,9 @@ from .errors import PeerTimeoutError
 
 __all__ = ["KeyValue", "StoreKeyValue", "LocalKeyValue", "Exchange", "Abort"]
 
+IDENTITIES_KEPT = 4
+"""Posted call identities (:meth:`Exchange.post_identity`) a rank keeps in the store."""
+
 _POLL_S = 0.05
 """How long one wait on the store lasts before the missing ranks and the abort keys are
 looked at again: a peer's abort is seen within about this long."""
@@ -153,6 +156,7 @@ class Exchange:
         self.name = name
         self._mine: list[str] = []  # my keys not yet deleted, oldest first
         self._aborts: list[Abort] = []  # what this rank published, oldest first
+        self._posted: list[str] = []  # identity keys this rank posted, not yet deleted, oldest first
 
     # ---- aborts -------------------------------------------------------------------------
     def _abort_key(self, r: int) -> str:
@@ -196,22 +200,8 @@ class Exchange:
         mine = tag + str(me)
         self.kv.set(mine, pickle.dumps(obj))
         keys = [tag + str(r) for r in range(W)]
-        pending = [r for r in range(W) if r != me]
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            left = deadline - time.monotonic()
-            if self.kv.wait_all([keys[r] for r in pending], min(_POLL_S, max(left, 0.0))):
-                break
-            pending = [r for r in pending if not self.kv.present(keys[r])]
-            if not pending:
-                break
-            if check is not None:
-                check(pending)
-            if time.monotonic() >= deadline:
-                names = [self.name(r) for r in pending]
-                more = "" if len(names) == 1 else f"; ranks {names} have not arrived"
-                raise PeerTimeoutError(names[0], f"{what}: its part of bootstrap exchange "
-                                       f"(call #{call}, step {index}){more}", timeout_s)
+        self._wait_for(keys, [r for r in range(W) if r != me], timeout_s, check,
+                       f"{what}: its part of bootstrap exchange (call #{call}, step {index})")
         got = [pickle.loads(b) for b in self.kv.get_many(keys)]
         # Every peer wrote this exchange's key, so it has read all my earlier keys.
         for old in self._mine:
@@ -221,3 +211,53 @@ class Exchange:
                 pass
         self._mine = [mine]
         return got
+
+    def _wait_for(self, keys: Sequence[str], pending: Sequence[int], timeout_s: float,
+                  check: Callable[[Sequence[int]], None] | None, what: str) -> None:
+        """Until ``keys[r]`` is in the store for every rank ``r`` of ``pending`` (``keys`` in
+        rank order), running ``check(missing ranks)`` every :data:`_POLL_S`; past ``timeout_s``
+        ``PeerTimeoutError`` naming the first missing rank ("waiting for rank r: ``what``")
+        and listing them all."""
+        pending = list(pending)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if self.kv.wait_all([keys[r] for r in pending], min(_POLL_S, max(left, 0.0))):
+                return
+            pending = [r for r in pending if not self.kv.present(keys[r])]
+            if not pending:
+                return
+            if check is not None:
+                check(pending)
+            if time.monotonic() >= deadline:
+                names = [self.name(r) for r in pending]
+                more = "" if len(names) == 1 else f"; ranks {names} have not arrived"
+                raise PeerTimeoutError(names[0], f"{what}{more}", timeout_s)
+
+    # ---- posted call identities -----------------------------------------------------------
+    def _identity_key(self, call: int, r: int) -> str:
+        return f"{self.prefix}id/{call}/{r}"
+
+    def post_identity(self, call: int, key: int) -> None:
+        """Post this rank's identity of call ``call`` (its call number and signature
+        fingerprint, :meth:`~tide_triton.calls.CallIdentity.check_in`) for peers to read
+        later (:meth:`identities`) -- a store write, no wait.  The last
+        :data:`IDENTITIES_KEPT` stay readable: a peer reads call ``n``'s at its call ``n + 1``
+        at the latest, and this rank cannot be more than a call ahead of a peer that reads it."""
+        k = self._identity_key(call, self.rank)
+        self.kv.set(k, str(int(key)).encode())
+        self._posted.append(k)
+        while len(self._posted) > IDENTITIES_KEPT:
+            try:
+                self.kv.delete(self._posted.pop(0))
+            except Exception:  # noqa: BLE001 -- cleanup only
+                pass
+
+    def identities(self, ranks: Sequence[int], call: int, *, timeout_s: float, what: str,
+                   check: Callable[[Sequence[int]], None] | None = None) -> list[int]:
+        """The identities ``ranks`` posted of call ``call`` (:meth:`post_identity`), in the
+        order of ``ranks``, waiting for them with the deadline of :meth:`exchange`."""
+        keys = {r: self._identity_key(call, r) for r in ranks}
+        by_rank = [keys.get(r, "") for r in range(self.world_size)]
+        self._wait_for(by_rank, list(ranks), timeout_s, check, f"{what}: its identity of call #{call}")
+        return [int(b) for b in self.kv.get_many([keys[r] for r in ranks])]

@@ -34,7 +34,7 @@ class CallIdentity:
     """Call identity, aborts and the broken state of a group (mixed into ``Group``, whose
     attributes it uses: ``rank``, ``world_size``, ``flags``, ``options``, ``_exchange``,
     ``_transports``, ``_call``, ``_seq``, ``_keys``, ``_sig_names``, ``_broken``,
-    ``_failed_calls``)."""
+    ``_failed_calls``, ``_posted_pending``)."""
 
     def _note_failed(self, seq: int) -> None:
         """Call ``seq`` failed on this rank (it enqueued nothing a peer's abort could strand).
@@ -190,6 +190,55 @@ class CallIdentity:
             if got != c.key:
                 self._mismatch(p, got, c)
         c.moving = True
+
+    def check_in_posted(self, peers: Sequence[int]) -> None:
+        """:meth:`check_in` for ``peers`` no flag word reaches -- a CUDA cross-node call's rail
+        peers, whose only link is the NCCL hop -- through identities posted in the bootstrap
+        store, one call late: this call's identity is posted (a store write), and the peers'
+        identities of this group's previous such call are read and compared (waiting for
+        them, with the deadline, only where a peer has not reached that call yet).  The host
+        never waits for a peer's *current* call, so ``agree="first"`` keeps its run-ahead; a
+        peer that made another collective raises ``ArgumentMismatchError`` on both ranks at
+        the next such call or :func:`tide_triton.synchronize` -- after that call's data
+        moved, so the group breaks -- where it would have paired with the other call and
+        given wrong sums without an error."""
+        c = self._call
+        if c is None:
+            raise RuntimeError("internal error: check_in_posted outside a collective call")
+        self.check_posted()
+        self._exchange.post_identity(c.seq, c.key)
+        self._posted_pending = (c.seq, c.key, tuple(peers))
+
+    def check_posted(self, timeout_s: float | None = None) -> None:
+        """Compare the identities peers posted of the last call :meth:`check_in_posted` ran
+        in with this rank's (once; no-op when there is none pending), waiting for them at
+        most ``timeout_s`` (default: the group's deadline)."""
+        pending = self._posted_pending
+        if pending is None:
+            return
+        seq, key, peers = pending
+
+        def aborted(ranks: Sequence[int]) -> None:
+            for r in ranks:
+                a = self._exchange.abort_of(r, seq)
+                if a is not None:
+                    self._raise_abort(r, a)
+
+        wait = self.options.timeout_s if timeout_s is None else timeout_s
+        got = self._exchange.identities(peers, seq, timeout_s=wait, check=aborted,
+                                        what=f"call #{seq} of this group (posted identities)")
+        self._posted_pending = None
+        for p, theirs in zip(peers, got):
+            if theirs != key:
+                mine = self._keys.get(seq)
+                sig = theirs & 0xFFFFFFFF
+                desc = self._sig_names.get(sig, f"a signature this rank has not seen (hash {sig:#010x})")
+                self._break(f"ranks {self.rank} and {p} made different collectives as call #{seq}")
+                raise ArgumentMismatchError(
+                    f"ranks {self.rank} and {p} made different collectives as call #{seq} of this group (found at "
+                    f"the next call: they are peers across nodes, checked one call late; that call's data moved "
+                    f"and the group is broken): rank {self.rank}: "
+                    f"{describe(mine[1]) if mine is not None else 'unknown'}; rank {p}: {desc}")
 
     def _mismatch(self, p: int, got: int, c: "Call") -> None:
         seq, sig = got >> 32, got & 0xFFFFFFFF

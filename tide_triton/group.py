@@ -88,6 +88,7 @@ class Group(CallIdentity):
         self._synced = 0  # calls whose GPU work synchronize() has seen finish
         self._failed_calls: tuple[int, ...] = ()  # calls that failed on this rank (CallIdentity._note_failed)
         self._keys: dict[int, tuple[int, object]] = {}  # recent calls: identity word, signature
+        self._posted_pending: tuple[int, int, tuple[int, ...]] | None = None  # CallIdentity.check_in_posted
         self._call: Call | None = None
         self._broken: str | None = None
         self._call_lock = threading.Lock()

@@ -136,6 +136,8 @@ def synchronize_side(g: Group, device: torch.device, timeout_s: float) -> None:
         peers, what = hit
         more = "" if len(peers) == 1 else f"; or rank {', '.join(map(str, peers[1:]))}"
         raise PeerTimeoutError(peers[0], what + more, timeout_s) from e
+    # the work is done: the last call's identity against the rail peers' (Group.check_in_posted)
+    g.check_posted(timeout_s)
 
 
 @lru_cache(maxsize=32)
@@ -173,17 +175,40 @@ def _binding(dst_dtype: torch.dtype, src_dtype: torch.dtype, dst_ptrs: tuple[int
     return Binding(prog, dst_stub, src_stub, k, max_ctas, known_ptrs=(dst_ptrs, src_ptrs))
 
 
-def _direct_peers(g: Group) -> list[int]:
-    """The ranks this rank exchanges data with directly: its node's ranks, and (where the
-    transport spans every node: the host) its rail's ranks.  The call-identity check runs
-    with them (:meth:`Group.check_in`)."""
+def _rail_peers(g: Group) -> list[int]:
+    """The ranks of this rank's rail: the same local rank on every other node."""
+    L, me = g.local_size, g.rank
+    return [r for r in range(me % L, g.world_size, L) if r != me]
+
+
+def _direct_peers(g: Group, cuda: bool) -> list[int]:
+    """The ranks whose call identity this rank checks through flag words
+    (:meth:`Group.check_in`): its node's ranks, and on the host (whose transport spans every
+    node) its rail's ranks."""
     L, me = g.local_size, g.rank
     first = me - me % L
     peers = [r for r in range(first, first + L) if r != me]
-    t = g.existing_transport("cpu")
+    t = None if cuda else g.existing_transport("cpu")
     if t is not None and t.local_size == g.world_size:
-        peers += [r for r in range(me % L, g.world_size, L) if r != me]
+        peers += _rail_peers(g)
     return peers
+
+
+def _posted_peers(g: Group, cuda: bool) -> list[int]:
+    """The ranks whose call identity no flag word reaches -- on CUDA the rail peers, whose
+    only link is the NCCL hop -- checked through posted identities, one call late
+    (:meth:`Group.check_in_posted`), under ``agree="first"``; with ``"always"`` the call's
+    agreement compared every rank's already."""
+    return _rail_peers(g) if cuda and g.options.agree == "first" else []
+
+
+def _check_in(g: Group, ident: object, cuda: bool) -> None:
+    """This call's identity checked with every rank it exchanges data with, before any of
+    its data moves (the rail peers on CUDA: one call late, see :func:`_posted_peers`)."""
+    g.check_in(ident, _direct_peers(g, cuda))
+    posted = _posted_peers(g, cuda)
+    if posted:
+        g.check_in_posted(posted)
 
 
 def _identity_transport(order: Streams, t: object) -> object:
@@ -335,7 +360,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         net = st.net
         last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
         base = g.rs_count
-        g.check_in(ident, _direct_peers(g))  # this call's identity, before any of its data moves
+        _check_in(g, ident, order.cuda)  # this call's identity, before any of its data moves
         if staging is not None:  # nobody writes into a node peer's region before it vacated it
             wait_vacated(t, fm, staging, peers, timeout)
         for w, (pushes, local, rounds, final) in enumerate(prep):
@@ -465,7 +490,7 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
     ident = _identity_transport(order, t)
     t = order.t
     with order.kernels():
-        g.check_in(ident, _direct_peers(g))  # this call's identity, before any of its data moves
+        _check_in(g, ident, order.cuda)  # this call's identity, before any of its data moves
         # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
         if pdt == sdt:
             t.copy_prepared(prep.own)
