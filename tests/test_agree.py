@@ -146,3 +146,20 @@ def test_thousands_of_signatures_stay_fingerprinted_and_calls_describe_none() ->
     described = calls.describe.cache_info()
     c.set_signature(("reduce_scatter", ("shapes", ((3, 5),) * 771), ("new", 1)))
     assert calls.describe.cache_info() == described and G._keys[7][1][0] == "reduce_scatter"
+
+
+def test_an_agreement_nested_in_a_call_keeps_the_calls_identity() -> None:
+    """Review finding (multicast, B): a collective that makes a heap region inside itself (the
+    multicast path's object) agreed the region's signature, which replaced the call's own --
+    the call-identity check then compared the region's, and errors named ``heap_region``."""
+    import tide_triton as tt
+
+    g = tt.local_groups(1, timeout_s=10)[0]
+    try:
+        with g.call("reduce_scatter") as c:
+            g.agree(("reduce_scatter", ("shapes", ((4,),))), None)
+            key, sig = c.key, c.signature
+            g.agree(("heap_region", "multicast", "cuda"), None)
+            assert (c.key, c.signature) == (key, sig)
+    finally:
+        g.close()

@@ -205,7 +205,9 @@ class Group(CallIdentity):
         agreed before is trusted without an exchange (the call's identity still reaches the
         peers before any data moves: :meth:`check_in`)."""
         c = self._call
-        if c is not None and signature is not None:
+        if c is not None and signature is not None and c.signature is None:
+            # the call's own arguments: an agreement nested in it (a heap region the call
+            # makes) keeps the call's identity, which check_in compares
             c.set_signature(signature)
         if self.options.agree == "first":
             # Signatures agreed before are trusted: no exchange (a host round trip per
