@@ -305,3 +305,25 @@ def test_cross_node_calls_that_differ_raise_at_the_next_call_where_no_flag_reach
     for r in range(W):
         assert "made different collectives as call #3" in got[r][1], got
         assert f"rank {1 - r}" in got[r][1], got
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_broken_group_closes_its_nccl_hop_with_the_short_drain(broken: bool) -> None:
+    """Review finding: ``Group.close`` gives a broken group's transports a 3 s drain (their
+    work may wait forever on peers), but closed the cross-node hop with its default 30 s."""
+    import tide_triton as tt
+    from tide_triton.group import _BROKEN_DRAIN_S
+    from tide_triton.hier_collectives import _State
+
+    drains: list = []
+
+    class _Net:
+        def close(self, drain_timeout_s: float = 30.0) -> None:
+            drains.append(drain_timeout_s)
+
+    g = tt.local_groups(1, timeout_s=10)[0]
+    g.state(("hier", "test"), lambda: _State(_Net()))
+    if broken:
+        g._break("a test")
+    g.close()
+    assert drains == [_BROKEN_DRAIN_S if broken else 30.0]

@@ -536,7 +536,9 @@ class Group(CallIdentity):
             close = getattr(x, "close_extra", None)
             if close is not None:
                 try:
-                    close()
+                    # a broken group's NCCL hop may wait forever on peers: the short drain
+                    broken = self._broken is not None and getattr(x, "close_broken", False)
+                    close(drain_timeout_s=_BROKEN_DRAIN_S) if broken else close()
                 except Exception as e:  # noqa: BLE001 -- the heaps below are unmapped all the same
                     log.error("rank %d: closing %s failed: %s", self.rank, type(x).__name__, e)
                     failed = failed or e

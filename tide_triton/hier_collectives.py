@@ -71,11 +71,15 @@ class _State:
     last: dict = field(default_factory=dict)
     """Bytes this rank moved in its last collective, per round label (see :func:`stats`)."""
 
-    def close_extra(self) -> None:
-        """Called by :meth:`Group.close`: destroys the NCCL communicator, if any."""
+    close_broken = True
+    """:meth:`Group.close` passes a broken group's shorter drain to :meth:`close_extra`."""
+
+    def close_extra(self, drain_timeout_s: float | None = None) -> None:
+        """Called by :meth:`Group.close`: destroys the NCCL communicator, if any, once its
+        stream drained (``drain_timeout_s``: a broken group's shorter wait; then it aborts)."""
         close = getattr(self.net, "close", None)
         if close is not None:
-            close()
+            close() if drain_timeout_s is None else close(drain_timeout_s=drain_timeout_s)
 
 
 def _existing_state(g: Group, device_type: str) -> "tuple[object, _State] | tuple[None, None]":
