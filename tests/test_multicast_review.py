@@ -429,3 +429,32 @@ def test_the_multicast_branches_check_their_tensors_like_the_copy_engine_path(co
         "params[0] shares memory with shards[0]"
     assert want in out[1] or ("overlap" in out[1] and collective == "reduce_scatter"), out
     assert out[0] != "no error" and "rank 1" in out[0], out
+
+
+def test_ranks_sharing_a_gpu_do_not_take_the_multicast_path():
+    """Review finding C: two ranks on one GPU passed the guard (every fact was per rank), and
+    ``cuMulticastAddDevice`` then failed on every rank -- ``"auto"`` raised instead of falling
+    back.  The guard now compares the ranks' GPU identifiers."""
+    from tide_triton.transport.multicast import RankFacts, multicast_allowed, resolve_multicast
+
+    apart = [RankFacts("auto", True, None, "gpu-a"), RankFacts("auto", True, None, "gpu-b")]
+    assert multicast_allowed(apart).allowed
+    shared = [RankFacts("auto", True, None, "gpu-a"), RankFacts("auto", True, None, "gpu-b"),
+              RankFacts("auto", True, None, "gpu-a")]
+    d = multicast_allowed(shared)
+    assert not d.allowed and "ranks 0 and 2 share one GPU" in d.reason
+    assert multicast_allowed([RankFacts("auto", True, None)] * 2).allowed  # unknown: not compared
+    ex = ThreadExchange(2)
+    out = run_threads(lambda r: resolve_multicast("auto", rank=r, exchange=ex.of(r), env={}, query=lambda: True,
+                                                  device=lambda: "same-gpu"), 2)
+    assert [x.allowed for x in out] == [False, False]
+    ex2 = ThreadExchange(2)
+
+    def on(r):
+        try:
+            resolve_multicast("on", rank=r, exchange=ex2.of(r), env={}, query=lambda: True, device=lambda: "same-gpu")
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    assert all("share one GPU" in m for m in run_threads(on, 2)), "on: every rank raises, saying why"

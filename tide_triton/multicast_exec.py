@@ -233,7 +233,14 @@ def path(g: Any, device: torch.device, t: Any) -> MulticastBuffers | None:
     def query() -> bool:
         return device_supports_multicast(cu, driver.check(cu.cuDeviceGet(device.index), "cuDeviceGet"))
 
-    d = resolve_multicast(mode, rank=g.rank, exchange=g.exchange, query=query)
+    def uuid() -> str | None:  # ranks sharing one GPU fall back (or "on" raises) instead of failing to bind
+        try:
+            cudev = driver.check(cu.cuDeviceGet(device.index), "cuDeviceGet")
+            return bytes(driver.check(cu.cuDeviceGetUuid(cudev), "cuDeviceGetUuid").bytes).hex()
+        except Exception:  # noqa: BLE001 - unknown: the binding itself would refuse a shared GPU
+            return None
+
+    d = resolve_multicast(mode, rank=g.rank, exchange=g.exchange, query=query, device=uuid)
     if not d.allowed:
         per_group[device.type] = None
         return None

@@ -83,6 +83,9 @@ class RankFacts:
     """Its device's ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`` (None: no CUDA device / not asked)."""
     env_block: str | None
     """The environment variable that forbids multicast on this rank, or None."""
+    device: str | None = None
+    """Its GPU's identifier (the driver's UUID; None: unknown): a multicast object binds each
+    GPU once, so ranks sharing a GPU cannot take the path."""
 
 
 def env_facts(env: Mapping[str, str] | None = None) -> str | None:
@@ -124,6 +127,11 @@ def multicast_allowed(facts: Sequence[RankFacts]) -> Decision:
     if unsupported:
         return Decision(False, f"rank(s) {unsupported}: CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED is 0 "
                         "(no NVSwitch multicast: needs an NVSwitch system with the fabric manager, CUDA >= 12.1)")
+    first: dict[str, int] = {}
+    for r, f in enumerate(facts):
+        if f.device is not None and first.setdefault(f.device, r) != r:
+            return Decision(False, f"ranks {first[f.device]} and {r} share one GPU (a multicast object binds each "
+                            "GPU once: one rank per GPU)")
     if len(facts) < 2:
         return Decision(False, "a node of one rank has nothing to multicast")
     return Decision(True, f"every one of {len(facts)} ranks supports multicast and asked for it")
@@ -144,21 +152,23 @@ def device_supports_multicast(cu: Any, cudev: Any) -> bool:
 
 
 def resolve_multicast(mode: str, *, rank: int, exchange: Callable[[Any], Sequence[Any]] | None,
-                      query: Callable[[], bool | None], env: Mapping[str, str] | None = None) -> Decision:
+                      query: Callable[[], bool | None], env: Mapping[str, str] | None = None,
+                      device: Callable[[], str | None] | None = None) -> Decision:
     """Collective (over the node's ``exchange``) unless ``mode == "off"``: every rank shares
     its :class:`RankFacts`, every rank decides from the same list.
 
     ``query()`` returns this rank's device support (None: no CUDA device); it is only called
     when the mode asks for multicast and the environment allows it.  ``"auto"`` that is not
     allowed logs the reason once and returns it; ``"on"`` raises ``RuntimeError`` on every
-    rank, saying why.  ``exchange=None``: a node of this rank alone."""
+    rank, saying why.  ``exchange=None``: a node of this rank alone.  ``device()``: this
+    rank's GPU identifier (:attr:`RankFacts.device`), asked where the device supports it."""
     if mode not in MULTICAST_MODES:
         raise ValueError(f"multicast must be one of {MULTICAST_MODES}, got {mode!r}")
     if mode == "off":
         return Decision(False, 'multicast="off" (the default)')
     block = env_facts(env)
     supported = None if block else query()
-    mine = RankFacts(mode, supported, block)
+    mine = RankFacts(mode, supported, block, device() if supported and device is not None else None)
     facts = list(exchange(mine)) if exchange is not None else [mine]
     d = multicast_allowed(facts)
     if not d.allowed:
