@@ -59,6 +59,16 @@ class _OnStream:
     def __getattr__(self, name: str) -> object:
         return getattr(self.t, name)
 
+    @property
+    def watch(self) -> Any:
+        """The transport's own abort watch (its host waits read it there): set through this
+        view by a call's check-in, it must reach the transport, not stay on the view."""
+        return self.t.watch
+
+    @watch.setter
+    def watch(self, fn: Any) -> None:
+        self.t.watch = fn
+
     def _on(self, k: dict) -> dict:
         """``k`` with this stream: a caller's own ``stream=`` may only be None or name it (the
         host's check_in passes its compute stream, which is this one)."""

@@ -215,17 +215,6 @@ def _check_in(g: Group, ident: object, cuda: bool) -> None:
         g.check_in_posted(posted)
 
 
-def _identity_transport(order: Streams, t: object) -> object:
-    """Where the call-identity check (:meth:`Group.check_in`) runs: on CUDA the transport
-    bound to the executor's stream; on the host the transport itself.  The check-in installs
-    the call's abort watch on the object it is given, and the host's waits -- the node-local
-    flags' and the hop's (:class:`HostInterNode`) -- read it from the transport, not from a
-    stream-bound wrapper (``TIDE_TRITON_HOST_COPY_QUEUE=async``): through the wrapper a peer's
-    abort went unseen until the deadline.  The host check-in passes the compute stream
-    itself, so it does the same operations either way."""
-    return order.t if order.cuda else t
-
-
 def _pieces(runs) -> list[tuple[int, int, int]]:
     return [pc for r in runs for pc in r.pieces()]
 
@@ -354,7 +343,6 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
     # copy graphs captured before any flag wait (CopyEngine.warm_replays)
     t.warm_replays([padding[0] if padding else None] + [c for pushes, *_ in prep for c, _n in pushes.values()])
     order = Streams(g, t, device, stream, async_op, whole_on_side=True)
-    ident = _identity_transport(order, t)
     t = order.t
     with order.kernels():
         if not accumulate and padding is not None:  # padding rows of padded shards become zero
@@ -364,7 +352,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         net = st.net
         last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
         base = g.rs_count
-        _check_in(g, ident, order.cuda)  # this call's identity, before any of its data moves
+        _check_in(g, t, order.cuda)  # this call's identity, before any of its data moves
         if staging is not None:  # nobody writes into a node peer's region before it vacated it
             wait_vacated(t, fm, staging, peers, timeout)
         for w, (pushes, local, rounds, final) in enumerate(prep):
@@ -491,10 +479,9 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
                     *(copies for _r, copies, _n in prep.pickups)])  # graphs before any flag wait
     last = {**{f"ag inter {k}": 0 for k in range(len(plan.node_rounds))}, "ag intra": 0}
     order = Streams(g, t, device, stream, async_op, whole_on_side=True)
-    ident = _identity_transport(order, t)
     t = order.t
     with order.kernels():
-        _check_in(g, ident, order.cuda)  # this call's identity, before any of its data moves
+        _check_in(g, t, order.cuda)  # this call's identity, before any of its data moves
         # 1. my shard into my params (cast on SMs when the dtypes differ); missing rows are zero
         if pdt == sdt:
             t.copy_prepared(prep.own)
