@@ -56,6 +56,16 @@ RING_KEY = "tide_triton/prepared-rs-ring"
 _CAPTURED_KEY = ("prepared-captured",)
 """Group state: the prepared collectives a CUDA graph has recorded (kept alive until close)."""
 
+
+class _Captured(list):
+    """The group state under :data:`_CAPTURED_KEY`: let go at :meth:`Group.close` (which
+    closes state values with a ``close_extra``), not kept while the closed group lives on --
+    its prepared collectives hold the tensors and their bindings' tables."""
+
+    def close_extra(self) -> None:
+        self.clear()
+
+
 _BINDINGS_KEPT = 32
 """Sets of addresses a prepared collective keeps bound (:meth:`_Prepared._run_on`).  FSDP2's
 caching allocator hands a parameter group's all-gather outputs more recurring addresses than
@@ -202,7 +212,7 @@ class _Prepared:
         collective alive until the group closes; from now on every prepared run of the group
         ends joined (see :meth:`_joined`)."""
         self._captured[key] = binding
-        kept = self.g.state(_CAPTURED_KEY, list)
+        kept = self.g.state(_CAPTURED_KEY, _Captured)
         if not any(p is self for p in kept):
             kept.append(self)
 

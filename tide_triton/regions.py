@@ -11,7 +11,8 @@ Hand-over protocol, per region and rank (an epoch counts the uses):
   enqueued (on a GPU the signal is ordered on ``stream`` after that work): every peer's flag
   ``vacated(region, owner)`` becomes the number of hand-overs so far;
 * a reduce-scatter staging in the region for the ``e``-th time waits, before its first
-  write into rank ``d``'s copy, until ``d`` has handed it over ``e`` times -- with the
+  write into rank ``d``'s copy, until ``d`` has handed it over ``e`` times (or as often as
+  this rank has, where a hand-over went unused: a staged call refused) -- with the
   group's timeout, naming ``d`` (a stream-side wait on a GPU, surfaced by
   :func:`tide_triton.synchronize` or the pacing);
 * when a reduce-scatter is done with a region (its reduction has read every contribution),
@@ -62,7 +63,8 @@ class HeapRegion:
         self.vacated = 0
         """Hand-overs this rank has signalled."""
         self.uses = 0
-        """Reduce-scatters that staged in this region (every rank counts the same)."""
+        """The hand-over epoch of the last reduce-scatter that staged in this region (the
+        count of them, unless a hand-over was not used)."""
         self._consumed: list = []  # CUDA events: the last staging's reduction has read it
         self._read_epoch = 0
         """The last all-gather epoch whose peers read this rank's rows from its copy
@@ -207,7 +209,11 @@ class HeapRegion:
     # ---- used by reduce_scatter ---------------------------------------------------------
     def _begin_staging(self) -> int:
         self._check_mapped("reduce_scatter(staging=...)")
-        self.uses += 1
+        # The hand-over this use waits for: the next one -- or, where this rank's own ran
+        # ahead (a vacate() whose staged call was refused on every rank), its latest: every
+        # rank vacated as often, and an older one would let writers in while the owner still
+        # uses its copy.
+        self.uses = max(self.uses + 1, self.vacated)
         return self.uses
 
     def _staged(self, stream: object) -> None:

@@ -9,7 +9,8 @@ these views, where they do nothing (a free records a CUDA event: the next writer
 
 On one node the all-gather reads the peers' rows straight from their slots
 (``all_gather(..., params_region=slot)``): no all-gather block is mapped for the slotted
-groups (one made by earlier all-gathers without Slot-Reuse is released with the slots).
+groups (one that other groups' all-gathers made past the slots is released with them; one
+made before the slots lies below them and stays mapped: :mod:`tide_triton.regions`).
 
 What the slots cost: their bytes are mapped while a step uses them.  With ``release`` (the
 default) every slot whose groups are all resharded is released once backward is over
@@ -188,18 +189,28 @@ def assign_slots(mods: list[tuple[str, nn.Module]], pool: int, release: bool = T
                 f"{n_pool} shared ones -- but the group has room for {room} (of {g.flags.regions}); reshard "
                 "more groups after forward, or enable Slot-Reuse on part of the model")
 
-    for pg, st in private:
-        g = st.group
-        nbytes = max(group_layout(pg, g.world_size)[2], floor(g))
-        _bind(pg, st, _new_slot(g.heap_region(f"{tag[id(g)]}:{st.fqn}", nbytes, pg.device), True, pool, release))
-    for members in pools.values():
-        g = members[0][1].group
-        need = max(max(group_layout(pg, g.world_size)[2] for pg, _ in members), floor(g))
-        slots = [_new_slot(g.heap_region(f"{tag[id(g)]}:slot{k}", need, members[0][0].device), False, pool,
-                           release)
-                 for k in range(min(pool, len(members)))]
-        for i, (pg, st) in enumerate(members):
-            _bind(pg, st, slots[i % len(slots)])
+    made: list[Slot] = []
+    try:
+        for pg, st in private:
+            g = st.group
+            nbytes = max(group_layout(pg, g.world_size)[2], floor(g))
+            made.append(_new_slot(g.heap_region(f"{tag[id(g)]}:{st.fqn}", nbytes, pg.device), True, pool, release))
+            _bind(pg, st, made[-1])
+        for members in pools.values():
+            g = members[0][1].group
+            need = max(max(group_layout(pg, g.world_size)[2] for pg, _ in members), floor(g))
+            slots = []
+            for k in range(min(pool, len(members))):
+                slots.append(_new_slot(g.heap_region(f"{tag[id(g)]}:slot{k}", need, members[0][0].device), False,
+                                       pool, release))
+                made.append(slots[-1])
+            for i, (pg, st) in enumerate(members):
+                _bind(pg, st, slots[i % len(slots)])
+    except Exception:  # a region failed on every rank (agreed): the ones made give their memory back
+        for slot in made:
+            if not slot.region.released and not slot.region.group.closed:
+                slot.region.release()
+        raise
 
 
 def release_emptied(ids: set[int]) -> None:
@@ -228,7 +239,8 @@ def _bind(pg: Any, st: _state.GroupState, slot: Slot) -> None:
     dt, offs, _ = group_layout(pg, st.group.world_size)
     for fp, (off, n) in zip(pg.fsdp_params, offs):
         view = slot.region.tensor(dt, n, off)
-        _HEAP_STORAGES[_storage_key(view)] = slot
+        if n:  # an empty view is no heap storage (address 0: FSDP2's freed storages have it too)
+            _HEAP_STORAGES[_storage_key(view)] = slot
         fp.all_gather_outputs = [view]  # torch's attribute: FSDP2 all-gathers into it
         if hasattr(fp, "_unsharded_param"):  # a stock-allocated one from before: made anew
             del fp._unsharded_param
@@ -240,15 +252,17 @@ def unbind(pg: Any, st: _state.GroupState) -> None:
     """Stock FSDP2 allocates the group's unsharded storage itself again."""
     if st.slot is None:
         return
+    st.slot.members.discard(pg)
+    # the slot's other groups may view the same addresses (a shared slot, alike layouts)
+    kept = {_storage_key(v) for m in st.slot.members for fp in m.fsdp_params for v in fp.all_gather_outputs}
     for fp in pg.fsdp_params:
         for view in fp.all_gather_outputs:  # its address may hold a stock storage later
             key = _storage_key(view)
-            if _HEAP_STORAGES.get(key) is st.slot:
+            if _HEAP_STORAGES.get(key) is st.slot and key not in kept:
                 del _HEAP_STORAGES[key]
         fp.all_gather_outputs = []
         if hasattr(fp, "_unsharded_param"):
             del fp._unsharded_param
-    st.slot.members.discard(pg)
 
 
 def heap_slot(tensor: torch.Tensor) -> Slot | None:
