@@ -10,8 +10,8 @@ Test helper, reused by every multi-process test::
 
 Habits (STYLE.md, triton_kernels ``test_distributed``): the parent holds the rendezvous store
 (a ``TCPStore`` on port 0 of 127.0.0.1: the OS picks a port and the parent keeps it bound, so
-no other test can take it between choosing and binding -- session 10 lost a run to that race
-with a port chosen by binding port 0 and closing it again); every wait has a timeout; survivors
+no other test can take it between choosing and binding, as it can a port chosen by binding
+port 0 and closing it again); every wait has a timeout; survivors
 are killed; each child destroys its process group in ``finally``; a child's exception comes back to the parent as a
 ``RuntimeError`` naming its rank and carrying its traceback text.
 """

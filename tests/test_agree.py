@@ -149,9 +149,9 @@ def test_thousands_of_signatures_stay_fingerprinted_and_calls_describe_none() ->
 
 
 def test_an_agreement_nested_in_a_call_keeps_the_calls_identity() -> None:
-    """Review finding (multicast, B): a collective that makes a heap region inside itself (the
-    multicast path's object) agreed the region's signature, which replaced the call's own --
-    the call-identity check then compared the region's, and errors named ``heap_region``."""
+    """A collective that makes a heap region inside itself (the multicast path's object)
+    agrees the region's signature without replacing the call's own: the call-identity check
+    compares the call's, and errors name the call, not ``heap_region``."""
     import tide_triton as tt
 
     g = tt.local_groups(1, timeout_s=10)[0]

@@ -126,11 +126,11 @@ class _MockCapture:
 @pytest.mark.parametrize("capturing", [(0, 1), (0,)], ids=["every-rank", "one-rank"])
 def test_capture_refused_clearly_and_group_stays_usable(monkeypatch: pytest.MonkeyPatch, capturing) -> None:
     """Every rank inside a capture: each refuses at once.  One rank inside a capture while the
-    others make the call for real (found by review, session 17): the refusal used to come
-    before the call took its number, so that rank's *next* call paired with the peers' call
-    -- wrong sums, no error; now it takes the number and is published like an argument
-    error (the peers raise ``PeerArgumentError`` naming it in the same call).  Either way
-    the group stays usable and the next calls are exact."""
+    others make the call for real: a refusal before the call took its number would pair
+    that rank's *next* call with the peers' call -- wrong sums, no error; so it takes the
+    number and is published like an argument error (the peers raise ``PeerArgumentError``
+    naming it in the same call).  Either way the group stays usable and the next calls are
+    exact."""
     dev = torch.device("cpu")
     grads, layout = _data(dev)
     groups = tt.local_groups(W, timeout_s=30, ring_bytes=512 * W)

@@ -77,8 +77,8 @@ def _store_port_owner(rank: int, world_size: int) -> int:
 
 def test_run_multiprocess_holds_its_rendezvous_port() -> None:
     """Two groups rendezvous at once (as xdist workers do): each parent serves its own store,
-    so neither child can find its port taken (session 10: ``EADDRINUSE`` from a port chosen
-    by one test and bound by another's child)."""
+    so neither child can find its port taken (``EADDRINUSE`` where a port is chosen by one
+    test and bound by another's child)."""
     import threading
 
     from _dist import run_multiprocess

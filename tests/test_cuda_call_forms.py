@@ -541,8 +541,8 @@ def test_progress_words_tell_passed_waits_from_the_stuck_one(tmp_path: Path) -> 
     """Wait batches end with a progress write (in the same batch call); a timeout names the peer
     of the earliest unpassed batch, never one whose token wait passed and was reset; a close
     releases only unpassed waits; a recording's waits have words of their own, reset by its first
-    node; a user's capture writes none.  Before session 20 the timeout in (1) named rank 1 (the
-    lowest short slot: 5, behind the stuck batch -- without batch 3, slot 10, a token taken and
-    reset) instead of rank 3, and the close wrote slots 10..12 too."""
+    node; a user's capture writes none.  Without progress words the timeout in (1) would name
+    rank 1 (the lowest short slot: 5, behind the stuck batch -- without batch 3, slot 10, a token
+    taken and reset) instead of rank 3, and the close would write slots 10..12 too."""
     out = _run_on_stub(tmp_path, PROGRESS_SCRIPT)
     assert out.returncode == 0 and "progress words ok" in out.stdout, out.stdout + out.stderr

@@ -127,7 +127,7 @@ def test_a_transport_that_cannot_settle_names_the_peer_its_streams_wait_for() ->
 def test_an_outgrown_zero_buffer_stays_alive_until_the_group_closes() -> None:
     """Prepared copy lists keep the zero buffer's *address* (padding copied from it on the copy
     queue, where torch's allocator does not see the use): growing the buffer must not free
-    the old one while the group lives (found by review, session 17)."""
+    the old one while the group lives."""
     import weakref
 
     import tide_triton as tt

@@ -564,9 +564,9 @@ def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() ->
 # ---- 9b. a peer's abort names the call it abandoned, and ends a wait on that call at once -
 def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals() -> None:
     """A rank that refused call #3 (bad arguments) and then, its group broken by its next call,
-    refused #5 ("broken"): a peer explaining its wait on #3 reads the refusal of #3 -- before,
-    the store held only the latest abort, so the peer reported "abandoned call #5: its group is
-    broken" (seen on the GPU, session 18) instead of the argument error that caused it."""
+    refused #5 ("broken"): a peer explaining its wait on #3 reads the refusal of #3 -- a store
+    holding only the latest abort would report "abandoned call #5: its group is broken"
+    instead of the argument error that caused it."""
     from tide_triton.bootstrap import Exchange, LocalKeyValue
     from tide_triton.calls import CallIdentity
     from tide_triton.errors import PeerAbortedError
@@ -584,7 +584,7 @@ def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals()
 
     # synchronize()'s poll: raises for a peer's abort of a call this rank did not fail (its
     # GPU work waits for that peer), never for one this rank refused too (nothing enqueued) --
-    # and an earlier such refusal does not hide a later abort (found by review)
+    # and an earlier such refusal does not hide a later abort
     g = object.__new__(CallIdentity)
     g.rank, g.world_size, g._seq, g._failed_calls, g._keys, g._broken = 0, 2, 300, (), {}, None
     g._exchange = Exchange(kv, "h/", 0, 2)
@@ -684,10 +684,10 @@ def _interrupted_by_a_signal(rank: int, W: int) -> dict:
 
 def test_an_interrupted_call_breaks_the_group_and_its_next_call_never_pairs() -> None:
     """A KeyboardInterrupt inside a collective (a script that catches Ctrl-C and checkpoints
-    goes on calling) used to neither publish an abort nor break the group (only ``Exception``
-    was handled): rank 0's next reduce-scatter reused the interrupted call's flags and summed
-    rank 1's stale slot -- 1200 where 3000 was due, no error (found by review, session 17).
-    Now the interrupt propagates, the group breaks, and the peer learns it by name."""
+    goes on calling) must publish an abort and break the group (handling only ``Exception``
+    would not): else rank 0's next reduce-scatter reuses the interrupted call's flags and sums
+    rank 1's stale slot -- 1200 where 3000 is due, no error.  The interrupt propagates, the
+    group breaks, and the peer learns it by name."""
     out = run_multiprocess(_interrupted_by_a_signal, 2, timeout=120)
     r0, r1 = out
     assert r0["call2"][0] == "KeyboardInterrupt", r0
@@ -716,8 +716,8 @@ def test_group_options_that_differ_between_ranks_raise_at_creation(name: str) ->
     """``tt.init(ring_bytes=...)`` with another value on one rank: the heap layout, the ring
     plan and the flag map are each rank's own reading of the options, so the ranks read each
     other's data at the wrong places -- an all-gather returned zeros, a reduce-scatter wrong
-    sums on one rank, no error (found by review, session 17).  Now every rank raises at
-    creation, naming the option and both values."""
+    sums on one rank, no error.  So every rank raises at creation, naming the option and
+    both values."""
     out = run_multiprocess(_options_differ, 2, name, timeout=120)
     for r, o in enumerate(out):
         assert o.startswith(f"ValueError: ranks disagree on the group option {name} (rank 0: "), (r, o)
@@ -726,10 +726,10 @@ def test_group_options_that_differ_between_ranks_raise_at_creation(name: str) ->
 # ---- 13. a tensor whose storage was freed --------------------------------------------------
 def test_a_freed_parameter_storage_is_refused_naming_it_on_every_rank() -> None:
     """FSDP2 frees unsharded parameters with ``untyped_storage().resize_(0)``: shape, dtype and
-    contiguity stay, the address becomes 0.  Such a parameter passed every check and the
-    all-gather copied to address 0 -- the process died (SIGSEGV) and its peer only timed out
-    (found by review, session 17).  Now the rank raises ValueError naming ``params[0]``, its
-    peer an error naming it, and the next call on allocated storage is exact."""
+    contiguity stay, the address becomes 0.  Without a storage check such a parameter passes
+    and the all-gather copies to address 0 -- the process dies (SIGSEGV) and its peer only
+    times out.  The rank raises ValueError naming ``params[0]``, its peer an error naming it,
+    and the next call on allocated storage is exact."""
     import tide_triton as tt
 
     try:
@@ -762,8 +762,8 @@ def test_a_freed_parameter_storage_is_refused_naming_it_on_every_rank() -> None:
 # ---- 14. outputs that share bytes ------------------------------------------------------------
 def test_outputs_that_overlap_are_refused_naming_both() -> None:
     """One tensor passed as two shards (or two params) received both parameters' rows: 23
-    where 3 was due for the first, no error (found by review, session 17).  Now the rank
-    raises ValueError naming both outputs, its peer an error naming it."""
+    where 3 was due for the first, no error, without the check.  The rank raises ValueError
+    naming both outputs, its peer an error naming it."""
     import tide_triton as tt
 
     W, shapes = 2, [(8, 4), (8, 4)]
@@ -776,7 +776,7 @@ def test_outputs_that_overlap_are_refused_naming_both() -> None:
         shards = [torch.full(s, float(r + 1 + 10 * i)) for i, s in enumerate(layout.shard_shapes(r))]
         both = torch.zeros(8, 4)
         ag = _outcome(lambda: tt.all_gather(shards, [both, both.view(8, 4)], group=groups[r]), "cpu")
-        # prepared: the first set of addresses is bound at preparation (found by a later review)
+        # prepared: the first set of addresses is bound at preparation, and checked there
         prep = _outcome(lambda: tt.prepare_all_gather(shards, [both, both.view(8, 4)], group=groups[r])
                         and None, "cpu")
         return rs, ag, prep

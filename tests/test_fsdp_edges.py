@@ -1,4 +1,4 @@
-"""FSDP2 uses the drop-in mishandled without an error (found by review, session 17), each run
+"""FSDP2 uses of the drop-in that would go wrong without an error, each run
 on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2:
 
 1. Slot-Reuse with two groups of one heap slot unsharded by ``unshard(async_op=True)``
@@ -172,8 +172,8 @@ def _split_decision(rank: int, world: int) -> str:
 def test_ranks_that_would_take_different_paths_raise_in_enable() -> None:
     """4. The tide-or-stock decision is each rank's own reading; one rank on stock FSDP2
     against tide_triton on the others paired nothing: a timeout naming nobody useful on one
-    side, a wait in the process group's collective on the other (found by review, session
-    17).  Now ``enable`` agrees the decisions and raises on every rank, naming both."""
+    side, a wait in the process group's collective on the other.  So ``enable`` agrees the
+    decisions and raises on every rank, naming both."""
     for rank, out in enumerate(run_multiprocess(_split_decision, W, timeout=120)):
         assert out.startswith("RuntimeError: enable: ") and "on rank 0 and stock FSDP2's on rank 1" in out, (rank, out)
         assert "torch build not served here" in out, (rank, out)
@@ -191,8 +191,8 @@ def _other_modules(rank: int, world: int) -> str:
 def test_ranks_running_other_same_shaped_modules_raise_naming_both() -> None:
     """5. Rank 0 runs only ``layers.0``, rank 1 only ``layers.1`` (same shapes: conditional
     blocks, experts): their all-gathers paired -- each layer computed with the other's rows,
-    no error (stock FSDP2 does the same; found by review, session 17).  The drop-in's calls
-    now carry their module's name in the signature: every rank raises, naming both."""
+    no error (stock FSDP2 does the same).  The drop-in's calls carry their module's name in
+    the signature: every rank raises, naming both."""
     for rank, out in enumerate(run_multiprocess(_other_modules, W, timeout=120)):
         assert out.startswith("ArgumentMismatchError") and "layers.0" in out and "layers.1" in out, (rank, out)
 

@@ -6,9 +6,9 @@ all-gather's ``params_region`` path); after each collective every byte outside t
 must still hold the sentinel, and the results must be the contract's.  Over padded and
 unpadded shards and parameters, a copy and a cast, W = 2 and 3, the block path and the
 region path of the all-gather, ring- and region-staged reduce-scatters, one node and
-declared nodes; processes, on the CPU and (where present) the GPU.  Found by review:
-``params_region`` wrote a padded shard's padding past the end of an unpadded parameter
-(session 8).
+declared nodes; processes, on the CPU and (where present) the GPU.  A padded shard's padding
+staged past the end of an unpadded parameter shows here on the CPU, where the copies run in
+list order and would otherwise hide it.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 the ordering a GPU has -- copies, signals and waits of the copy queue run later, in order, on
 a worker thread, while the compute stream's work (kernels, the host) runs at once.  A race
 between the two that the synchronous host transport hides shows here: the prepared
-all-gather's cast overwriting its block while a slow peer still read the previous run (found
-on the H200 in session 11) fails here deterministically without the fix and passes with it.
+all-gather's cast overwriting its block while a slow peer still reads the previous run (as on
+a GPU) fails here deterministically without the block-free wait and passes with it.
 Also run this way: the contract scenarios, the prepared collectives' exactness tests and the
 FSDP2 drop-in (Slot-Reuse, prepared mode, declared nodes)."""
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_all_gathers_back_to_back_with_a_slow_peer(monkeypatch, prepared: bool) 
 
 def test_the_queue_shows_the_race_the_block_free_wait_prevents(monkeypatch) -> None:
     """The harness can fail: without the prepared all-gather's wait for its block's previous
-    run (what programs.py had before session 11), the slow peer reads the next run's values."""
+    run, the slow peer reads the next run's values."""
     import tide_triton.programs as programs
 
     monkeypatch.setattr(programs.PreparedAllGather, "_block_free", lambda self: [None])

@@ -216,7 +216,7 @@ def _planned_and_unplanned(rank: int, world_size: int, W: int, device: str) -> d
     def run(plan_fn):
         node_prepare.plan_copies = plan_fn
         # On the GPU a stuck wait must end in an error naming the rank well inside the test
-        # timeout of bench/gpu_tests.sh (session 8: this variant never finished there).
+        # timeout of bench/gpu_tests.sh.
         groups = tt.local_groups(W, timeout_s=20 if dev.type == "cuda" else 60, ring_bytes=4096 * W,
                                  devices=[dev] * W if dev.type == "cuda" else None)
 
@@ -291,8 +291,8 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str) -> Non
 def test_a_step_of_many_modules_prepares_nothing_the_second_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """An FSDP2 step all-gathers and reduce-scatters every module once (the drop-in keeps one
     group for all of them): from the second step on, every call must find its preparation
-    cached.  With the cache kept too small (8 entries, before session 7) a step of more
-    than a few modules evicted each entry before its next use and re-prepared every call."""
+    cached.  With the cache too small (8 entries) a step of more than a few modules would
+    evict each entry before its next use and re-prepare every call."""
     import tide_triton as tt
 
     W, modules = 2, 12  # 3 cache entries per module and step
@@ -345,7 +345,8 @@ def test_argument_checks_hold_no_object_per_parameter() -> None:
     """The checks of a call (full tensors, shards, the layout lookup) make each tensor's shape
     object one at a time: with a shape per parameter alive at once, every ~700 parameters
     started a garbage-collector pass -- 4 per all-gather of the 256-expert layer, and now and
-    then a full pass of ~70 ms over the whole process inside one call (session 9)."""
+    then a full pass of ~70 ms over the whole process inside one call
+    (docs/constraints.md#garbage-collector-passes)."""
     from tide_triton._checks import check_gather_shards, check_shapes
 
     W, me = 2, 0

@@ -147,8 +147,8 @@ def _row(shape: tuple) -> int:
 def test_a_kernel_push_waits_for_tables_uploaded_on_another_stream() -> None:
     """A collective prepared on one stream and run on another (``run(stream=...)``): the copy
     queue is fenced from the run's stream only, so the push kernel must wait for its tables'
-    upload there itself (found by review, session 21: it skipped that wait, and a busy upload
-    stream would have let it read unwritten tables); on the upload stream the fence orders it
+    upload there itself (without that wait a busy upload stream lets it read unwritten
+    tables); on the upload stream the fence orders it
     already.  Never ``record_stream`` on the copy queue's stream (the transport's own), always
     kept for the run's stream."""
     calls: dict = {}

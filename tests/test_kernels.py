@@ -940,7 +940,7 @@ class _FakeKernel:
 
 
 def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
-    """Found by review in session 22.  A program's tile table goes up once, on the stream
+    """A program's tile table goes up once, on the stream
     current at its first binding; a later binding of it (rebound to new gradients, or made by
     another group: programs are shared) uploads its pointer tables on another stream.  A launch
     on that pointer-upload stream skipped every wait, so the kernel could read tile rows not yet
@@ -996,7 +996,7 @@ def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
 
 
 def test_a_pointer_table_cache_hit_keeps_the_stream_its_tables_went_up_on(monkeypatch) -> None:
-    """Found by review in session 23, the same class as the tile table's: a program's pointer
+    """The same class as the tile table's: a program's pointer
     tables are cached by address, and a binding made on a cache hit took the current stream for
     their home.  Bound on B (tile table up there), then on busy A for addresses X1 (X1's table
     goes up on A), then on B again for X1: the launch on B must wait for A's upload and keep

@@ -645,11 +645,10 @@ def _other_stream_child(rank: int, world_size: int, device: str) -> list:
 @pytest.mark.multiproc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_pushes_prepared_on_a_busy_stream_and_run_on_another() -> None:
-    """Found by review in session 21.  The push kernel skipped the
-    wait for its tables' upload, which the copy queue's fence covers only where the run's
-    stream is the upload stream; here the upload stream is busy and the run goes on another,
-    so without the wait the kernel read unwritten tables.  The run must be exact and equal
-    the eager call bit for bit.  Without the wait both ranks abort (H100, session 22)."""
+    """The push kernel waits for its tables' upload, which the copy queue's fence covers only
+    where the run's stream is the upload stream; here the upload stream is busy and the run
+    goes on another, so without the wait the kernel reads unwritten tables (both ranks abort
+    on an H100).  The run must be exact and equal the eager call bit for bit."""
     world = 2
     out = _spawn(_other_stream_child, world, "cuda", TIDE_TEST_RS_PUSH="kernel")
     layout = ShardLayout(SHAPES, world)
@@ -1089,7 +1088,7 @@ def test_a_run_on_another_stream_than_the_last_waits_for_it() -> None:
     """Every run of a prepared collective uses one token, taken on the compute stream: a run
     after an ``async_op=True`` one (on the group's side stream) must wait for that stream, or
     its waits take the tokens the peers pushed for the first run (a hang or the other run's
-    sums; H200, session 18).  Runs on one stream add no wait; a capture adds none."""
+    sums).  Runs on one stream add no wait; a capture adds none."""
     import types
 
     from tide_triton.programs import PreparedReduceScatter

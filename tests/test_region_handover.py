@@ -69,7 +69,7 @@ def test_a_refused_staged_call_does_not_let_the_next_writers_in_early(world_size
     """A ``vacate()`` whose staged reduce-scatter was refused (agreed argument error; the
     group stays usable) left the hand-over epochs one apart: the next staging's wait was met
     by the stale hand-over and the peers wrote into the owner's copy while it still used it
-    (no error).  Failed before the mend in ``HeapRegion._begin_staging``."""
+    (no error); ``HeapRegion._begin_staging`` keeps them paired."""
     out = run_multiprocess(_handover_after_a_refused_call, world_size, 1.5, timeout=120)
     for r, res in enumerate(out):
         assert res["refused"] != "no error", (r, res)
@@ -127,7 +127,7 @@ def test_disabling_one_group_of_a_shared_slot_keeps_the_others_storage_a_slot() 
     """Blocks 0 and 2 share a pool slot and lay out alike, so their views have the same
     storage addresses; ``disable(layers[0])`` (``slots.unbind``) dropped those addresses from
     the slot registry, and block 2's next reshard went to FSDP2's ``resize_(0)`` of heap
-    storage ("not resizable").  Failed before the mend in ``slots.unbind``."""
+    storage ("not resizable"); ``slots.unbind`` keeps the other groups' addresses."""
     out = run_multiprocess(_disable_one_block_of_a_shared_slot, 2, timeout=300)
     for r, res in enumerate(out):
         assert res["keys"][0] == res["keys"][2] != res["keys"][1], res["keys"]
@@ -148,7 +148,7 @@ def _empty_parameter_in_a_slot(rank: int, W: int) -> int:
         pass
 
     g = tt.init(timeout_s=30)
-    region = g.heap_region("review:slot", 4096, "cpu")
+    region = g.heap_region("test:slot", 4096, "cpu")
     params = []
     for shape in ((3, 2), (0,)):  # an empty parameter: its view is empty, at no heap address
         fp = _Obj()
@@ -177,8 +177,7 @@ def test_an_empty_parameter_in_a_slot_does_not_claim_freed_stock_storage() -> No
     """An empty parameter's slot view is ``torch.empty(0)`` (storage address 0), the address a
     storage freed by FSDP2's ``resize_(0)`` has too: registered as heap storage, every freed
     stock storage (a group on the stock path) looked like a slot, and ``alloc_storage``
-    skipped it -- the unsharded parameter stayed 0 bytes.  Failed before the mend in
-    ``slots._bind``."""
+    skipped it -- the unsharded parameter stayed 0 bytes; ``slots._bind`` registers none."""
     assert run_multiprocess(_empty_parameter_in_a_slot, 2, timeout=120) == [40, 40]
 
 
@@ -216,8 +215,8 @@ def _enable_fails_at_a_later_slot(rank: int, W: int) -> dict:
 @pytest.mark.multiproc
 def test_a_failed_slot_reuse_enable_gives_back_the_slots_it_made() -> None:
     """``enable(slot_reuse=True)`` that fails at a later slot (the heap cannot grow) put the
-    groups back on stock FSDP2 but left the slots made before mapped for the group's life.
-    Failed before the mend in ``slots.assign_slots``."""
+    groups back on stock FSDP2; ``slots.assign_slots`` must also release the slots it made
+    before, or they stay mapped for the group's life."""
     out = run_multiprocess(_enable_fails_at_a_later_slot, 2, timeout=120)
     for r, res in enumerate(out):
         assert "reservation" in res["error"] and not res["enabled"], (r, res)

@@ -448,8 +448,8 @@ def _missing_rank_child(rank: int, world_size: int) -> tuple | None:
 def test_a_timeout_names_the_missing_rank_not_one_whose_token_wait_passed_on_gpu(mode: str) -> None:
     """Three ranks; rank 2 misses an all-gather.  Ranks 0 and 1 get PeerTimeoutError naming rank
     2 -- not the peer of a finished reduce-scatter token wait whose word its reader reset to 0,
-    which reads "short" from the host until its stream is idle (session 20's progress words tell
-    them apart; before, both named each other: rank 0 rank 1, rank 1 rank 0).  ``off``: eager
+    which reads "short" from the host until its stream is idle (progress words tell them apart;
+    without them both name each other: rank 0 rank 1, rank 1 rank 0).  ``off``: eager
     runs, their waits on the copy stream; ``auto``: replayed recordings, their waits noted on the
     caller's stream with the recordings' own progress words."""
     out = _spawn(_missing_rank_child, 3, TIDE_TRITON_RUN_GRAPHS=mode)
@@ -502,8 +502,8 @@ def test_a_replay_on_the_side_stream_ends_before_the_next_run_on_another_stream(
     """A recorded reduce-scatter replayed with ``async_op=True`` runs on the group's side
     stream and forks its copies from it, not from the copy queue.  Before the fix the next
     prepared run, on the caller's stream, was ordered only behind the copy queue -- not behind
-    that replay -- and could push into a peer's ring slot the replay's sums still read (found
-    by review, session 17).  Every round's sums exact."""
+    that replay -- and could push into a peer's ring slot the replay's sums still read.  Every
+    round's sums exact."""
     out = _spawn(_async_then_sync_child, 2, 12)
     for r, (recorded, wrong) in enumerate(out):
         assert recorded, f"rank {r}: the second runs were not recorded"
@@ -675,11 +675,11 @@ def _evicted_under_replay_child(rank: int, world_size: int, rounds: int) -> list
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_binding_evicted_while_its_replay_waits_on_the_side_stream_keeps_its_tables() -> None:
     """An ``async_op=True`` replay (side stream, held back by a sleep) followed at once by a
-    run on new addresses that evicts the replayed binding: every round exact.  Before
-    session 18's ``_Prepared._follow`` the second run's waits, on the caller's stream, took
-    the peers' tokens for the first and the ranks hung (this test, on the H200).  The replay
-    also records its stream on the evicted binding's tables (``Binding.keep_tables_for``,
-    found by review in session 17); with that switched off this test still passed on the
+    run on new addresses that evicts the replayed binding: every round exact.  Without
+    ``_Prepared._follow`` the second run's waits, on the caller's stream, take the peers'
+    tokens for the first and the ranks hang (this test, on the H200).  The replay also
+    records its stream on the evicted binding's tables (``Binding.keep_tables_for``); with
+    that switched off this test still passed on the
     H200 (the allocator did not hand those blocks out in time), so the tables' part is
     checked by ``test_kernels.py::test_a_replay_keeps_the_tables_for_its_stream``."""
     out = _spawn(_evicted_under_replay_child, 2, 6, TIDE_TRITON_RUN_GRAPHS="all")

@@ -59,8 +59,8 @@ def _free_bytes() -> int:
 def _own_used_bytes() -> int | None:
     """Device memory this process holds on GPU 0 (NVML's per-process count), or None where
     NVML is missing: other processes' allocations (xdist workers beside this one) then do not
-    count as this process's loss, as they did in the device-wide free bytes (session 10: a
-    neighbour's 5 GB "lost" here)."""
+    count as this process's loss, as they would in the device-wide free bytes (a neighbour's
+    5 GB "lost" here)."""
     try:
         import pynvml
     except ImportError:
@@ -570,8 +570,8 @@ def test_local_copies_over_adjacent_allocations_are_cut_and_exact(group4):
     destination spans two cuMemAlloc allocations (bench/strided_capture_probe.py).  Eight
     4 MiB tensors fill the caching allocator's 20 MiB segments five at a time: a strided run
     over the eight tensors' second halves, and one copy over two neighbours at a segment's
-    seam, are cut where the segment ends -- exact, eagerly and replayed from a graph (before:
-    CUDA_ERROR_INVALID_VALUE, seen in a recorded reduce-scatter, session 18)."""
+    seam, are cut where the segment ends -- exact, eagerly and replayed from a graph (uncut:
+    CUDA_ERROR_INVALID_VALUE, docs/constraints.md#no-copy-spans-two-allocations)."""
     from cuda.bindings import driver as cu
 
     def base(p):

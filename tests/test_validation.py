@@ -533,7 +533,7 @@ def test_binding_tensor_counts() -> None:
 def test_tensors_on_another_gpu_than_the_groups_are_refused_naming_both() -> None:
     """One process per rank: a group's CUDA transport (heap, streams, context) is the GPU of
     its first CUDA call; a later call with tensors on another GPU reused it with no error
-    naming the argument (found by review, session 17).  Stand-in transport: no GPU needed."""
+    naming the argument.  Stand-in transport: no GPU needed."""
     import types
 
     import tide_triton as tt

@@ -1,4 +1,4 @@
-"""Review of the cross-node path (declared nodes): regressions for what the review found.
+"""The cross-node path (declared nodes) when a rank fails, is late, or calls something else.
 
 * A rank whose cross-node call fails publishes its abort; its rail peers waiting in the host
   inter-node hop (``HostInterNode.sendrecv``) must raise it within a poll, as every other host
@@ -259,10 +259,10 @@ def test_a_host_hop_blocked_on_its_wire_slot_names_the_rank_holding_it() -> None
 
 
 def test_cross_node_calls_that_differ_raise_at_the_next_call_where_no_flag_reaches_the_rail(monkeypatch):
-    """Review finding (high): on CUDA a cross-node call's identity was checked with node peers
-    only (flag words); the rail peers' only link is the NCCL hop, and under ``agree="first"``
-    (no exchange for signatures agreed before) two nodes making different collectives as the
-    same call paired them -- wrong sums, no error.  Now each call posts its identity and
+    """On CUDA flag words reach node peers only; the rail peers' only link is the NCCL hop, and
+    under ``agree="first"`` (no exchange for signatures agreed before) two nodes making
+    different collectives as the same call would pair them -- wrong sums, no error.  Each call
+    posts its identity and
     checks the rail peers' of the previous such call: both ranks raise at the next call.
     Here on the host, with its rail flag check taken away as on CUDA (two nodes of one rank)."""
     import tide_triton as tt
@@ -309,8 +309,8 @@ def test_cross_node_calls_that_differ_raise_at_the_next_call_where_no_flag_reach
 
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_broken_group_closes_its_nccl_hop_with_the_short_drain(broken: bool) -> None:
-    """Review finding: ``Group.close`` gives a broken group's transports a 3 s drain (their
-    work may wait forever on peers), but closed the cross-node hop with its default 30 s."""
+    """``Group.close`` gives a broken group's transports a 3 s drain (their work may wait
+    forever on peers), the cross-node hop included -- not its default 30 s."""
     import tide_triton as tt
     from tide_triton.group import _BROKEN_DRAIN_S
     from tide_triton.hier_collectives import _State

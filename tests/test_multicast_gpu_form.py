@@ -1,8 +1,8 @@
-"""Review of the NVSwitch multicast path: its GPU form (``multicast_exec.path`` -> ``_create`` ->
+"""The NVSwitch multicast path's GPU form (``multicast_exec.path`` -> ``_create`` ->
 ``GpuMulticast`` -> the multimem launchers) driven on CPU against the fake driver, the kernels
 replaced by their torch references (tests/fake_multicast.py), and the object's agreement.
 
-Each test names the finding it pins.  Nothing here creates a real multicast object or launches
+Each test names the behaviour it pins.  Nothing here creates a real multicast object or launches
 a kernel (docs/multicast.md)."""
 from __future__ import annotations
 
@@ -386,10 +386,10 @@ class _SharedBuffers:
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
 def test_the_multicast_branches_check_their_tensors_like_the_copy_engine_path(collective, monkeypatch):
-    """Finding (review A): the collectives' multicast branches skipped the checks the
-    copy-engine path runs on a new set of addresses -- two shards over the same bytes summed
-    into each other without an error, a shard over parameter bytes sent rows another chunk had
-    overwritten.  Now every rank raises, naming the argument, before anything moves."""
+    """The collectives' multicast branches run the checks the copy-engine path runs on a new
+    set of addresses -- without them two shards over the same bytes sum into each other without
+    an error, a shard over parameter bytes sends rows another chunk overwrote.  Every rank
+    raises, naming the argument, before anything moves."""
     import tide_triton as tt
     from tide_triton import collectives
 
@@ -432,9 +432,9 @@ def test_the_multicast_branches_check_their_tensors_like_the_copy_engine_path(co
 
 
 def test_ranks_sharing_a_gpu_do_not_take_the_multicast_path():
-    """Review finding C: two ranks on one GPU passed the guard (every fact was per rank), and
-    ``cuMulticastAddDevice`` then failed on every rank -- ``"auto"`` raised instead of falling
-    back.  The guard now compares the ranks' GPU identifiers."""
+    """Two ranks on one GPU pass every per-rank fact of the guard, and ``cuMulticastAddDevice``
+    then fails on every rank: the guard compares the ranks' GPU identifiers, so ``"auto"``
+    falls back instead of raising."""
     from tide_triton.transport.multicast import RankFacts, multicast_allowed, resolve_multicast
 
     apart = [RankFacts("auto", True, None, "gpu-a"), RankFacts("auto", True, None, "gpu-b")]
