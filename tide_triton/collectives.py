@@ -114,7 +114,8 @@ def _layout_of(tensors: list[torch.Tensor], world: int) -> ShardLayout:
     dim count, then every size flattened): no object per tensor stays alive during the call.
     A shape object per parameter held at once started a garbage-collector pass every ~700
     parameters -- 4 passes per all-gather of the 256-expert layer, and now and then a full
-    pass of ~70 ms over every object of the process inside one call (session 9)."""
+    pass of ~70 ms over every object of the process inside one call
+    (docs/constraints.md#garbage-collector-passes)."""
     return _layout(tuple(map(torch.Tensor.dim, tensors)),
                    tuple(chain.from_iterable(map(torch.Tensor.size, tensors))), world)
 

@@ -1,7 +1,8 @@
 """Driver calls that wait for every stream of the process, and the one rule around them.
 
-Measured on the H200 (driver 580, CUDA 13.0; ``python bench/blocking_probe.py``,
-docs/benchmarks.md "Session 17"): while a stream of the process's context waits for a flag,
+Measured on the H200 (driver 580, CUDA 13.0;
+docs/constraints.md#driver-calls-that-wait-for-a-stream-waiting-on-a-flag): while a stream of
+the process's context waits for a flag,
 
 * ``cuModuleLoadData`` -- every Triton kernel variant's first load --, ``cuModuleUnload``,
   ``cuMemFree`` and ``cuMemFreeHost`` do not return until that stream has passed its wait;

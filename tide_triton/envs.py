@@ -42,13 +42,13 @@ Variables of the package
     Which prepared collectives replay an eager-launched run as one recorded graph (a CUDA
     graph on a GPU, a host graph on the host transport), from the second run on a set of
     addresses (a one-off set never pays the recording): ``auto`` (default) and ``all``:
-    all-gathers and reduce-scatters; ``all-gathers``: those only (session 14's default);
+    all-gathers and reduce-scatters; ``all-gathers``: those only;
     ``off``: none, every run enqueues its operations.  Read when a collective is prepared.
     On a GPU driven by several ranks of one process (the single-process mode) ``auto`` is
     ``off``: instantiating a recording while peers' streams waited deadlocked the process
     there (``graphs_in_process``).
-    (:mod:`tide_triton.run_graph`; the measurements behind the default: docs/benchmarks.md,
-    "Session 15")
+    (:mod:`tide_triton.run_graph`; the measurements behind the default:
+    docs/benchmarks.md#recorded-against-op-by-op)
 ``TIDE_TRITON_MEMOP_BATCH``
     Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
     ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
@@ -199,7 +199,8 @@ def graphs_in_process(name: str, value: str, ranks_in_process: int) -> str:
     middle of the ranks' calls, while peers' streams wait for this rank's next flags; on the
     H200 (driver 580) that stopped every rank thread inside driver calls -- ``cuGraphInstantiate``,
     ``capture_end``, ``cuEventRecord``, flag reads -- where no deadline can fire (copy graphs at
-    W=4, recordings at W=8; docs/benchmarks.md "Session 16").  One rank per process: ``value``."""
+    W=4, recordings at W=8; docs/constraints.md#graphs-made-while-peers-wait).  One rank per
+    process: ``value``."""
     if ranks_in_process <= 1 or value == "off":
         return value
     if value == "auto":

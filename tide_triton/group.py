@@ -65,7 +65,7 @@ _PREPARED_KEEP = 512
 uses every one of its combinations once -- the FSDP2 drop-in's one group serves every
 module, about three entries per module and step (all-gather pulls, its staging, the
 reduce-scatter) -- so the cache must hold a whole step (512: ~170 modules) or each entry is
-evicted before its next use and every call prepares again (it did with 8, up to session 7).
+evicted before its next use and every call prepares again (as with 8 entries).
 An entry is copy plans on the host and kernel bindings whose pointer tables are device memory:
 ~50 KiB for a Qwen3-30B-A3B layer's reduce-scatter at W=8 (8 chunks x (393 + 8 x ~50)
 addresses), so at most ~25 MiB if every entry were one of those."""
@@ -689,7 +689,8 @@ def _enough_hardware_queues(streams: int) -> None:
     when the other is the peer that would release it, the ranks deadlock.  Raise the
     limit (read when the CUDA context is created) to what the ranks need (at most 32), if
     still possible -- not beyond: queues cost the GPU's capacity for contexts of all
-    processes (H200: 62 contexts at 8 queues each, 9 at 32; bench/context_limit.py)."""
+    processes (H200: 62 contexts at 8 queues each, 9 at 32;
+    docs/constraints.md#contexts-per-gpu-and-hardware-queues)."""
     if not torch.cuda.is_available():
         return
     want = min(max(streams, 8), _MOST_CONNECTIONS)
@@ -723,9 +724,9 @@ def _lazy_loading_problem(world_size: int, lazy: bool) -> str | None:
     can synchronize the whole CUDA context.  One process driving several ranks then
     deadlocks when one rank's thread launches a kernel for the first time (``Tensor.to``,
     ``torch.full`` ...) while another rank's stream waits for a flag that rank will only set
-    later: seen on an H200 (session 10), 3 of 3 runs of the planned-collectives test under
-    load with ``LAZY`` (both ranks' threads stopped in ``Tensor.to``), 3 of 3 passed with
-    ``EAGER``.  The driver reads ``CUDA_MODULE_LOADING`` once, at ``cuInit`` -- which
+    later: seen on an H200, 3 of 3 runs of the planned-collectives test under load with
+    ``LAZY`` (both ranks' threads stopped in ``Tensor.to``), 3 of 3 passed with ``EAGER``
+    (docs/constraints.md#lazy-module-loading).  The driver reads ``CUDA_MODULE_LOADING`` once, at ``cuInit`` -- which
     ``torch.cuda.is_available()`` already calls (checked on the H200: set after it, the
     driver still loads lazily) -- so the library cannot switch it; the process must."""
     if world_size < 2 or not lazy:
@@ -827,7 +828,8 @@ def _open_groups_newest_first() -> "list[Group]":
     communicators, which their other members must destroy in the same order (a window
     deregistration and the destroy wait for them): ``_ALL`` iterates by address, which
     differs between processes -- two ranks closing two communicators in opposite orders
-    hung in ``ncclCommDestroy`` (session 12).  Groups are created collectively, so the
+    hung in ``ncclCommDestroy`` (docs/constraints.md#communicators-close-in-one-order).  Groups
+    are created collectively, so the
     creation order is the same on every member."""
     return sorted(_ALL, key=lambda g: g._opened, reverse=True)
 

@@ -47,8 +47,8 @@ than this (a piece: one gradient's rows for one peer) moves them with one kernel
 instead of a copy descriptor each.  On new, scattered gradient addresses (FSDP2's MoE
 layers every step) each descriptor costs the host ~5 us in ``cuMemcpyBatchAsync`` on the
 H200, and more than ~1,000 queued behind a flag wait block the enqueuing thread, so the
-pacer let the host only one or two rounds ahead (session 21,
-``bench/queue_depth_probe.py``); the Llama layers' 9 parameters stay on the copy engines."""
+pacer let the host only one or two rounds ahead (docs/constraints.md#queued-work-per-stream);
+the Llama layers' 9 parameters stay on the copy engines."""
 
 
 @lru_cache(maxsize=256)

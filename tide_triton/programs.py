@@ -355,7 +355,7 @@ class _Prepared:
         "ready" tokens on the compute stream: a run with ``async_op=True`` (its waits on the
         group's side stream) followed by a run on the caller's stream had the second run's
         waits take the tokens the peers pushed for the first -- sums of the wrong run, or a
-        wait that never ends (found on the H200, session 18).  The copy queue's side was
+        wait that never ends (seen on the H200).  The copy queue's side was
         ordered already (:meth:`_replay`, the eager run's fences).  A capture is ordered by
         its replay's stream, not here."""
         if captured or self.device.type != "cuda":

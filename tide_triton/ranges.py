@@ -2,7 +2,7 @@
 
 A driver call made through cuda-python (a copy graph's capture or destruction, a batched copy)
 is not in a torch trace, and a host wait shows there only as a gap inside the caller's range
-(session 12: 250 ms of an FSDP2 reduce-scatter hook with no traced op inside).  The stretches
+(on the H200: 250 ms of an FSDP2 reduce-scatter hook with no traced op inside).  The stretches
 where the host may block or work long -- preparing a collective, pacing, waiting on an event or
 a flag, capturing or destroying a copy graph -- open a ``record_function`` range named
 ``tide_triton::...`` while a profiler records; otherwise they cost one check

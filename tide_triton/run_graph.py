@@ -9,7 +9,7 @@ graph on a GPU (the same captured path a user's ``torch.cuda.graph`` takes,
 those addresses replays it: one ``cudaGraphLaunch`` instead of its flag operations, copies and
 kernel launches one by one (on the H200, ~1-2 ms of host per Qwen3-30B-A3B reduce-scatter at
 W=2).  Which collectives: ``$TIDE_TRITON_RUN_GRAPHS`` -- both kinds by default, all-gathers only
-with ``all-gathers``, none with ``off`` (docs/benchmarks.md, "Session 15": on one GPU every form
+with ``all-gathers``, none with ``off`` (docs/constraints.md#same-gpu-copies-run-on-sms: on one GPU every form
 of a same-GPU copy, eager or recorded, runs on SMs, so recording changes no copy's engine there).
 
 The capture runs in ``thread_local`` mode on a stream of the rank's own (the transport's

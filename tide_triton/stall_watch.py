@@ -5,9 +5,9 @@ Every wait tide_triton makes on a peer has the group's deadline -- but a deadlin
 by Python, between driver calls.  A thread stopped *inside* a driver call never gets back to
 its check: on the H200 (driver 580) rank threads of one process stopped in
 ``cuGraphInstantiate``, ``cuGraphLaunch``, ``cuEventRecord`` and a flag read while other
-ranks' streams waited for them (docs/benchmarks.md, "Session 16"), and the process hung
+ranks' streams waited for them (docs/constraints.md#graphs-made-while-peers-wait), and the process hung
 without a word -- as every driver call of a process does while one of its threads is inside
-a module load that waits for a stream (``bench/blocking_probe.py``; the library settles
+a module load that waits for a stream (docs/constraints.md, the same page; the library settles
 before its own loads: :mod:`tide_triton.device_wide`).  Nothing can interrupt such a call
 from Python.  What this module adds: each collective call and each ``synchronize`` is a
 *section* (rank, what, deadline); one daemon thread of the process looks at the open

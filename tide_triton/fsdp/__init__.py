@@ -87,7 +87,7 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     work per call that does not grow with the parameter count.  Groups of one node without
     Slot-Reuse (the others keep the eager calls).  Tested on the CPU and the H200; off by
     default because it measured no faster there (FSDP2's tensors move between steps, and each
-    new set of addresses costs a full check and bind: docs/benchmarks.md, session 11).
+    new set of addresses costs a full check and bind: docs/fsdp.md, "Prepared collectives in the drop-in").
 
     Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
     stock module's reason is also logged once (logger ``"tide_triton"``).

@@ -71,7 +71,7 @@ class LaunchConfig:
 def launch_config(dst_dtype: torch.dtype, k: int) -> LaunchConfig:
     """Launch settings for a segmented copy/reduce (``k`` sources per element).
 
-    Measured on the H200 (bench/sweep_launch.py, bench/NOTES.md):
+    Measured on the H200 (bench/sweep_launch.py, docs/design.md "Why the kernels look as they do"):
     * copies (k = 1): BLOCK=8192, 16 warps -- same 91-92% of the copy ceiling as 2048/8 on
       Llama-3.1-70B, and 83% vs 75% on Qwen3's W=64 shards (24 Ki-element runs), where
       fewer, larger steps amortise each tile's table reads;

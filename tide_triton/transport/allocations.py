@@ -4,7 +4,7 @@ The driver refuses a copy whose source or destination spans two allocations of
 ``cuMemAlloc`` (the caching allocator's segments): ``CUDA_ERROR_INVALID_VALUE`` for
 ``cuMemcpyAsync``, ``cuMemcpy2DAsync`` and ``cuMemcpy3DAsync`` alike, eager and under stream
 capture -- and a strided run is refused as soon as its rows lie in two allocations, though
-each row lies in one (``bench/strided_capture_probe.py``, H200, driver 580, session 18).  The
+each row lies in one (docs/constraints.md#no-copy-spans-two-allocations).  The
 planner merges copies that are contiguous on both sides and folds equal rows into strided
 runs, over tensors that may come from adjacent segments: eight 4 MiB gradients, five to a
 20 MiB segment, gave a run over two segments, and a recorded reduce-scatter failed.  VMM

@@ -406,7 +406,7 @@ class NcclComm:
             code = self.lib.fn("ncclMemFree")(self._memory.pop())
             if code:
                 log.warning("ncclMemFree failed (ncclResult %d)", code)
-        how = envs.nccl_close()  # diagnostic switch (bench/NOTES.md): destroy | abort | none
+        how = envs.nccl_close()  # diagnostic switch: destroy | abort | none
         if how == "none":
             log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
             return

@@ -96,9 +96,9 @@ SUB_ROWS_BYTES = (64 << 10, 512 << 10)
 sub-rows (the largest power of two in :data:`SUB_ROWS_BYTES` dividing the row and both
 pitches, at most half a row): the driver runs a same-GPU ``cuMemcpy2DAsync`` of wide rows as a
 kernel at ~41% of a contiguous copy's bandwidth, the 3-D form at 59% (64 KiB sub-rows) to 73%
-(512 KiB) -- measured on the H200 for the MoE layers' expert rows (``bench/strided_copy.py``,
-docs/benchmarks.md).  Across GPUs (copy engines over NVLink) the 2-D form stays: the 3-D one
-is unmeasured there."""
+(512 KiB) -- measured on the H200 for the MoE layers' expert rows
+(docs/constraints.md#strided-copies-of-wide-rows).  Across GPUs (copy engines over NVLink)
+the 2-D form stays: the 3-D one is unmeasured there."""
 
 
 def memcpy2d_struct(cu: Any, dst: int, src: int, nbytes: int, rows: int, dst_pitch: int, src_pitch: int) -> Any:
