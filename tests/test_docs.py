@@ -14,8 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", *sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "docs" / "*.md"))),
-        "bench/NOTES.md"]
+DOCS = ["README.md", *sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "docs" / "*.md")))]
 
 
 def _slug(heading: str) -> str:

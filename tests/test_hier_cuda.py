@@ -5,7 +5,7 @@ through NCCL: one-sided ncclPutSignal into landing rings, or grouped ncclSend / 
 tests/test_hier_host.py's, bit
 for bit (integer-valued bf16), with the plans' byte counts per round.
 
-Run on the H200 with NCCL >= 2.30 in place of torch's (bench/NOTES.md) and
+Run on the H200 with NCCL >= 2.30 in place of torch's (docs/benchmarks.md, "NCCL library") and
 ``NCCL_MULTI_RANK_GPU_ENABLE=1``.  Two settings of NCCL's transports: its default (on one GPU
 NCCL picks its intra-node paths) and ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, which sends
 the inter-node hop through NCCL's socket network transport."""
