@@ -52,7 +52,8 @@ import time
 
 # The threads mode's ranks' streams must not share hardware queues (see
 # tide_triton.group._enough_hardware_queues); a process per rank (torchrun) keeps the default:
-# more queues cost the GPU's capacity for contexts (bench/context_limit.py).
+# more queues cost the GPU's capacity for contexts
+# (docs/constraints.md#contexts-per-gpu-and-hardware-queues).
 if "RANK" not in os.environ:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
@@ -670,7 +671,7 @@ def main() -> None:
         args.world_sizes = [dist.get_world_size()]
         lead = dist.get_rank() == 0
     elif args.profile and args.captured:
-        # Measured on the H200 (session 13): the profiler started in one rank thread while the
+        # Seen on the H200: the profiler started in one rank thread while the
         # others replayed their graphs left a rank's GPU work unfinished (a flag wait never met).
         ap.error("--profile with --captured needs one process per rank (torchrun): profiling graph replays "
                  "of the single-process mode's rank threads hung")

@@ -7,7 +7,8 @@
 # ranks on one GPU: give it as NCCL_LIBRARY (see bench/gpu_env.sh).
 #   bash bench/gpu_collectives.sh      (time limits 200 + 300 + 100 s); WORLD_SIZES="2 4 8", MODELS=..., RING=bytes,
 #   RING_SWEEP="67108864 268435456" adds the ring-size rows, SKIP_NCCL=1, SKIP_MEMORY=1.
-# Tables: docs/benchmarks.md "Collectives vs NCCL on FSDP2's path", "Ring size", "Memory".
+# Tables: docs/benchmarks.md "Reduce-scatter and all-gather against NCCL on FSDP2's path", "Ring
+# size", "Memory around one reduce-scatter".
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 log_env

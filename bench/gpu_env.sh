@@ -6,15 +6,15 @@
 # GPUs out of service.  Several ranks may share one GPU (NCCL >= 2.30 with the variable below).
 # CUDA_DEVICE_MAX_CONNECTIONS is not exported: the single-process mode raises it in its own
 # process (tide_triton.local_groups, the benches' threads mode), and a process per rank keeps
-# the default 8 -- at 32 only 9 processes hold a context on an H200 (bench/context_limit.py).
+# the default 8 -- at 32 only 9 processes hold a context on an H200
+# (docs/constraints.md#contexts-per-gpu-and-hardware-queues).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # Every row records the git SHA: from TIDE_GIT_SHA, else from git (a copy without .git: pass it),
-# "+dirty" where the tree differs from that commit (session 21's rows named a commit their
-# uncommitted tree was not).
+# "+dirty" where the tree differs from that commit (so a row never names a commit its tree was not).
 export TIDE_GIT_SHA=${TIDE_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)}
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 

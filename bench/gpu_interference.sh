@@ -8,7 +8,7 @@
 # Then one process per rank (torchrun, RANKS=2 of them, sharing GPU 0 unless SHARE_GPU=0):
 # tide_triton's reduce-scatter and NCCL's on FSDP2's path side by side (NCCL_LIBRARY, see
 # gpu_env.sh: several ranks on one GPU need NCCL >= 2.30).  RANKS=0 skips it.
-# Table: docs/benchmarks.md "GEMM interference".  Rows: $OUT/interference.jsonl.
+# Table: docs/benchmarks.md "Interference with a GEMM".  Rows: $OUT/interference.jsonl.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 log_env

@@ -15,7 +15,8 @@
 #   FSDP_AB=stock: alternating stock FSDP2 / the drop-in with auto instead; FSDP_MODEL=wan2.2-14b
 #   or llama-3.1-70b: another model's blocks, default qwen3-30b-a3b).
 #   Rows: $OUT/rs_push.jsonl, $OUT/interference.jsonl, $OUT/fsdp_step.jsonl.
-# Tables: docs/benchmarks.md "Session 22: kernel pushes on the GPU".
+# Tables: docs/benchmarks.md "Gradients at new addresses every step (MoE)", "Interference with a
+# GEMM" (kernel pushes), "Qwen3-style MoE blocks", "Wan2.2-14B DiT blocks".
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 log_env

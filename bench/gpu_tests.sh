@@ -7,7 +7,7 @@
 #   bash bench/gpu_tests.sh [1|1a|1b|2]   1: the files with CUDA tests (marked gpu / multi_gpu),
 #                                         1a / 1b: every other one of them (on one H200 with 16
 #                                         cores part 1 needs ~600 s: past one call; 1a 86-122 s,
-#                                         1b 200-300 s in sessions 21-22), 2: the others (~95 s);
+#                                         1b 200-300 s), 2: the others (~95 s);
 #                                         default: 1a 1b 2
 #   WORKERS=4 (pytest-xdist, where installed), TEST_TIMEOUT=200 (pytest-timeout, where
 #   installed), PART_LIMIT=540 s, STACKS_AFTER=120 s.  Logs: $OUT/pytest.part<N>.log.

@@ -1,9 +1,9 @@
 """Statement by statement: the host time of a collective's argument checks for one layer.
 
-Session 9's profile of the 256-expert all-gather (one process per rank on the H200) put
-~14 ms per call inside ``collectives._full_and_shards`` -- 0.24 ms on the CPU for the same
-771 tensors; on the CPU a shape object per parameter held at once turned out to start
-garbage-collector passes (fixed since).  This times each step of that function on the
+A profile of the 256-expert all-gather (one process per rank on the H200) once put ~14 ms per
+call inside ``collectives._full_and_shards`` -- 0.24 ms on the CPU for the same 771 tensors:
+a shape object per parameter held at once started garbage-collector passes
+(docs/constraints.md#garbage-collector-passes).  This times each step of that function on the
 device's own tensors, with the collector on and off, so a step that costs shows by name:
     python bench/host_checks.py [--device cuda] [--model synthetic-moe-256e] [--world-size 2]
 Prints a table of medians and means (microseconds per call) over ``--calls`` calls.
@@ -48,7 +48,7 @@ def steps(full: list[torch.Tensor], shards: list[torch.Tensor], world: int) -> d
         "check_tensor_list(full)": lambda: check_tensor_list("params", full),
         "check_tensor_list(shards)": lambda: check_tensor_list("shards", shards, len(full)),
         "check_uniform(full)": lambda: check_uniform("params", full, dtypes=FLOAT_DTYPES),
-        "tuple(map(Tensor.size)) (before session 9)": lambda: tuple(map(torch.Tensor.size, full)),
+        "tuple(map(Tensor.size)) (a shape object each)": lambda: tuple(map(torch.Tensor.size, full)),
         "sizes flattened (the layout key)": lambda: tuple(chain.from_iterable(map(torch.Tensor.size, full))),
         "hash(sizes flattened)": lambda: hash(flat),
         "_layout_of (cached)": lambda: coll._layout_of(full, world),

@@ -6,8 +6,8 @@ the layer's shapes with every dimension divided by ``--scale``
 (the parameter count is what matters).  After ``--warmup`` calls (the first prepares), the
 calling thread's CPU time (``time.thread_time``) per call over ``--calls`` calls, per rank.
 What remains is the per-call Python of the API: argument checks, addresses, cache keys,
-flags -- the floor an eager call cannot go below (docs/benchmarks.md, "Python per call once
-prepared").
+flags -- the floor an eager call cannot go below (docs/benchmarks.md, "Python per call on
+the CPU").
 
     TRITON_INTERPRET=1 python bench/host_path.py [--models llama-3.1-70b qwen3-30b-a3b synthetic-moe-256e]
         [--ops all_gather reduce_scatter] [--agree first|always] [--prepared [unchecked]] [--no-kernels]

@@ -174,6 +174,40 @@ def test_bench_host_path_runs_both_collectives() -> None:
         assert re.search(rf"^\| llama-3\.1-70b \| {op} \| 9 \| \d+ / \d+ \| {gc_cells} \|$", out, re.M), out[-3000:]
 
 
+def _bench_main(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
+    """Run ``bench/<name>.py``'s ``main()`` in this process with ``argv`` (no interpreter
+    start-up per script: these CPU tools take seconds, not the import of torch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    return mod.main()
+
+
+@pytest.mark.parametrize("name, argv, row", [
+    ("wire_precision", ["--numel", "4096", "--nodes", "2"], r"^\| 16 \(2 x 8\) \| [\d.e-]+ / [\d.]+ \|"),
+    ("prepare_cost", ["--models", "llama-3.1-70b", "--world-sizes", "2", "--reps", "2"],
+     r"^\| llama-3\.1-70b \| 2 \| [\d.]+ / [\d.]+ \| [\d.]+ / [\d.]+ \|$"),
+    ("bind_cost", ["--models", "llama-3.1-70b", "--sets", "2", "--scale", "256"],
+     r"^\| llama-3\.1-70b \| 9 \| reduce_scatter prepared \| [\d.]+ \| [\d.]+ \|$"),
+], ids=["wire_precision", "prepare_cost", "bind_cost"])
+def test_bench_cpu_tools_print_their_rows(name: str, argv: list[str], row: str, monkeypatch, capsys) -> None:
+    """The CPU benchmark tools behind docs/benchmarks.md (the wire dtype's accuracy, preparing
+    and binding on new addresses) run and print their table rows."""
+    _bench_main(name, argv, monkeypatch)
+    out = capsys.readouterr().out
+    assert re.search(row, out, re.M), out[-3000:]
+
+
+def test_multicast_check_refuses_without_its_confirmation_flag(monkeypatch, capsys) -> None:
+    """bench/multicast_check.py creates a multicast object only when told this is an NVSwitch
+    system whose multicast may be used (it can take an unhealthy fabric's GPUs out of service)."""
+    assert _bench_main("multicast_check", [], monkeypatch) == 2
+    assert "refusing: pass --i-have-nvswitch-multicast" in capsys.readouterr().err
+
+
 def test_bench_host_checks_times_every_step() -> None:
     """bench/host_checks.py: a row per argument-check step, medians and means for both
     collectives with the garbage collector on and off."""

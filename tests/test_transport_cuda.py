@@ -567,7 +567,7 @@ def test_local_wide_strided_runs_exact_as_3d_sub_rows(group4):
 
 def test_local_copies_over_adjacent_allocations_are_cut_and_exact(group4):
     """The driver refuses a copy (1-D, 2-D or 3-D, eager or captured) whose source or
-    destination spans two cuMemAlloc allocations (bench/strided_capture_probe.py).  Eight
+    destination spans two cuMemAlloc allocations (docs/constraints.md#no-copy-spans-two-allocations).  Eight
     4 MiB tensors fill the caching allocator's 20 MiB segments five at a time: a strided run
     over the eight tensors' second halves, and one copy over two neighbours at a segment's
     seam, are cut where the segment ends -- exact, eagerly and replayed from a graph (uncut:
