@@ -1,5 +1,5 @@
-"""Faults that used to give wrong results without an error, or no deadline (issue: no silent
-wrong results).  Each case below failed on the code before this file existed:
+"""Faults that would give wrong results without an error, or no deadline, unless the library
+checks for them.  Each case below fails without its check:
 
 1. all_gather with another dim 0 on one rank: its last row silently became 0;
 2. agree="first": a call that failed locally on one rank paired with that rank's next call
@@ -705,7 +705,7 @@ def _options_differ(rank: int, W: int, name: str) -> str:
         tt.init(timeout_s=20, **{name: values[rank]})
     except ValueError as e:
         return f"ValueError: {e}"
-    layout = tt.ShardLayout([(8, 4)], W)  # only reached before the fix
+    layout = tt.ShardLayout([(8, 4)], W)  # only reached without the check
     shards = [torch.zeros(s) for s in layout.shard_shapes(rank)]
     return _outcome(lambda: tt.reduce_scatter([torch.ones((8, 4), dtype=torch.bfloat16)], shards, op="sum")
                     and None, "cpu") + f" {shards[0].unique().tolist()}"

@@ -94,7 +94,7 @@ def test_two_pending_unshards_into_one_heap_slot_raise_instead_of_overwriting() 
     for rank, out in enumerate(run_multiprocess(_early_unshards, W, timeout=300)):
         assert out["tide"] == out["stock"] and out["stock"][0] == "ok", (rank, out)
         kind, msg = out["slot"]
-        assert kind == "RuntimeError", (rank, out)  # before the fix: "ok" with another loss
+        assert kind == "RuntimeError", (rank, out)  # unchecked: "ok" with another loss
         assert "layers.2" in msg and "layers.0" in msg and "not yet waited for" in msg, (rank, msg)
 
 

@@ -37,8 +37,8 @@ from tide_triton.transport.base import PeerTimeoutError
 def test_a_rail_peers_abort_ends_the_host_hop_wait_at_once(monkeypatch, queue: str) -> None:
     """2 nodes x 1 rank: rank 1 fails inside its first inter-node exchange (after the call's
     check-in, so it publishes an abort); rank 0, waiting in the hop for rank 1's partial sums,
-    raises ``PeerAbortedError`` naming rank 1 at once -- it used to poll the wire until its
-    own deadline (``timeout_s``), then explain the timeout.  With the host copy queue behind
+    raises ``PeerAbortedError`` naming rank 1 at once -- not after polling the wire until its
+    own deadline (``timeout_s``).  With the host copy queue behind
     the caller (``async``) the check-in put the call's abort watch on the executor's
     stream-bound wrapper, where no host wait reads it: the same, through another door."""
     import tide_triton as tt
@@ -88,7 +88,7 @@ def test_a_rail_peers_abort_ends_the_host_hop_wait_at_once(monkeypatch, queue: s
 def test_synchronize_side_waits_the_executors_stream_whatever_the_device_spelling() -> None:
     """The executor runs on ``g.side_stream(tensors' device)`` (``cuda:0``); ``synchronize``
     hands ``synchronize_side`` the device as the caller spelled it.  ``"cuda"`` (no index)
-    used to look up another side stream -- on a GPU ``own_streams.take`` fails on its missing
+    must not look up another side stream -- on a GPU ``own_streams.take`` fails on its missing
     index with a bare ``TypeError``; with an index-free key it would wait for an idle new
     stream while an ``async_op`` collective still ran on the real one."""
     from tide_triton.hier_collectives import _State, synchronize_side

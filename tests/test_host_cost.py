@@ -262,7 +262,7 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str) -> Non
     the transport fewer descriptors.
 
     On the GPU the W rank threads run in a fresh spawned process with eager module loading.
-    Sessions 8-10 (one H200): under lazy loading the rank threads stopped in ``Tensor.to``
+    On an H200 under lazy loading the rank threads stopped in ``Tensor.to``
     (a kernel's first launch loads its module, which synchronizes the context while the
     ranks' streams wait on each other) -- 3 of 3 runs under load; 3 of 3 passed with
     ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.group._lazy_loading_problem)."""

@@ -190,9 +190,9 @@ def _padding_stays_in_the_shard(rank: int, W: int, kind: str) -> dict:
 @pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shard_padding_is_never_written_past_an_unpadded_parameter(world_size: int, kind: str) -> None:
-    """Before the fix the last rank's padding rows (55) landed on the next parameter's first
-    rows in its own copy and on the caller's data after the last one (silently: every check
-    passed and the gathered parameters were right, the bytes after them were not)."""
+    """The last rank's padding rows (55) must not land on the next parameter's first rows in
+    its own copy, nor on the caller's data after the last one (silently: every check would
+    pass and the gathered parameters be right, the bytes after them not)."""
     out = run_multiprocess(_padding_stays_in_the_shard, world_size, kind, timeout=240)
     for r, res in enumerate(out):
         assert res["ok"] == [True, True], (r, res)

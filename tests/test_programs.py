@@ -273,11 +273,11 @@ def test_prepared_collective_refuses_moved_storage_and_bad_arguments() -> None:
 @pytest.mark.parametrize("entry", ["run", "run_on"])
 def test_a_run_that_fails_on_one_rank_never_pairs_with_the_peers_next_run(entry: str) -> None:
     """Rank 0's run raises before it moves anything (its gradients' storage moved), the
-    others' run normally and wait for its tokens.  Before the fix the error counted as an
-    argument error: the group stayed usable, rank 0 went on to its next run, whose tokens
-    completed the peers' *previous* run -- every later run paired with a neighbour, wrong
-    sums on every rank and no error.  Now every rank's every step is its exact sum or an
-    error, and after the failed step no rank returns a value."""
+    others' run normally and wait for its tokens.  Counted as an argument error, the group
+    would stay usable and rank 0's next run's tokens complete the peers' *previous* run --
+    every later run paired with a neighbour, wrong sums on every rank and no error.  Every
+    rank's every step is its exact sum or an error, and after the failed step no rank returns
+    a value."""
     layout = ShardLayout(SHAPES, W)
     groups = _groups(timeout_s=3)
     steps = 4

@@ -500,9 +500,9 @@ def _async_then_sync_child(rank: int, world_size: int, rounds: int) -> tuple:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_replay_on_the_side_stream_ends_before_the_next_run_on_another_stream() -> None:
     """A recorded reduce-scatter replayed with ``async_op=True`` runs on the group's side
-    stream and forks its copies from it, not from the copy queue.  Before the fix the next
-    prepared run, on the caller's stream, was ordered only behind the copy queue -- not behind
-    that replay -- and could push into a peer's ring slot the replay's sums still read.  Every
+    stream and forks its copies from it, not from the copy queue.  A next prepared run, on the
+    caller's stream, ordered only behind the copy queue -- not behind that replay -- could push
+    into a peer's ring slot the replay's sums still read.  Every
     round's sums exact."""
     out = _spawn(_async_then_sync_child, 2, 12)
     for r, (recorded, wrong) in enumerate(out):

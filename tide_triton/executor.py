@@ -173,8 +173,8 @@ def prepare_padding_zeros(g: Any, t: Any, shard_ptrs: Sequence[int], shard_numel
                           real_numels: Sequence[int], elem_bytes: int, device: torch.device) -> Any:
     """The zero-fill of padded shards' padding (the elements past each shard's real ones) as
     copies from the group's zero buffer, prepared once per set of addresses: one transport
-    call per collective, where a view and a kernel per padded shard used to be made every
-    call (771 at the 256-expert layer with W=3).  Returns ``(prepared
+    call per collective, not a view and a kernel per padded shard every call (771 at the
+    256-expert layer with W=3).  Returns ``(prepared
     copies, the zero buffer -- kept alive with them)``, or None when no shard is padded."""
     pads = [(p, n) for p, n in enumerate(real_numels) if shard_numels[p] > n]
     if not pads:
