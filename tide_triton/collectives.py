@@ -29,7 +29,7 @@ from .executor import capturing as _capturing  # the name the capture tests patc
 from .group import Group, resolve
 from .heap import ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
-from .layout import ShardLayout
+from .layout import DimShards, ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
 
@@ -39,7 +39,7 @@ _CHECKED_SHARDS = ("collectives", "checked-rs-shards")
 """Group state: the reduce-scatter shard lists whose own checks passed (:class:`CheckedLists`)."""
 
 __all__ = ["reduce_scatter", "all_gather", "prepare_reduce_scatter", "prepare_all_gather", "Work", "synchronize",
-           "release_all_gather_block", "released_block_bytes"]
+           "release_all_gather_block", "released_block_bytes", "split_parts"]
 
 
 def _check_region(g: Group, region: object, device: torch.device, name: str, use: str) -> None:
@@ -120,6 +120,51 @@ def _layout_of(tensors: list[torch.Tensor], world: int) -> ShardLayout:
                    tuple(chain.from_iterable(map(torch.Tensor.size, tensors))), world)
 
 
+def split_parts(tensors: Sequence[torch.Tensor], ds: DimShards) -> list[torch.Tensor]:
+    """``tensors`` (full parameters or shards, contiguous, one per parameter of ``ds``) as the
+    dim-0 parts of :attr:`DimShards.layout`: views of each slice along the flattened dims before
+    the sharded one, no copies."""
+    out: list[torch.Tensor] = []
+    for t, k, o in zip(tensors, ds.dims, ds.outer):
+        if k == 0:
+            out.append(t)
+        elif o == 0:
+            out.append(t.view(-1)[:0].view(0, *t.shape[k + 1:]))
+        else:
+            out.extend(t.view(o, *t.shape[k:]).unbind(0))
+    return out
+
+
+def _by_dims(name: str, full: object, shards: object, shard_dims: object, world: int, rank: int,
+             gather: bool) -> tuple[Any, Any, DimShards | None]:
+    """``shard_dims`` given: ``(full parts, shard parts, DimShards)`` after this rank's checks of
+    the tensors as the caller passed them (errors name the caller's indices); otherwise the
+    arguments as they are and None."""
+    if shard_dims is None:
+        return full, shards, None
+    full_l = check_tensor_list(name, full)
+    shards_l = check_tensor_list("shards", shards, len(full_l))
+    if not full_l:
+        return full_l, shards_l, None  # the common checks say it
+    ds = DimShards([tuple(t.shape) for t in full_l], shard_dims, world)
+    if ds.trivial:
+        return full_l, shards_l, ds
+    _, device = check_uniform(name, full_l, dtypes=FLOAT_DTYPES)
+    check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
+    real, pad = ds.shard_shapes(rank), ds.shard_shapes(rank, padded=True)
+    for i, (x, k) in enumerate(zip(shards_l, ds.dims)):
+        got, s, c = tuple(x.shape), ds.shapes[i], ds.rows_per_rank[i]
+        if got in (real[i], pad[i]):
+            continue
+        # a parameter passed padded hides its true size: any count up to c is an unpadded shard
+        if (gather and s[k] == world * c and len(got) == len(s) and got[:k] == s[:k] and got[k + 1:] == s[k + 1:]
+                and 0 <= got[k] <= c):
+            continue
+        alt = "" if real[i] == pad[i] else f" or padded {pad[i]}"
+        raise ValueError(f"shards[{i}] must have shape {real[i]}{alt}, got {got} ({ds.shard_rule(i, rank)})")
+    return split_parts(full_l, ds), split_parts(shards_l, ds), ds
+
+
 @lru_cache(maxsize=256)
 def _layout(dims: tuple[int, ...], sizes: tuple[int, ...], world: int) -> ShardLayout:
     """The layout of shapes given as their dim counts and their sizes flattened, built once
@@ -144,6 +189,7 @@ def reduce_scatter(
     stream: object = None,
     async_op: bool = False,
     staging: object = None,
+    shard_dims: object = None,
 ) -> Work:
     """``shards[i][:rows_r] = f(sum over ranks of grads[i][r*c : r*c + rows_r])``.
 
@@ -161,17 +207,23 @@ def reduce_scatter(
     copy this rank waits until ``d`` has called ``staging.vacate()`` once per use so far
     (``PeerTimeoutError`` naming ``d`` after the group's timeout); every rank must vacate
     its own copy, before or during this call, or its peers wait for it.
+
+    ``shard_dims``: the dim each parameter is sharded on (None: 0; an int for all; one per
+    parameter; FSDP2's ``Shard(dim)``): rank ``r``'s shard is ``grads[i]``'s entries
+    ``[r*c, r*c + n_r)`` of that dim, ``c = ceil(size / W)``, read in place where they lie in
+    the gradient (:class:`~tide_triton.layout.DimShards`).
     """
     g = resolve(group)
     with g.call("reduce_scatter") as c:
         _refuse_capture(c, "reduce_scatter", stream)
-        return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging)
+        return _reduce_scatter(g, grads, shards, op, accumulate, stream, async_op, staging, shard_dims)
 
 
-def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate):
+def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate, shard_dims=None):
     """The reduce-scatter's own checks (this rank): ``(grads, shards, grads dtype, shards
     dtype, device, layout, scale, signature)``; TypeError / ValueError naming the argument."""
     W, me = g.world_size, g.rank
+    grads, shards, ds = _by_dims("grads", grads, shards, shard_dims, W, me, gather=False)
     grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
     check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
                  why=lambda i: layout.shard_rule(i, me))
@@ -180,18 +232,20 @@ def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate):
     sig = (name, ("grads shapes", layout.shapes), ("grads dtype", dtype_name(gdt)),
            ("shards dtype", dtype_name(sdt)), ("op", repr(op)), ("accumulate", bool(accumulate)),
            ("device", device.type))
+    if ds is not None and not ds.trivial:  # agreed as the caller passed them (they define the parts)
+        sig = (name, ("grads shapes", ds.shapes), ("shard dims", ds.dims), *sig[2:])
     if g.call_label is not None:  # the FSDP2 drop-in: which parameter group (Group.labelled)
         sig += (("FSDP2 group", g.call_label),)
     return grads_l, shards_l, gdt, sdt, device, layout, scale, sig
 
 
-def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, staging) -> Work:
+def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, staging, shard_dims=None) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
     try:
         grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
-            g, "reduce_scatter", grads, shards, op, accumulate)
+            g, "reduce_scatter", grads, shards, op, accumulate, shard_dims)
         _check_stream(g, stream, device)
         if staging is not None:
             _check_staging(g, staging, device)
@@ -308,6 +362,7 @@ def all_gather(
     stream: object = None,
     async_op: bool = False,
     params_region: object = None,
+    shard_dims: object = None,
 ) -> Work:
     """``params[i][r*c : r*c + rows_r] = shard of rank r`` for every rank ``r``.
 
@@ -324,36 +379,43 @@ def all_gather(
     the next all-gather waits for that before it writes them, and the region's
     :meth:`~tide_triton.regions.HeapRegion.vacate` (before peers stage a reduce-scatter in
     it) waits for it too.
+
+    ``shard_dims``: as for :func:`reduce_scatter` -- rank ``r``'s shard lands in entries
+    ``[r*c, r*c + n_r)`` of that dim of ``params[i]``, in place (runs at the parameter's pitch).
     """
     g = resolve(group)
     with g.call("all_gather") as c:
         _refuse_capture(c, "all_gather", stream)
-        return _all_gather(g, shards, params, stream, async_op, params_region)
+        return _all_gather(g, shards, params, stream, async_op, params_region, shard_dims)
 
 
-def _ag_arguments(g: Group, name: str, shards, params):
+def _ag_arguments(g: Group, name: str, shards, params, shard_dims=None):
     """The all-gather's own checks (this rank): ``(params, shards, params dtype, shards dtype,
     device, layout, signature)``.  The params' shapes (their dim 0 too) are agreed: a rank
     whose parameter has another dim 0 would place the others' rows by another layout (and pull
     rows they do not hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not
     be mixed."""
+    params, shards, ds = _by_dims("params", params, shards, shard_dims, g.world_size, g.rank, gather=True)
     params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, g.world_size)
     check_gather_shards(shards_l, layout, g.rank)
     sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
     sig = (name, ("params shapes", layout.shapes), ("params dtype", dtype_name(pdt)),
            ("shards dtype", dtype_name(sdt)), ("device", device.type))
+    if ds is not None and not ds.trivial:  # agreed as the caller passed them (they define the parts)
+        sig = (name, ("params shapes", ds.shapes), ("shard dims", ds.dims), *sig[2:])
     if g.call_label is not None:
         sig += (("FSDP2 group", g.call_label),)
     return params_l, shards_l, pdt, sdt, device, layout, sig
 
 
-def _all_gather(g: Group, shards, params, stream, async_op, region) -> Work:
+def _all_gather(g: Group, shards, params, stream, async_op, region, shard_dims=None) -> Work:
     W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
     source = None
     try:
-        params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "all_gather", shards, params)
+        params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "all_gather", shards, params,
+                                                                          shard_dims)
         _check_stream(g, stream, device)
         # the call's addresses, read once (cache keys, the region's offsets)
         pptrs, sptrs, snumels = tuple(map(_PTR, params_l)), tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))
@@ -459,6 +521,7 @@ def prepare_reduce_scatter(
     group: object = None,
     op: str | float = "avg",
     accumulate: bool = False,
+    shard_dims: object = None,
 ) -> programs.PreparedReduceScatter:
     """:func:`reduce_scatter` of these very tensors, checked, agreed and prepared once
     (collective); ``.run(stream=None, async_op=False)`` performs it as often as wanted, with
@@ -468,11 +531,12 @@ def prepare_reduce_scatter(
     Every rank must run the same prepared collectives in the same order (a rank running
     another one waits for it until the group's timeout, which names it).  One node; no
     staging.  Its ring is a heap region of ``ring_bytes`` shared by the group's prepared
-    reduce-scatters (:mod:`tide_triton.programs`)."""
-    return prepared_reduce_scatter_call(resolve(group), grads, shards, op, accumulate, hold=True)
+    reduce-scatters (:mod:`tide_triton.programs`).  ``shard_dims``: as for :func:`reduce_scatter`."""
+    return prepared_reduce_scatter_call(resolve(group), grads, shards, op, accumulate, hold=True,
+                                        shard_dims=shard_dims)
 
 
-def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hold: bool):
+def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hold: bool, shard_dims=None):
     """:func:`prepare_reduce_scatter` on group ``g``; ``hold=False`` (the FSDP2 drop-in): the
     prepared collective keeps no tensor alive and is run on the tensors of the moment."""
     with g.call("prepare_reduce_scatter") as c:
@@ -481,7 +545,7 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
         try:
             _check_preparable(g)
             grads_l, shards_l, gdt, sdt, device, layout, scale, sig = _rs_arguments(
-                g, "prepare_reduce_scatter", grads, shards, op, accumulate)
+                g, "prepare_reduce_scatter", grads, shards, op, accumulate, shard_dims)
             # the first set of addresses is bound from these
             check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
@@ -498,14 +562,15 @@ def prepare_all_gather(
     params: Sequence[torch.Tensor],
     *,
     group: object = None,
+    shard_dims: object = None,
 ) -> programs.PreparedAllGather:
     """:func:`all_gather` of these very tensors, prepared once (collective) and performed by
     ``.run()``, like :func:`prepare_reduce_scatter`.  Its block is a heap region shared by the
-    group's prepared all-gathers of the same block size."""
-    return prepared_all_gather_call(resolve(group), shards, params, hold=True)
+    group's prepared all-gathers of the same block size.  ``shard_dims``: as for :func:`all_gather`."""
+    return prepared_all_gather_call(resolve(group), shards, params, hold=True, shard_dims=shard_dims)
 
 
-def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
+def prepared_all_gather_call(g: Group, shards, params, *, hold: bool, shard_dims=None):
     """:func:`prepare_all_gather` on group ``g`` (``hold`` as for
     :func:`prepared_reduce_scatter_call`)."""
     with g.call("prepare_all_gather") as c:
@@ -514,7 +579,7 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool):
         try:
             _check_preparable(g)
             params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "prepare_all_gather", shards,
-                                                                              params)
+                                                                              params, shard_dims)
             check_bound("shards", shards_l, "params", params_l)  # the first set of addresses is bound from these
             g.check_own_stream(None, device)  # the runs' stream is checked again at each run
         except (TypeError, ValueError) as e:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["ShardLayout"]
+__all__ = ["DimShards", "ShardLayout"]
 
 
 def _as_shape(shape: object, index: int) -> tuple[int, ...]:
@@ -194,3 +194,126 @@ class ShardLayout:
 
     def __repr__(self) -> str:
         return f"ShardLayout({len(self.shapes)} params, world_size={self.world_size})"
+
+
+def _as_dims(shard_dims: object, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """``shard_dims`` (None: dim 0 everywhere; one int for every parameter; or one per
+    parameter, negative counting from the end as FSDP2's ``Shard(-1)``) as non-negative dims."""
+    n = len(shapes)
+    if shard_dims is None:
+        return (0,) * n
+    if isinstance(shard_dims, bool):
+        raise TypeError(f"shard_dims must be None, an int or a sequence of ints, got {shard_dims!r}")
+    if hasattr(shard_dims, "__index__"):
+        given: list[object] = [shard_dims] * n
+    elif isinstance(shard_dims, (str, bytes)) or not isinstance(shard_dims, Iterable):
+        raise TypeError(f"shard_dims must be None, an int or a sequence of ints, got {type(shard_dims).__name__}")
+    else:
+        given = list(shard_dims)
+        if len(given) != n:
+            raise ValueError(f"shard_dims must have one entry per parameter ({n}), got {len(given)}")
+    out = []
+    for i, (k, s) in enumerate(zip(given, shapes)):
+        if isinstance(k, bool) or not hasattr(k, "__index__"):
+            raise TypeError(f"shard_dims[{i}] must be an int, got {type(k).__name__}")
+        k = k.__index__()  # type: ignore[union-attr]
+        kk = k + len(s) if k < 0 else k
+        if not 0 <= kk < len(s):
+            raise ValueError(f"shard_dims[{i}] = {k} is not a dim of parameter {i}'s shape {s} "
+                             f"(valid: {-len(s)}..{len(s) - 1})")
+        out.append(kk)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DimShards:
+    """FSDP2's ``Shard(dim)`` placements of ``shapes`` over ``world_size`` ranks, as the dim-0
+    layout the collectives move.
+
+    Parameter ``i`` of shape ``(*outer, d, *inner)`` sharded on dim ``k = len(outer)`` gives
+    every rank ``c = ceil(d / W)`` entries of dim ``k``: rank ``r`` holds ``[r*c, r*c + n_r)``,
+    ``n_r = clamp(d - r*c, 0, c)``, in a shard of shape ``(*outer, n_r, *inner)`` (padded:
+    ``c``).  Slice ``o`` of the flattened outer dims is contiguous in the full tensor
+    (``(d, *inner)``) and in every shard (``(n_r, *inner)``), and rank ``r``'s entries of it
+    are that slice's rows ``[r*c, r*c + n_r)``: FSDP2's dim-0 rule.  So the parameter is, to
+    the collectives, ``prod(outer)`` parameters of shape ``(d, *inner)`` sharded on dim 0
+    (:attr:`layout`), and every rank's piece lands in place -- runs of ``c * prod(inner)``
+    elements at a pitch of ``d * prod(inner)`` in the full tensor, back to back in the shard:
+    no transposing copy on either side.  A parameter with no outer elements (an outer dim of
+    size 0) is one empty part ``(0, *inner)``; ``k = 0`` is the parameter itself.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    """Unsharded parameter shapes."""
+    dims: tuple[int, ...]
+    """Sharded dim of each parameter, non-negative."""
+    world_size: int
+
+    def __init__(self, shapes: Sequence[Sequence[int]], shard_dims: object, world_size: int) -> None:
+        base = ShardLayout(shapes, world_size)  # checks shapes and world_size
+        object.__setattr__(self, "shapes", base.shapes)
+        object.__setattr__(self, "dims", _as_dims(shard_dims, base.shapes))
+        object.__setattr__(self, "world_size", world_size)
+
+    @cached_property
+    def trivial(self) -> bool:
+        """Every parameter sharded on dim 0 (the layout is :class:`ShardLayout` of the shapes)."""
+        return not any(self.dims)
+
+    @cached_property
+    def outer(self) -> tuple[int, ...]:
+        """``prod(shape[:dim])``: slices of each parameter (1 for dim 0)."""
+        return tuple(math.prod(s[:k]) for s, k in zip(self.shapes, self.dims))
+
+    @cached_property
+    def parts(self) -> tuple[int, ...]:
+        """Dim-0 parameters each parameter becomes: its slices, at least one."""
+        return tuple(max(o, 1) for o in self.outer)
+
+    @cached_property
+    def part_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each parameter's parts, ``(d, *inner)`` (``(0, *inner)`` when empty)."""
+        return tuple((s[k] if o else 0, *s[k + 1:]) for s, k, o in zip(self.shapes, self.dims, self.outer))
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Index of each parameter's first part in :attr:`layout`."""
+        out, acc = [], 0
+        for n in self.parts:
+            out.append(acc)
+            acc += n
+        return tuple(out)
+
+    @cached_property
+    def layout(self) -> ShardLayout:
+        """The dim-0 layout of the parts, parameter by parameter, slice by slice."""
+        return ShardLayout([sh for sh, n in zip(self.part_shapes, self.parts) for _ in range(n)], self.world_size)
+
+    @cached_property
+    def rows_per_rank(self) -> tuple[int, ...]:
+        """``ceil(shape[dim] / W)``: entries of the sharded dim every rank holds, padded."""
+        w = self.world_size
+        return tuple(-(-s[k] // w) for s, k in zip(self.shapes, self.dims))
+
+    def shard_rows(self, rank: int) -> tuple[int, ...]:
+        """Real entries of the sharded dim rank ``rank`` holds of each parameter."""
+        rank = ShardLayout(self.shapes[:1], self.world_size)._check_rank(rank)
+        return tuple(max(0, min(s[k] - rank * c, c)) for s, k, c in zip(self.shapes, self.dims, self.rows_per_rank))
+
+    def shard_shapes(self, rank: int, *, padded: bool = False) -> tuple[tuple[int, ...], ...]:
+        """Shape of rank ``rank``'s shard of each parameter: the sharded dim holds its real
+        entries (``padded``: ``rows_per_rank``)."""
+        rows = self.rows_per_rank if padded else self.shard_rows(rank)
+        return tuple((*s[:k], n, *s[k + 1:]) for s, k, n in zip(self.shapes, self.dims, rows))
+
+    def shard_rule(self, i: int, rank: int) -> str:
+        """Why rank ``rank``'s shard of parameter ``i`` has the shape it has (for error messages)."""
+        s, k, w = self.shapes[i], self.dims[i], self.world_size
+        c, n = self.rows_per_rank[i], self.shard_rows(rank)[i]
+        return (f"parameter {i} of shape {s} is sharded on dim {k} = {s[k]}; each of the {w} ranks holds "
+                f"ceil({s[k]} / {w}) = {c} entries of it, and rank {rank} holds [{rank * c}, {rank * c + c}) of which "
+                f"{n} are real (unpadded shard {self.shard_shapes(rank)[i]}; padded "
+                f"{self.shard_shapes(rank, padded=True)[i]})")
+
+    def __repr__(self) -> str:
+        return f"DimShards({len(self.shapes)} params, dims={self.dims}, world_size={self.world_size})"
