@@ -299,16 +299,12 @@ def _scenario_disable(W, rank, device):
 def _scenario_fallbacks(W, rank, device):
     """Each unsupported configuration: stock for that module, one log line, stock results."""
     from torch.distributed.fsdp import CPUOffloadPolicy
-    from torch.distributed.tensor import Shard
 
     import tide_triton as tt
     from tide_triton.fsdp import _torch_adapter as tfsdp
 
     out = {}
     h = _capture()
-
-    def shard1_layer0(param):  # Shard(1) for layer 0's square projections only
-        return Shard(1) if param.ndim == 2 and param.shape == (CFG.dim, CFG.dim) and param._layer0 else None
 
     def run(tide, prepare=None, mp="bf16", **kw):
         from torch.distributed.device_mesh import init_device_mesh
@@ -329,17 +325,10 @@ def _scenario_fallbacks(W, rank, device):
             tt.fsdp.disable(model)
         return res
 
-    def mark_layer0(model):
-        for p in model.parameters():
-            p._layer0 = False
-        for p in model.layers[0].parameters():
-            p._layer0 = True
-
     def frozen_bf16(model):  # layer 1 gets a frozen bf16 parameter beside its fp32 ones
         model.layers[1].frozen = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16), requires_grad=False)
 
     cases = {
-        "shard1": dict(prepare=mark_layer0, shard_placement_fn=shard1_layer0),
         "mixed_dtypes": dict(prepare=frozen_bf16),
         "cpu_offload": dict(offload_policy=CPUOffloadPolicy(pin_memory=False)),
         "fp16": dict(mp="fp16"),
@@ -567,7 +556,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         close(r0["disable"]["mixed"]["params"], r0["disable"]["stock"]["params"], "enable->disable params")
     if "fallbacks" in r0:
         fb = r0["fallbacks"]
-        expect = {"shard1": ("layers.0", "Shard(1)"), "mixed_dtypes": ("layers.1", "mixed parameter dtypes"),
+        expect = {"mixed_dtypes": ("layers.1", "mixed parameter dtypes"),
                   "cpu_offload": (None, "CPU offload"), "fp16": (None, "float16 reduction")}
         for case, (module, words) in expect.items():
             if case not in fb:

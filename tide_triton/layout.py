@@ -7,6 +7,9 @@ hold fewer rows, or none.  Each rank's shard is padded to ``c`` rows, so the pad
 numel ``S_p = c * prod(shape[1:])`` is the same on every rank, and rank ``r``'s segment of
 parameter ``p`` starts at element ``r * S_p`` of ``p``'s padded unsharded storage.
 
+:class:`DimShards` gives FSDP2's ``Shard(dim)`` placements of any dim as such a layout of
+contiguous slices.
+
 This module imports nothing from CUDA: schedules and simulators use it anywhere.
 """
 from __future__ import annotations

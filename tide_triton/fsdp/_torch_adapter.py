@@ -195,6 +195,7 @@ def why_stock(pg: Any, api: TorchApi) -> str | None:
     """Why this FSDPParamGroup must stay on the stock path (None: it can use tide_triton)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_common as fcom
     from torch.distributed.fsdp._fully_shard._fsdp_api import CPUOffloadPolicy
+    from torch.distributed.tensor import Shard
 
     mi = pg.mesh_info
     if isinstance(mi, getattr(fcom, "DDPMeshInfo", ())) or isinstance(mi, getattr(fcom, "HSDPMeshInfo", ())):
@@ -224,8 +225,8 @@ def why_stock(pg: Any, api: TorchApi) -> str | None:
             return f"a custom {attr.lstrip('_')} callback"
     dtypes = set()
     for fp in pg.fsdp_params:
-        if fp.fsdp_placement.dim != 0:
-            return f"Shard({fp.fsdp_placement.dim}) placement (tide_triton shards dim 0 only)"
+        if type(fp.fsdp_placement) is not Shard:  # Shard(dim) of any dim is served; others are not
+            return f"{fp.fsdp_placement} placement (tide_triton serves Shard(dim) placements)"
         if getattr(fp, "is_dtensor", False):
             return "DTensor (TP/EP) parameters"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):

@@ -14,10 +14,12 @@ reduce-scatter event, as it does with its own staging buffer.
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from typing import Any
 
 import torch
 
+from ..layout import DimShards
 from . import _state, slots
 from ._state import GroupState, state_of
 from ._torch_adapter import TorchApi, all_sharded, device_handle
@@ -128,13 +130,37 @@ def _ag_views(st: GroupState, fsdp_params: list, W: int) -> tuple[list, list, li
     shards, outs, dtypes, numels = [], [], [], []
     for fp, src, out in zip(fsdp_params, srcs, outs0):
         size = fp.padded_sharded_param_size
-        rest = tuple(size[1:])
-        shards.append(src.view(size[0], *rest))
-        outs.append(out.view(W * size[0], *rest))
+        full = list(size)
+        full[fp.fsdp_placement.dim] *= W  # Shard(dim): every rank's entries of that dim, in order
+        shards.append(src.view(size))
+        outs.append(out.view(full))
         dtypes.append([out.dtype])
         numels.append([src.numel()])
+    ds = _dim_shards(fsdp_params, outs, W)
+    if ds is not None:  # Shard(dim > 0): each rank's entries land in place, slice by slice
+        shards, outs = _split(shards, ds), _split(outs, ds)
     st.ag_views = (key, (shards, outs, dtypes, numels))
     return shards, outs, dtypes, numels
+
+
+def _dim_shards(fsdp_params: list, full: list, W: int):
+    """The :class:`~tide_triton.layout.DimShards` of a group with ``Shard(dim > 0)`` parameters
+    (``full``: tensors of the unsharded shapes), or None when every one is ``Shard(0)``."""
+    dims = tuple(fp.fsdp_placement.dim for fp in fsdp_params)
+    if not any(dims):
+        return None
+    return _dim_shards_of(tuple(tuple(t.shape) for t in full), dims, W)
+
+
+@lru_cache(maxsize=64)
+def _dim_shards_of(shapes: tuple, dims: tuple, W: int) -> DimShards:
+    return DimShards(shapes, dims, W)
+
+
+def _split(tensors: list, ds: DimShards) -> list:
+    from ..collectives import split_parts
+
+    return split_parts(tensors, ds)
 
 
 def copy_out(*args: Any, **kwargs: Any):
@@ -191,8 +217,8 @@ def _reduce_plan(api: TorchApi, a: dict):
         return "world size 1"
     if len({g.dtype for g in grads}) != 1:
         return f"mixed gradient dtypes {sorted({str(g.dtype) for g in grads})}"
-    if any(fp.fsdp_placement.dim != 0 or fp.offload_to_cpu for fp in a["fsdp_params"]):
-        return "Shard(dim > 0) or CPU offload"
+    if any(fp.offload_to_cpu for fp in a["fsdp_params"]):
+        return "CPU offload"
     reduce_dtype = a["reduce_dtype"] or grads[0].dtype
     if reduce_dtype not in (torch.float32, torch.bfloat16):
         return f"{reduce_dtype} reduction (pre/post-divide)"
@@ -320,11 +346,15 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
             # (on a GPU: once the work the reduce-scatter stream waited for is done).
             staging = st.slot.region
             staging.vacate(stream=rs_stream if cuda else None)
+        parts = grads
+        ds = _dim_shards(fsdp_params, grads, W)
+        if ds is not None:  # Shard(dim > 0): each rank's entries read in place, slice by slice
+            parts, shards = _split(grads, ds), _split(shards, ds)
         with st.group.labelled(st.fqn):
             if st.use_prepared and staging is None and st.group.nodes == 1:
-                _prepared_reduce_scatter(st, fsdp_params, grads, shards, op, direct, rs_stream if cuda else None)
+                _prepared_reduce_scatter(st, fsdp_params, parts, shards, op, direct, rs_stream if cuda else None)
             else:
-                reduce_scatter(grads, shards, group=st.group, op=op, accumulate=direct,
+                reduce_scatter(parts, shards, group=st.group, op=op, accumulate=direct,
                                stream=rs_stream if cuda else None, staging=staging)
         st.reduce_scatters += 1
         if st.slot is not None and st.slot.release:
