@@ -87,13 +87,14 @@ def _int(shape, gen, dtype=torch.bfloat16):
     return torch.randint(-8, 9, shape, generator=gen).to(dtype)
 
 
-@pytest.mark.parametrize("W", [3, 4])
-def test_collectives_with_shard_dims_are_exact(W: int) -> None:
+@pytest.mark.parametrize("W, local", [(3, None), (4, None), (4, 2)], ids=["W3", "W4", "2x2-nodes"])
+def test_collectives_with_shard_dims_are_exact(W: int, local: int | None) -> None:
     import tide_triton as tt
 
     shapes, dims = [s for s, _ in AWKWARD], [k for _, k in AWKWARD]
     ds = DimShards(shapes, dims, W)
-    groups = tt.local_groups(W, timeout_s=60, ring_bytes=256 * W)  # small ring: chunks across parts
+    # a small ring: chunks across parts; two declared nodes: the cross-node schedules
+    groups = tt.local_groups(W, local_size=local, timeout_s=60, ring_bytes=256 * W)
     gen = torch.Generator().manual_seed(W)
     grads = [[_int(s, gen) for s in shapes] for _ in range(W)]
     full = [torch.randn(s, generator=gen) for s in shapes]
@@ -115,6 +116,8 @@ def test_collectives_with_shard_dims_are_exact(W: int) -> None:
             params = [torch.full(s, 7.0, dtype=pdt) for s in shapes]
             tt.all_gather(mine, params, group=g, shard_dims=dims)
             out["ag", pdt] = params
+        if local is not None:  # prepared collectives are node-local
+            return out
         out["prs"] = [torch.zeros(s) for s in ds.shard_shapes(r, padded=True)]
         out["pag"] = [torch.zeros(s) for s in shapes]
         prs = tt.prepare_reduce_scatter(grads[r], out["prs"], group=g, op="sum", shard_dims=dims)
@@ -136,10 +139,11 @@ def test_collectives_with_shard_dims_are_exact(W: int) -> None:
                 assert torch.equal(got.narrow(k, 0, n), want * (1.0 / W)), (r, p, padded)
                 assert bool((got.narrow(k, n, got.shape[k] - n) == 0).all()), (r, p, "padding zero")
             assert torch.equal(o["acc"][p], want + prev[r][p]), (r, p, "accumulate")
-            assert torch.equal(o["prs"][p].narrow(k, 0, n), want), (r, p, "prepared")
             assert torch.equal(o["ag", torch.bfloat16][p], full[p].to(torch.bfloat16)), (r, p)
             assert torch.equal(o["ag", torch.float32][p], full[p]), (r, p)
-            assert torch.equal(o["pag"][p], full[p]), (r, p, "prepared all-gather")
+            if local is None:
+                assert torch.equal(o["prs"][p].narrow(k, 0, n), want), (r, p, "prepared")
+                assert torch.equal(o["pag"][p], full[p]), (r, p, "prepared all-gather")
     for g in groups:
         g.close()
 
@@ -370,3 +374,29 @@ def test_fsdp_serves_shard1_experts_equal_to_stock(W: int) -> None:
             _equal(tide["losses"], stock["losses"], f"{s} losses rank {rank}", tol)
         _equal(out[0][s]["tide"]["grads"], out[0][s]["stock"]["grads"], f"{s} last-step grads", tol)
         _equal(out[0][s]["tide"]["params"], out[0][s]["stock"]["params"], f"{s} params", tol)
+
+
+def test_shard1_pulls_are_one_strided_copy_per_rank_and_parameter() -> None:
+    """The all-gather's copy plan for experts [E, d, h] on Shard(1): each rank's E slices of
+    c*h elements land at the parameter's pitch d*h from its block (back to back, pitch c*h) --
+    one strided copy (cuMemcpy2DAsync on CUDA) per rank, the same bytes as the parts' copies."""
+    from tide_triton.executor import STRIDED_MIN_ROWS, expand_copies, plan_copies
+    from tide_triton.node_prepare import _Addresses, _gather_template
+
+    W, es, (E, d, h) = 4, 2, (STRIDED_MIN_ROWS + 2, 12, 5)
+    ds = DimShards([(E, d, h), (7, 3)], [1, 0], W)
+    c = ds.rows_per_rank[0]
+    expert, other = 1 << 20, 1 << 24
+    pptrs = [expert + o * d * h * es for o in range(E)] + [other]  # the parts' addresses
+    blocks = [(1 << 32) * (r + 1) for r in range(W)]
+    ranks, (rank_of, param, dst_off, src_off, size) = _gather_template(ds.layout, None, es, None)
+    plan = plan_copies(_Addresses(pptrs).plus(param, dst_off), _Addresses(blocks).plus(rank_of, src_off), size)
+    strided = [x for x in plan if x.rows > 1]
+    assert len(strided) == W, plan
+    for r, x in enumerate(strided):
+        assert (x.dst, x.src, x.nbytes, x.rows) == (expert + r * c * h * es, blocks[r], c * h * es, E), x
+        assert (x.dst_pitch, x.src_pitch) == (d * h * es, c * h * es), x
+    singles = list(zip(*expand_copies(plan)))
+    parts = list(zip(*expand_copies(plan_copies(_Addresses(pptrs).plus(param, dst_off),
+                                                _Addresses(blocks).plus(rank_of, src_off), size, min_rows=10 ** 9))))
+    assert sorted(singles) == sorted(parts)
