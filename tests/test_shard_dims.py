@@ -116,6 +116,11 @@ def test_collectives_with_shard_dims_are_exact(W: int, local: int | None) -> Non
             params = [torch.full(s, 7.0, dtype=pdt) for s in shapes]
             tt.all_gather(mine, params, group=g, shard_dims=dims)
             out["ag", pdt] = params
+        # params passed padded along their sharded dim (W * c entries): the padding arrives as zeros
+        padded_params = [torch.full(ds.shard_shapes(0, padded=True)[p], 7.0) for p in range(len(shapes))]
+        padded_params = [x.repeat_interleave(W, dim=k) if x.shape[k] else x for x, k in zip(padded_params, ds.dims)]
+        tt.all_gather(mine, padded_params, group=g, shard_dims=dims)
+        out["ag padded"] = padded_params
         if local is not None:  # prepared collectives are node-local
             return out
         out["prs"] = [torch.zeros(s) for s in ds.shard_shapes(r, padded=True)]
@@ -141,6 +146,9 @@ def test_collectives_with_shard_dims_are_exact(W: int, local: int | None) -> Non
             assert torch.equal(o["acc"][p], want + prev[r][p]), (r, p, "accumulate")
             assert torch.equal(o["ag", torch.bfloat16][p], full[p].to(torch.bfloat16)), (r, p)
             assert torch.equal(o["ag", torch.float32][p], full[p]), (r, p)
+            pp = o["ag padded"][p]
+            assert pp.shape[k] == W * c and torch.equal(pp.narrow(k, 0, full[p].shape[k]), full[p]), (r, p)
+            assert bool((pp.narrow(k, full[p].shape[k], W * c - full[p].shape[k]) == 0).all()), (r, p)
             if local is None:
                 assert torch.equal(o["prs"][p].narrow(k, 0, n), want), (r, p, "prepared")
                 assert torch.equal(o["pag"][p], full[p]), (r, p, "prepared all-gather")
