@@ -408,3 +408,27 @@ def test_shard1_pulls_are_one_strided_copy_per_rank_and_parameter() -> None:
     parts = list(zip(*expand_copies(plan_copies(_Addresses(pptrs).plus(param, dst_off),
                                                 _Addresses(blocks).plus(rank_of, src_off), size, min_rows=10 ** 9))))
     assert sorted(singles) == sorted(parts)
+
+
+def test_shard1_pushes_are_one_strided_copy_per_peer_and_parameter() -> None:
+    """The reduce-scatter's pushes of experts [E, d, h] on Shard(1): each peer's E slices of
+    c*h elements are read at the gradient's pitch d*h into its slot (back to back) -- one
+    strided copy per peer and round, nothing staged or transposed on the sender."""
+    from tide_triton.executor import STRIDED_MIN_ROWS, plan_copies
+    from tide_triton.node_prepare import _Addresses, _push_template
+    from tide_triton.schedule import ring_plan
+
+    W, es, me, (E, d, h) = 4, 2, 1, (STRIDED_MIN_ROWS + 1, 8, 3)
+    ds = DimShards([(E, d, h)], 1, W)
+    c = ds.rows_per_rank[0]
+    plan = ring_plan(ds.layout, 1 << 16, es, 2)  # a ring that holds everything: one round
+    grad = 1 << 20
+    gptrs = [grad + o * d * h * es for o in range(E)]
+    slots = [(1 << 32) * (k + 1) for k in range(W)]
+    ((dests, (dest_of, param, slot_off, const, size)),) = _push_template(plan, me, es)
+    assert dests == [r for r in range(W) if r != me]
+    copies = plan_copies(_Addresses(slots).plus(dest_of, slot_off), _Addresses(gptrs).plus(param, const), size)
+    assert len(copies) == W - 1, copies
+    for k, (dest, x) in enumerate(zip(dests, copies)):
+        assert (x.dst, x.src, x.nbytes, x.rows) == (slots[k], grad + dest * c * h * es, c * h * es, E), x
+        assert (x.dst_pitch, x.src_pitch) == (c * h * es, d * h * es), x
