@@ -28,13 +28,13 @@ from .kernels import (
     place_shards,
     place_shards_ref,
 )
-from .layout import ShardLayout
+from .layout import DimShards, ShardLayout
 from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ShardLayout", "Topology", "AllGatherPlan", "ReduceScatterPlan",
+    "ShardLayout", "DimShards", "Topology", "AllGatherPlan", "ReduceScatterPlan",
     "init", "local_groups", "Group", "GroupOptions", "reduce_scatter", "all_gather", "synchronize", "Work",
     "prepare_reduce_scatter", "prepare_all_gather",
     "place_shards", "bind_place_shards", "place_shards_ref",
