@@ -193,7 +193,10 @@ class _Prepared:
         peer's previous one, wrong sums and no error.  So every error of a run, its own
         arguments' included, counts as a failure once the call has begun (``Call.moving`` set
         first): the abort is published, the group breaks, the peers' waits end in an error
-        naming this rank and its next run raises ``GroupBrokenError``."""
+        naming this rank and its next run raises ``GroupBrokenError``.  Those waits watch the
+        peers' published aborts (:meth:`~tide_triton.calls.Call.watch`, as an eager call's check-in
+        does): a peer's failed run ends them at once, not at the deadline, naming the peer and its
+        error -- also for a peer arriving after this rank gave up."""
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
         self.g.check_own_stream(stream, self.device)
@@ -237,6 +240,7 @@ class _Prepared:
         g = self.g
         with g.call(self.name) as c:
             c.moving = True  # no agreement: see _begin
+            c.watch(g.transport(self.device))  # a peer's abort ends this run's waits at once (see _begin)
             captured = self._begin(stream, async_op)
             if check_addresses:
                 for ts, ptrs, what in zip((first, second), key[:2], self._names):
@@ -262,6 +266,7 @@ class _Prepared:
         g = self.g
         with g.call(self.name) as c:
             c.moving = True  # no agreement: see _begin
+            c.watch(g.transport(self.device))  # a peer's abort ends this run's waits at once (see _begin)
             captured = self._begin(stream, async_op)
             key = self._key(first, second)
             binding = self._bindings.get(key) or self._captured.get(key)
