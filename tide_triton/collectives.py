@@ -526,8 +526,9 @@ def prepare_reduce_scatter(
     """:func:`reduce_scatter` of these very tensors, checked, agreed and prepared once
     (collective); ``.run(stream=None, async_op=False)`` performs it as often as wanted, with
     host work independent of the parameter count (no checks, no agreement with the peers,
-    no cache lookups per run).  The grads' and shards' storage must stay where it is (each run
-    checks its addresses unless ``run(check_addresses=False)``); their values may change.
+    no cache lookups per run).  The grads and shards must stay as they are -- address, shape,
+    contiguity, dtype (each run checks them unless ``run(check_addresses=False)``); their values
+    may change.
     Every rank must run the same prepared collectives in the same order (a rank running
     another one waits for it until the group's timeout, which names it).  One node; no
     staging.  Its ring is a heap region of ``ring_bytes`` shared by the group's prepared

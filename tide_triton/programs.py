@@ -21,8 +21,11 @@ with the eager calls.  Two ranks running different prepared collectives wait for
 never come: a :class:`~tide_triton.errors.PeerTimeoutError` (host waits; on CUDA at
 :func:`tide_triton.synchronize`) naming the peer, never a pairing of two calls.
 
-The tensors are kept alive by the prepared collective, and a run checks that their storage has
-not moved (``check_addresses=False`` skips that, for hot loops that know).  What depends on the
+The tensors are kept alive by the prepared collective, and a run checks that each is still the
+tensor it was prepared for -- the same address (its storage and storage offset), shape,
+contiguity and dtype: an in-place ``t_()``, ``resize_()`` or ``set_()`` keeps the address and
+would have the run read and write the prepared layout (``check_addresses=False`` skips the
+check, for hot loops that know).  What depends on the
 tensors' addresses is this rank's alone (its copy lists and reduction tables: the peers' side is
 the heap), so a trusted caller -- the FSDP2 drop-in, whose parameter groups keep their shapes --
 prepares without holding tensors (``hold=False``) and runs on the tensors of the moment
@@ -30,6 +33,9 @@ prepares without holding tensors (``hold=False``) and runs on the tensors of the
 """
 from __future__ import annotations
 
+import functools
+import logging
+import operator
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -44,11 +50,13 @@ from .heap import Ring, staging_ring
 from .layout import ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
+from .transport._once import log_once
 
 __all__ = ["PreparedReduceScatter", "PreparedAllGather", "prepared_reduce_scatter", "prepared_all_gather",
            "RING_KEY", "block_key"]
 
-_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+_PTR, _NUMEL, _SIZE = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.size
+_CONTIGUOUS, _DTYPE = torch.Tensor.is_contiguous, operator.attrgetter("dtype")
 
 RING_KEY = "tide_triton/prepared-rs-ring"
 """The heap region every prepared reduce-scatter of a group stages in (``ring_bytes``)."""
@@ -81,6 +89,96 @@ _LISTS_KEPT = 8
 
 _UNRECORDED = object()
 """``_Prepared._graphs``' answer for a binding not recorded yet (None: recording refused)."""
+
+
+class _HeldList:
+    """One list of tensors a prepared collective holds, as it was prepared: the tensors and
+    what its layout depends on -- their addresses (storage and storage offset), shapes and
+    dtypes, all contiguous (the preparation's checks refuse anything else)."""
+
+    __slots__ = ("tensors", "ptrs", "shapes", "dtypes", "_guard")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> None:
+        self.tensors = ts = tuple(tensors)
+        self.ptrs = ptrs
+        self.shapes: tuple[torch.Size, ...] = tuple(map(_SIZE, ts))
+        self.dtypes: tuple[torch.dtype, ...] = tuple(map(_DTYPE, ts))
+        self._guard = _layout_guard(ts)
+
+    def unchanged(self) -> bool:
+        """Whether every tensor is as prepared.  The addresses in one C-level pass; shapes,
+        strides and dtypes in one call of torch's C++ tensor guard where it works here
+        (:func:`_layout_guard`), else in a pass per attribute (each streamed: no per-tensor
+        object outlives its comparison).  A guard that refuses tensors the passes accept (its
+        dispatch keys or ``requires_grad`` differ, e.g. under ``torch.inference_mode``) is
+        made again from them."""
+        ts = self.tensors
+        if tuple(map(_PTR, ts)) != self.ptrs:
+            return False
+        guard = self._guard
+        if guard is not None and guard.check(*ts):
+            return True
+        same = (all(map(operator.eq, map(_SIZE, ts), self.shapes)) and all(map(_CONTIGUOUS, ts))
+                and all(map(operator.is_, map(_DTYPE, ts), self.dtypes)))
+        if same and guard is not None:
+            self._guard = _layout_guard(ts)
+        return same
+
+    def first_change(self, name: str) -> str:
+        """What changed in the first tensor that is not as prepared (:meth:`unchanged` False)."""
+        for i, (t, ptr, shape, dtype) in enumerate(zip(self.tensors, self.ptrs, self.shapes, self.dtypes)):
+            if t.data_ptr() != ptr:
+                return (f"{name}[{i}] moved (data_ptr {hex(ptr)} when prepared, {hex(t.data_ptr())} now; e.g. its "
+                        "storage was resized or swapped)")
+            was, now = [], []
+            if t.shape != shape:
+                was.append(f"shape {tuple(shape)}")
+                now.append(f"shape {tuple(t.shape)}")
+            if t.dtype is not dtype:
+                was.append(f"dtype {dtype}")
+                now.append(f"dtype {t.dtype}")
+            if not t.is_contiguous():
+                was.append("contiguous")
+                now.append(f"strides {tuple(t.stride())}")
+            if was:
+                return (f"{name}[{i}] changed in place at its address (prepared: {', '.join(was)}; now: "
+                        f"{', '.join(now)}; e.g. t_(), resize_(), set_() or an assignment to .data)")
+        raise RuntimeError(f"internal error: {name} changed, yet every tensor is as prepared")
+
+
+def _layout_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """torch's C++ check of these tensors' shapes, strides, dtypes and devices (dynamo's
+    ``TensorGuards``; ``.check(*tensors)``), or None where it is missing or fails
+    :func:`_guards_work`.  One call for a whole list: ~0.1 us a tensor in all, where a
+    Python pass per attribute costs ~0.4 us (the 771 tensors of the 256-expert layer, 2-core
+    x86, torch 2.13; ``bench/host_path.py --prepared``)."""
+    if not _guards_work():
+        return None
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*tensors, dynamic_dims_sizes=[list(map(int, t.size())) for t in tensors],
+                        dynamic_dims_strides=[list(map(int, t.stride())) for t in tensors])
+
+
+@functools.lru_cache(maxsize=1)
+def _guards_work() -> bool:
+    """Whether torch's ``TensorGuards`` exists here and refuses what a run must refuse (its
+    API is torch's private one): another shape, strides, dtype; else the run checks in
+    Python (logged once)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)
+        guard = TensorGuards(a, b, dynamic_dims_sizes=[[2, 3], [4]], dynamic_dims_strides=[[3, 1], [1]])
+        changed = (a.t(), a[:1], a.as_strided((2, 3), (1, 2)), a.view(torch.int32), torch.zeros(3, 2))
+        if guard.check(a, b) and not any(guard.check(x, b) for x in changed) and not guard.check(a, b[:2]):
+            return True
+        why = "it accepted a changed tensor"
+    except Exception as e:  # noqa: BLE001 -- a private API: anything it does wrong means "not here"
+        why = f"{type(e).__name__}: {e}"
+    log_once("prepared-layout-guard", logging.INFO, "tide_triton: prepared runs check their tensors' shapes, "
+             "strides and dtypes in Python (torch's TensorGuards is not usable here: %s)", why)
+    return False
 
 
 def block_key(nbytes: int) -> str:
@@ -117,7 +215,8 @@ class _Prepared:
         """Sets of addresses bound so far (the first at preparation): a steady state adds none."""
         key = self._key(first, second)
         self._bindings[key] = self._bind(first, second, key)
-        self._held = (tuple(first), tuple(second), key) if hold else None
+        self._held = (_HeldList(first, key[0]), _HeldList(second, key[1]), key) if hold else None
+        """The tensors held (``hold``), each list as prepared, and their binding's key."""
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
         # host graphs (CPU) are safe in any mode; CUDA graphs of several ranks in one process not
@@ -231,8 +330,10 @@ class _Prepared:
 
     def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
         """The collective, as prepared, on the tensors' current values.  ``stream`` /
-        ``async_op`` as for the eager call; ``check_addresses=False`` skips the check that no
-        tensor's storage moved since it was prepared."""
+        ``async_op`` as for the eager call; ``check_addresses=False`` skips the check that every
+        tensor is still as prepared (its address, shape, contiguity and dtype).  A tensor
+        changed raises ``ValueError`` naming it and what changed; the peers' runs end at once
+        in ``PeerAbortedError`` naming this rank (see :meth:`_begin`)."""
         if self._held is None:
             raise RuntimeError(f"{self.name} was prepared with hold=False (it keeps no tensors): its caller "
                                "runs it on the tensors of the moment")
@@ -243,15 +344,13 @@ class _Prepared:
             c.watch(g.transport(self.device))  # a peer's abort ends this run's waits at once (see _begin)
             captured = self._begin(stream, async_op)
             if check_addresses:
-                for ts, ptrs, what in zip((first, second), key[:2], self._names):
-                    now = tuple(map(_PTR, ts))
-                    if now != ptrs:
-                        i = next(i for i, (a, b) in enumerate(zip(now, ptrs)) if a != b)
+                for held, what in zip((first, second), self._names):
+                    if not held.unchanged():
                         raise ValueError(
-                            f"{self.name}: {what}[{i}] moved (data_ptr {hex(ptrs[i])} when prepared, "
-                            f"{hex(now[i])} now; e.g. its storage was resized or swapped); a run is not "
-                            f"agreed with the peers, so this breaks the group: make a new group and prepare "
-                            f"the collective for the new storage")
+                            f"{self.name} on rank {g.rank}: {held.first_change(what)}; a run reads and writes "
+                            f"the layout it was prepared for and is not agreed with the peers, so this breaks "
+                            f"the group: make a new group and prepare the collective for the tensors as they "
+                            f"are now")
             binding = self._bindings[key]
             if captured:
                 self._keep_for_graph(key, binding)
