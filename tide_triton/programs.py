@@ -149,9 +149,9 @@ class _HeldList:
 def _layout_guard(tensors: Sequence[torch.Tensor]) -> Any:
     """torch's C++ check of these tensors' shapes, strides, dtypes and devices (dynamo's
     ``TensorGuards``; ``.check(*tensors)``), or None where it is missing or fails
-    :func:`_guards_work`.  One call for a whole list: ~0.1 us a tensor in all, where a
-    Python pass per attribute costs ~0.4 us (the 771 tensors of the 256-expert layer, 2-core
-    x86, torch 2.13; ``bench/host_path.py --prepared``)."""
+    :func:`_guards_work`.  One call for a whole list: ~0.15 us a tensor, where Python
+    passes per attribute cost ~0.5 us (the 256-expert layer's 1,542 held tensors on a loaded
+    2-core x86, torch 2.13; docs/benchmarks.md, "Python per call on the CPU")."""
     if not _guards_work():
         return None
     from torch._C._dynamo.guards import TensorGuards
