@@ -234,3 +234,45 @@ def test_a_peers_failed_run_ends_this_run_at_once_across_processes() -> None:
     assert k0 == "ValueError" and "grads[1] moved" in m0, out
     assert k1 == "PeerAbortedError" and "rank 0 abandoned" in m1 and "grads[1] moved" in m1, out
     assert s1 < PROMPT_S, out
+
+
+@pytest.mark.parametrize("kind,which,how", [("rs", "full", "moved"), ("rs", "shards", "transpose_"),
+                                            ("ag", "full", "resize_"), ("ag", "shards", "moved")])
+def test_a_shard_dims_collective_checks_the_tensors_as_passed(kind: str, which: str, how: str) -> None:
+    """With ``shard_dims`` a prepared collective binds views of its own (each parameter's dim-0
+    parts); its runs check the caller's tensors, named by the caller's indices."""
+    groups = tt.local_groups(W, timeout_s=TIMEOUT_S, ring_bytes=128 * W)
+    full_shapes, dims = [(5,), (3, 4, 6)], [0, 1]  # the second sharded on dim 1: 3 parts of (4, 6)
+
+    def body(r: int):
+        full = [torch.full(s, float(r + 1), dtype=torch.bfloat16) for s in full_shapes]
+        shards = [torch.zeros(3), torch.zeros(3, 2, 6)]
+        if kind == "rs":
+            prep = tt.prepare_reduce_scatter(full, shards, group=groups[r], op="sum", shard_dims=dims)
+        else:
+            shards = [x.to(torch.bfloat16) for x in shards]
+            prep = tt.prepare_all_gather(shards, full, group=groups[r], shard_dims=dims)
+        prep.run()
+        if r == 0:
+            t = (full if which == "full" else shards)[1]
+            if how == "moved":
+                t.data = t.data.clone()
+            elif how == "transpose_":
+                t.transpose_(0, 2)
+            else:
+                t.resize_(3, 1, *t.shape[2:])
+        try:
+            prep.run()
+            return "ok"
+        except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+            return e
+
+    try:
+        e0, e1 = run_threads(body, W, timeout=60)
+    finally:
+        for g in groups:
+            g.close()
+    name = ("grads" if kind == "rs" else "params") if which == "full" else "shards"
+    said = f"on rank 0: {name}[1] " + ("moved" if how == "moved" else "changed in place")
+    assert isinstance(e0, ValueError) and said in str(e0), (e0, e1)
+    assert isinstance(e1, PeerAbortedError) and e1.rank == 0 and said in str(e1), (e0, e1)

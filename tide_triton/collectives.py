@@ -554,8 +554,10 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
             err = e
         g.agree(sig, err)
         token = c.seq
+    # runs check the tensors as the caller passed them, not the shard_dims parts (views of their own)
+    checked = None if shard_dims is None else (list(grads), list(shards))
     return programs.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
-                                            bool(accumulate), hold)
+                                            bool(accumulate), hold, checked)
 
 
 def prepare_all_gather(
@@ -587,7 +589,8 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool, shard_dims
             err = e
         g.agree(sig, err)
         token = c.seq
-    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold)
+    checked = None if shard_dims is None else (list(shards), list(params))  # as for the reduce-scatter
+    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold, checked)
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,

@@ -202,7 +202,8 @@ class _Prepared:
     """The prepared dtypes of the full tensors and of the shards."""
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
-                 first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], hold: bool) -> None:
+                 first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], hold: bool,
+                 checked: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None) -> None:
         self.g = g
         self.device = device
         self.token = token
@@ -215,8 +216,14 @@ class _Prepared:
         """Sets of addresses bound so far (the first at preparation): a steady state adds none."""
         key = self._key(first, second)
         self._bindings[key] = self._bind(first, second, key)
-        self._held = (_HeldList(first, key[0]), _HeldList(second, key[1]), key) if hold else None
-        """The tensors held (``hold``), each list as prepared, and their binding's key."""
+        if checked is None:
+            held = (_HeldList(first, key[0]), _HeldList(second, key[1]))
+        else:  # the caller's tensors, which ``first`` and ``second`` are parts of (``shard_dims``)
+            held = (_HeldList(checked[0], tuple(map(_PTR, checked[0]))),
+                    _HeldList(checked[1], tuple(map(_PTR, checked[1]))))
+        self._held = (*held, key) if hold else None
+        """The tensors held (``hold``): each list as the caller passed it, as prepared (what a run
+        checks), and the key of the binding of ``first`` and ``second``."""
         self._captured: dict[tuple, Any] = {}
         """Bindings a CUDA graph has recorded: kept (never evicted) as long as the group."""
         # host graphs (CPU) are safe in any mode; CUDA graphs of several ranks in one process not
@@ -488,14 +495,15 @@ class PreparedReduceScatter(_Prepared):
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  reg: Ring, plan: Any, gdt: torch.dtype, sdt: torch.dtype, scale: float | None, accumulate: bool,
-                 grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], hold: bool) -> None:
+                 grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], hold: bool,
+                 checked: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None) -> None:
         self.reg, self.plan = reg, plan
         self._dtypes = (gdt, sdt)
         self.scale, self.accumulate = scale, accumulate
         me, W = g.rank, g.world_size
         self.peers = [c for c in range(W) if c != me]
         self.dests = [[d for d in self.peers if j < len(plan.chunks[d])] for j in range(plan.rounds)]
-        super().__init__(g, device, token, layout, region, grads, shards, hold)
+        super().__init__(g, device, token, layout, region, grads, shards, hold, checked)
 
     def _bind(self, grads: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], key: tuple) -> tuple:
         g = self.g
@@ -581,9 +589,9 @@ class PreparedAllGather(_Prepared):
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  sdt: torch.dtype, pdt: torch.dtype, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                 hold: bool) -> None:
+                 hold: bool, checked: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None) -> None:
         self._dtypes = (pdt, sdt)
-        super().__init__(g, device, token, layout, region, shards, params, hold)
+        super().__init__(g, device, token, layout, region, shards, params, hold, checked)
 
     def _bind(self, shards: Sequence[torch.Tensor], params: Sequence[torch.Tensor], key: tuple) -> tuple:
         g, layout = self.g, self.layout
@@ -665,9 +673,12 @@ class PreparedAllGather(_Prepared):
 
 def prepared_reduce_scatter(g: Group, token: int, grads: list[torch.Tensor], shards: list[torch.Tensor],
                             layout: ShardLayout, gdt: torch.dtype, sdt: torch.dtype, device: torch.device,
-                            scale: float | None, accumulate: bool, hold: bool = True) -> PreparedReduceScatter:
+                            scale: float | None, accumulate: bool, hold: bool = True,
+                            checked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                            ) -> PreparedReduceScatter:
     """Make the prepared reduce-scatter of checked, agreed arguments (collective: the ring's
-    heap region).  ``token``: the preparing call's number."""
+    heap region).  ``token``: the preparing call's number.  ``checked``: the caller's (grads,
+    shards) where ``grads`` and ``shards`` are parts of them (``shard_dims``): what runs check."""
     ring_bytes = g.options.ring_bytes
     region = g.heap_region(RING_KEY, ring_bytes, device)
     W, S, es = g.world_size, g.options.stages, gdt.itemsize
@@ -678,20 +689,21 @@ def prepared_reduce_scatter(g: Group, token: int, grads: list[torch.Tensor], sha
     t = g.transport(device)
     with Streams(g, t, device, None, False).kernels():
         out = PreparedReduceScatter(g, device, token, layout, region, reg, plan, gdt, sdt, scale, accumulate,
-                                    grads, shards, hold)
+                                    grads, shards, hold, checked)
     g.heap_barrier()
     return out
 
 
 def prepared_all_gather(g: Group, token: int, shards: list[torch.Tensor], params: list[torch.Tensor],
                         layout: ShardLayout, sdt: torch.dtype, pdt: torch.dtype, device: torch.device,
-                        hold: bool = True) -> PreparedAllGather:
+                        hold: bool = True, checked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                        ) -> PreparedAllGather:
     """Make the prepared all-gather of checked, agreed arguments (collective: the block's
     heap region, shared by the group's prepared all-gathers of the same block size)."""
     nbytes = max(layout.flat_shard_numel * pdt.itemsize, 1)
     region = g.heap_region(block_key(nbytes), nbytes, device)
     t = g.transport(device)
     with Streams(g, t, device, None, False).kernels():
-        out = PreparedAllGather(g, device, token, layout, region, sdt, pdt, shards, params, hold)
+        out = PreparedAllGather(g, device, token, layout, region, sdt, pdt, shards, params, hold, checked)
     g.heap_barrier()
     return out
