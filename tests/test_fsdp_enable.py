@@ -85,33 +85,44 @@ _SCENARIOS = {  # option -> (rank 0's enable keywords, rank 1's)
     "prepared": ({"prepared": True}, {}),
     "release_slots": ({"slot_reuse": True}, {"slot_reuse": True, "release_slots": False}),
     "tide_triton.fsdp.SLOT_POOL": ({"slot_reuse": True}, {"slot_reuse": True, "pool": 3}),
+    "group": ({}, {"group": None}),  # rank 1 would set up a new group that rank 0 never joins
 }
 
 
 def _options_differing(rank: int, world: int) -> dict:
     import tide_triton as tt
 
-    g = tt.init(timeout_s=20)
+    import torch.distributed as dist
+
+    g = tt.init(dist.new_group(list(range(world))), timeout_s=20)  # FSDP2's ranks, not the world group's
     out = {}
     for option, kws in _SCENARIOS.items():
         kw = dict(kws[rank])
         pool = kw.pop("pool", 2)
+        kw.setdefault("group", g)
         m = _build()
         t0 = time.monotonic()
         saved, tt.fsdp.SLOT_POOL = tt.fsdp.SLOT_POOL, pool
         try:
-            tt.fsdp.enable(m, group=g, **kw)
+            tt.fsdp.enable(m, **kw)
             outcome = "enabled"
         except tt.TideTritonError as e:
             outcome = f"{type(e).__name__}: {e}"
         finally:
             tt.fsdp.SLOT_POOL = saved
         out[option] = (outcome, time.monotonic() - t0, tt.fsdp.is_enabled(m))
-    return out
+    # the same group named on one rank and found on the other (the world group's, FSDP2's ranks): agreed
+    world_g = tt.init(timeout_s=20)
+    m = _build()
+    tt.fsdp.enable(m, group=world_g if rank == 0 else None)
+    same = tt.fsdp.is_enabled(m) and {st.group for st in tt.fsdp.install._state.GROUPS.values()} == {world_g}
+    tt.fsdp.disable(m)
+    return out, same
 
 
 def test_enable_options_that_differ_between_ranks_raise_on_every_rank_naming_both_values() -> None:
-    for rank, out in enumerate(run_multiprocess(_options_differing, W, timeout=300)):
+    for rank, (out, same_group_enabled) in enumerate(run_multiprocess(_options_differing, W, timeout=300)):
+        assert same_group_enabled, rank
         for option, (outcome, seconds, enabled) in out.items():
             first, second = (repr(v) for v in _values(option))
             assert outcome.startswith(f"ArgumentMismatchError: ranks disagree on tide_triton.fsdp.enable's {option}: "
@@ -122,7 +133,8 @@ def test_enable_options_that_differ_between_ranks_raise_on_every_rank_naming_bot
 
 def _values(option: str) -> tuple:
     return {"slot_reuse": (True, False), "prepared": (True, False), "release_slots": (True, False),
-            "tide_triton.fsdp.SLOT_POOL": (2, 3)}[option]
+            "tide_triton.fsdp.SLOT_POOL": (2, 3),
+            "group": ("an open tide_triton group", "a new tide_triton group of FSDP2's process group")}[option]
 
 
 # --------------------------------------------------------------------------- stats

@@ -245,11 +245,9 @@ def _deadline(group: Any, apg: Any) -> tuple[float, str]:
     from ..group import Group, existing
     from ..options import GroupOptions
 
-    if isinstance(group, Group):
-        return group.options.timeout_s, "a tide_triton Group"
-    have = existing(group if isinstance(group, dist.ProcessGroup) else apg)
-    if have is not None:
-        return have.options.timeout_s, "the open tide_triton group of the process group"
+    have = group if isinstance(group, Group) else existing(group if isinstance(group, dist.ProcessGroup) else apg)
+    if have is not None:  # given or found: the same on ranks that reach it either way
+        return have.options.timeout_s, "an open tide_triton group"
     return GroupOptions().timeout_s, f"a new tide_triton group of {'group' if group is not None else 'FSDP2'}'s " \
                                      "process group"
 
