@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["Progress", "rank_device", "require_device", "recorded_rows"]
+__all__ = ["Progress", "rank_device", "recorded_rows", "require_device", "with_index"]
 
 
 class Progress:
@@ -61,12 +61,13 @@ class Progress:
 
 
 def require_device(parser, option: str, value: str | None):
-    """``torch.device`` for ``--device`` (``None``: CUDA if present, else CPU); a missing GPU
-    or an unknown name ends in ``parser.error`` naming the option and how to fix it."""
+    """``torch.device`` for ``--device`` (``None``: CUDA if present, else CPU), with its index
+    (:func:`with_index`); a missing GPU or an unknown name ends in ``parser.error`` naming the
+    option and how to fix it."""
     import torch
 
     if value is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return with_index(torch.device("cuda")) if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(value)
     except RuntimeError:
@@ -80,7 +81,23 @@ def require_device(parser, option: str, value: str | None):
             parser.error(f"{option} {value}: only {torch.cuda.device_count()} CUDA device(s) visible")
     elif dev.type != "cpu":
         parser.error(f"{option}: expected cpu or cuda[:N], got {value!r}")
-    return dev
+    return with_index(dev)
+
+
+def with_index(device):
+    """``device`` with its index: ``cuda`` without one means this process's GPU --
+    ``cuda:LOCAL_RANK`` (modulo the visible GPUs) under torchrun, else the current device --
+    because ``torch.cuda.set_device`` and the timing events refuse a device without an index."""
+    import os
+
+    import torch
+
+    if device.type != "cuda" or device.index is not None:
+        return device
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and local.strip().isdigit():
+        return torch.device("cuda", int(local) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def rank_device(rank: int, *, share_gpu: bool = False):

@@ -14,6 +14,8 @@ What changes for an enabled parameter group (torch 2.9-2.15, dim-0 sharding):
   straight into an existing ``.grad`` (gradient accumulation, same pass) when every
   parameter of the group has one, otherwise into one flat output whose per-parameter views
   become the ``.grad`` DTensors exactly as in stock FSDP2.  Post-accumulate-grad hooks fire.
+  ``reduce_dtype=bf16`` with fp32 parameters: the fp32 sums are rounded once to bf16 (stock
+  sums in bf16; docs/fsdp.md states the bound), said once per group (INFO).
   Ops: AVG (default), ``set_gradient_divide_factor`` (a pre-multiplied sum),
   ``set_force_sum_reduction_for_comms`` (a sum, then the post-divide), the all-reduce hook.
 
@@ -88,6 +90,11 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     Slot-Reuse (the others keep the eager calls).  Tested on the CPU and the H200; off by
     default because it measured no faster there (FSDP2's tensors move between steps, and each
     new set of addresses costs a full check and bind: docs/fsdp.md, "Prepared collectives in the drop-in").
+
+    The ranks agree ``slot_reuse``, ``prepared``, ``release_slots``, :data:`SLOT_POOL` and how
+    the tide_triton group comes about before anything is made: a difference raises
+    ``ArgumentMismatchError`` on every rank naming the option and the ranks' values.  Every wait
+    has the group's deadline (``timeout_s``).
 
     Returns ``{module name: None if on tide_triton, else the reason it stays stock}``; each
     stock module's reason is also logged once (logger ``"tide_triton"``).

@@ -36,6 +36,8 @@ class GroupState:
     pg_ref: weakref.ref[Any]
     """The FSDPParamGroup, weakly: the registries' values must not keep their keys alive."""
     reduce_fallback_logged: bool = False
+    bf16_reduce_logged: bool = False
+    """``reduce_dtype=bf16`` served (fp32 sums rounded once to bf16): said once per group."""
     all_gathers: int = 0
     """Calls served by tide_triton.all_gather."""
     reduce_scatters: int = 0

@@ -107,6 +107,20 @@ def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) 
     return g
 
 
+def labelled_groups(mods: list[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:
+    """``(module name, group label, FSDPParamGroup)`` for every group of every module in
+    ``mods``: the label is the module's name (``"layers.0[1]"`` for a module's second group),
+    and a group that several modules share (``fully_shard([norm, head])``) carries one label
+    naming them all (``"norm+head"``) wherever it appears -- the same on every rank."""
+    rows, owners = [], {}
+    for name, m in mods:
+        groups = param_groups(m)
+        for i, pg in enumerate(groups):
+            owners.setdefault(id(pg), []).append(name if len(groups) == 1 else f"{name}[{i}]")
+            rows.append((name, pg))
+    return [(name, "+".join(owners[id(pg)]), pg) for name, pg in rows]
+
+
 def _sentinel(device: torch.device) -> torch.Tensor:
     return torch.empty(0, device=device)
 
@@ -163,8 +177,10 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         api = load_api()
     except RuntimeError as e:
         api, unserved = None, str(e)
+    options = _protocol_options(slot_reuse, slot_pool, release_slots, prepared)
     if api is None:  # the peers learn it (they would run tide_triton's collectives against stock ones)
-        _agree_decisions([(name, name, pg, unserved) for name, m in mods for pg in param_groups(m)])
+        _agree_decisions([(name, label, pg, unserved) for name, label, pg in labelled_groups(mods)],
+                         options, group)
         log.warning("tide_triton.fsdp: stock FSDP2 for all modules: %s", unserved)
         return {name: unserved for name, _ in mods}
     for name, m in mods:
@@ -178,23 +194,26 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
                 raise RuntimeError(f"enable(slot_reuse={slot_reuse}): {name} is enabled already"
                                    f"{' with Slot-Reuse' if have.slot is not None else ''}; disable it first")
     plan = []  # (module name, group label, FSDPParamGroup, why it stays stock or None)
-    for name, m in mods:
-        groups = param_groups(m)
-        for i, pg in enumerate(groups):
-            why = why_stock(pg, api)
-            if why is None and slot_reuse:
-                why = _why_no_slot(pg)
-            plan.append((name, name if len(groups) == 1 else f"{name}[{i}]", pg, why))
-    _agree_decisions(plan)
+    for name, label, pg in labelled_groups(mods):
+        why = why_stock(pg, api)
+        if why is None and slot_reuse:
+            why = _why_no_slot(pg)
+        plan.append((name, label, pg, why))
+    _agree_decisions(plan, options, group)
     result: dict[str, str | None] = {}
+    done: set[int] = set()  # a group shared by several modules is set up once
     for name, label, pg, why in plan:
+        first = id(pg) not in done
+        done.add(id(pg))
         if why is None:
-            g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
-            _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg), use_prepared=prepared))
+            if first:
+                g = _resolve_group(group, pg._all_gather_process_group, slot_reuse)
+                _attach(pg, GroupState(g, label, _sentinel(pg.device), weakref.ref(pg), use_prepared=prepared))
             result.setdefault(name, None)
         else:
-            _drop(pg)
-            log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
+            if first:
+                _drop(pg)
+                log.warning("tide_triton.fsdp: %s stays on stock FSDP2: %s", label, why)
             result[name] = why if result.get(name) is None else f"{result[name]}; {why}"
     if slot_reuse:
         try:
@@ -209,16 +228,41 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
     return result
 
 
-def _agree_decisions(plan: list) -> None:
+def _protocol_options(slot_reuse: bool, slot_pool: int, release_slots: bool, prepared: bool) -> list:
+    """The options of ``enable`` that change what a rank does collectively (which heap regions
+    it makes, which calls it runs as prepared ones, when it releases slots), as a signature's
+    fields: the ranks agree them before anything is made.  Slot-Reuse's own settings count
+    only with Slot-Reuse on."""
+    return [("slot_reuse", slot_reuse), ("prepared", prepared),
+            ("tide_triton.fsdp.SLOT_POOL", slot_pool if slot_reuse else None),
+            ("release_slots", release_slots if slot_reuse else None)]
+
+
+def _deadline(group: Any, apg: Any) -> tuple[float, str]:
+    """The deadline of the tide_triton group that ``enable`` runs ``apg``'s collectives on
+    (``group``'s, else the open group of the process group, else a new group's default),
+    and how that group comes about -- a new group's set-up is collective: it is agreed."""
+    from ..group import Group, existing
+    from ..options import GroupOptions
+
+    have = group if isinstance(group, Group) else existing(group if isinstance(group, dist.ProcessGroup) else apg)
+    if have is not None:  # given or found: the same on ranks that reach it either way
+        return have.options.timeout_s, "an open tide_triton group"
+    return GroupOptions().timeout_s, f"a new tide_triton group of {'group' if group is not None else 'FSDP2'}'s " \
+                                     "process group"
+
+
+def _agree_decisions(plan: list, options: list, group: Any = None) -> None:
     """Every rank of each FSDP2 process group takes the same path for each parameter group:
     tide_triton's collectives on one rank against stock ones on another pair nothing -- one
     side times out naming nobody useful, the other waits in the process group's collective.
     A decision is each rank's own reading (its torch build, its sources, its settings), so
     it is exchanged over the group's all-gather process group (once, in ``enable``; the
-    bootstrap store, with the default deadline) and a difference raises on every rank,
-    naming the group, the ranks and why."""
+    bootstrap store, with the deadline of the group the collectives will run on), together
+    with ``options`` (:func:`_protocol_options`) and how the group comes about: a difference
+    raises on every rank, naming the group or option, the ranks and their values."""
+    from ..calls import check_same
     from ..group import exchange_once
-    from ..options import GroupOptions
 
     by_pg: dict[Any, list] = {}
     for _name, label, pg, why in plan:
@@ -226,9 +270,12 @@ def _agree_decisions(plan: list) -> None:
     for apg, mine in by_pg.items():
         if apg is None or dist.get_world_size(apg) == 1:
             continue
-        got = exchange_once(apg, mine, what="tide_triton.fsdp.enable's decisions",
-                            timeout_s=GroupOptions().timeout_s)
-        for r, theirs in enumerate(got):
+        timeout_s, how = _deadline(group, apg)
+        sig = ("tide_triton.fsdp.enable", *options, ("group", how))
+        got = exchange_once(apg, (sig, mine), what="tide_triton.fsdp.enable's options and decisions",
+                            timeout_s=timeout_s)
+        check_same([(0, their_sig, None) for their_sig, _ in got], dist.get_rank(apg))
+        for r, (_, theirs) in enumerate(got):
             if [lab for lab, _ in theirs] != [lab for lab, _ in mine]:
                 raise RuntimeError(f"enable: rank {r} of the process group holds other FSDP2 groups "
                                    f"({[lab for lab, _ in theirs]}) than rank {dist.get_rank(apg)} "
@@ -312,16 +359,18 @@ def heap_bytes(module: nn.Module) -> int:
 
 
 def stats(module: nn.Module) -> dict[str, dict[str, int] | None]:
-    """Per FSDP2 module inside ``module``: how many all-gathers and reduce-scatters
-    tide_triton has served since :func:`enable` (None for a module on the stock path), and
-    the nodes of its group (more than one: the cross-node collectives)."""
+    """Per FSDP2 parameter group inside ``module`` (named by its module; a group several
+    modules share, ``fully_shard([norm, head])``, once, as ``"norm+head"``): how many
+    all-gathers and reduce-scatters tide_triton has served since :func:`enable` (None for a
+    group on the stock path), and the nodes of its group (more than one: the cross-node
+    collectives)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     out: dict[str, dict[str, int] | None] = {}
-    for name, m in fsdp_modules(module):
-        for i, pg in enumerate(groups := param_groups(m)):
+    for _name, label, pg in labelled_groups(fsdp_modules(module)):
+        if label not in out:
             st = _state.GROUPS.get(pg)
-            out[name if len(groups) == 1 else f"{name}[{i}]"] = None if st is None else {
+            out[label] = None if st is None else {
                 "all_gathers": st.all_gathers, "reduce_scatters": st.reduce_scatters,
                 "direct_accumulations": st.direct_accumulations,
                 "staged_reduce_scatters": st.staged_reduce_scatters, "slot_all_gathers": st.slot_all_gathers,

@@ -154,12 +154,14 @@ def assign_slots(mods: list[tuple[str, nn.Module]], pool: int, release: bool = T
     names = [n for n, _ in mods]
     pools: dict[int, list] = {}  # id(tide group) -> [(pg, st)]
     private: list = []
+    seen: set[int] = set()  # a group several modules share (fully_shard([norm, head])): one slot
     for name, m in mods:
         outer = name == "<root>" or not any(o == "<root>" or name.startswith(o + ".") for o in names if o != name)
         for pg in param_groups(m):
             st = _state.GROUPS.get(pg)
-            if st is None:
+            if st is None or id(pg) in seen:
                 continue
+            seen.add(id(pg))
             if outer or pg.post_forward_mesh_info is None:
                 private.append((pg, st))
             else:

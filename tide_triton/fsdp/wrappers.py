@@ -316,6 +316,14 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
     out_dtype = orig_dtype or reduce_dtype  # fp32 shards straight from the (bf16) grads
     if hook is None and post is not None:  # fold force-sum's post-divide into the op
         op, post = _combine(op, post, W), None
+    # reduce_dtype=bf16 with fp32 shards: summed in fp32, rounded once to bf16 -- the precision
+    # the user asked for, stock's result dtype (FSDP2 casts its bf16 sums to orig_dtype)
+    round_bf16 = reduce_dtype == torch.bfloat16 and out_dtype != torch.bfloat16
+    if round_bf16 and not st.bf16_reduce_logged:
+        st.bf16_reduce_logged = True
+        log.info("tide_triton.fsdp: %s reduce_dtype=torch.bfloat16: the gradients are summed in fp32 and the "
+                 "sums rounded once to bf16 (stock FSDP2 sums in bf16), held as %s like stock's", st.fqn,
+                 out_dtype)
 
     # Where the sums go: straight into existing .grad when every parameter has one.
     locals_ = []
@@ -325,7 +333,7 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         ok = (loc is not None and loc.dtype == out_dtype and loc.is_contiguous()
               and tuple(loc.shape) == tuple(fp.sharded_size) and loc.device == device)
         locals_.append(loc if ok else None)
-    direct = hook is None and all(x is not None for x in locals_)
+    direct = hook is None and not round_bf16 and all(x is not None for x in locals_)
 
     rs_stream.wait_stream(current)
     flat = None
@@ -361,6 +369,8 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
             _queue_release()
         st.staged_reduce_scatters += staging is not None
         st.direct_accumulations += direct
+        if round_bf16:  # before the event: the hook and the .grad update read the rounded sums
+            flat.copy_(flat.to(torch.bfloat16))
         reduce_scatter_event = rs_stream.record_event()
     post_reduce_stream = rs_stream
     if hook is not None:
