@@ -12,6 +12,7 @@ from .errors import (
     GroupBrokenError,
     PeerAbortedError,
     PeerArgumentError,
+    PeerLostError,
     PeerTimeoutError,
     TideTritonError,
 )
@@ -40,7 +41,7 @@ __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
-    "TideTritonError", "PeerTimeoutError", "PeerArgumentError", "ArgumentMismatchError",
+    "TideTritonError", "PeerTimeoutError", "PeerLostError", "PeerArgumentError", "ArgumentMismatchError",
     "PeerAbortedError", "GroupBrokenError",
     "fsdp",
     "__version__",

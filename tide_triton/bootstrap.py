@@ -14,7 +14,12 @@ so that:
   waiting in an exchange raise at once, naming it;
 * keys carry the group's call number and the exchange's index within the call, so an
   exchange one rank skipped (its call failed before reaching it) can never pair with
-  another exchange of a later call.
+  another exchange of a later call;
+* a rank waiting long for a peer notes whom it waits for (:meth:`Exchange.note_wait`), so
+  that a peer timing out on *it* can name the rank that is really missing;
+* a store that stops answering (its host died: rank 0 under ``init_method="tcp://..."``)
+  raises :class:`~tide_triton.errors.PeerLostError` naming that rank, not torch's
+  ``DistNetworkError``.
 
 A key is written once by its owner, read by every peer, and deleted by its owner once a
 later exchange has completed (every peer has then written that later key, so it has read
@@ -27,9 +32,9 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
-from .errors import PeerTimeoutError
+from .errors import PeerLostError, PeerTimeoutError
 
-__all__ = ["KeyValue", "StoreKeyValue", "LocalKeyValue", "Exchange", "Abort"]
+__all__ = ["KeyValue", "StoreKeyValue", "LocalKeyValue", "Exchange", "Abort", "Wait", "StoreLost"]
 
 IDENTITIES_KEPT = 4
 """Posted call identities (:meth:`Exchange.post_identity`) a rank keeps in the store."""
@@ -37,6 +42,21 @@ IDENTITIES_KEPT = 4
 _POLL_S = 0.05
 """How long one wait on the store lasts before the missing ranks and the abort keys are
 looked at again: a peer's abort is seen within about this long."""
+
+NOTE_AFTER_S = 0.2
+"""A wait on one peer lasting this long is noted in the store (:meth:`Exchange.note_wait`)."""
+
+NOTE_EVERY_S = 0.1
+"""How often a noted wait is noted again while it lasts: a note whose count stops growing is
+a wait that ended (or a rank that died in it)."""
+
+
+class StoreLost(Exception):
+    """The store failed under an operation (its host is gone); ``where`` names the store."""
+
+    def __init__(self, where: str, error: BaseException) -> None:
+        super().__init__(f"{where} failed: {type(error).__name__}: {error}")
+        self.where = where
 
 
 class KeyValue(Protocol):
@@ -55,17 +75,37 @@ class KeyValue(Protocol):
     def delete(self, key: str) -> None: ...
 
 
+def _store_address(store: Any) -> str:
+    """``"TCPStore at host:port"`` for a (prefixed) TCPStore, else the store's type."""
+    inner = store
+    while hasattr(inner, "underlying_store"):  # PrefixStore
+        inner = inner.underlying_store
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    return f"{type(inner).__name__} at {host}:{port}" if host is not None else type(inner).__name__
+
+
 class StoreKeyValue:
-    """A ``torch.distributed.Store`` (TCPStore, FileStore, PrefixStore ...)."""
+    """A ``torch.distributed.Store`` (TCPStore, FileStore, PrefixStore ...).  A store
+    operation that fails (``DistNetworkError`` once the store's host died) raises
+    :class:`StoreLost`."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
 
+    def _failed(self, e: BaseException) -> StoreLost:
+        return StoreLost(f"torch.distributed's store ({_store_address(self.store)})", e)
+
     def set(self, key: str, value: bytes) -> None:
-        self.store.set(key, value)
+        try:
+            self.store.set(key, value)
+        except (RuntimeError, OSError) as e:  # DistError derives from RuntimeError
+            raise self._failed(e) from e
 
     def present(self, key: str) -> bool:
-        return bool(self.store.check([key]))
+        try:
+            return bool(self.store.check([key]))
+        except (RuntimeError, OSError) as e:
+            raise self._failed(e) from e
 
     def wait_all(self, keys: Sequence[str], timeout_s: float) -> bool:
         # Polls ``check`` (one round trip) with a growing pause rather than ``Store.wait``
@@ -73,20 +113,29 @@ class StoreKeyValue:
         deadline = time.monotonic() + timeout_s
         pause = 20e-6
         keys = list(keys)
-        while not self.store.check(keys):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+        try:
+            while not self.store.check(keys):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+        except (RuntimeError, OSError) as e:
+            raise self._failed(e) from e
         return True
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
-        if hasattr(self.store, "multi_get"):
-            return list(self.store.multi_get(list(keys)))
-        return [self.store.get(k) for k in keys]
+        try:
+            if hasattr(self.store, "multi_get"):
+                return list(self.store.multi_get(list(keys)))
+            return [self.store.get(k) for k in keys]
+        except (RuntimeError, OSError) as e:
+            raise self._failed(e) from e
 
     def delete(self, key: str) -> None:
-        self.store.delete_key(key)
+        try:
+            self.store.delete_key(key)
+        except (RuntimeError, OSError) as e:
+            raise self._failed(e) from e
 
 
 class LocalKeyValue:
@@ -123,7 +172,8 @@ ABORTS_KEPT = 16
 
 
 class Abort(tuple):
-    """What a rank published when it abandoned a call: ``(call, kind, message)``.  ``kind``:
+    """What a rank published when it abandoned a call: ``(call, kind, message)``, and
+    ``missing`` as a fourth item where it gave up waiting for a rank.  ``kind``:
     ``"argument"`` (its arguments were bad; nothing of the call moved), ``"failed"`` (it
     failed after data may have moved), ``"broken"`` (its group is broken)."""
 
@@ -138,6 +188,67 @@ class Abort(tuple):
     @property
     def message(self) -> str:
         return self[2]
+
+    @property
+    def missing(self) -> int | None:
+        """The rank whose absence made it give up (its ``PeerTimeoutError``), or None."""
+        return self[3] if len(self) > 3 else None
+
+
+class Wait(tuple):
+    """A rank's note of a long wait (:meth:`Exchange.note_wait`): ``(call, peer, count)``;
+    ``count`` grows with every note of this rank, so two reads tell a wait going on from one
+    that ended."""
+
+    @property
+    def call(self) -> int:
+        return self[0]
+
+    @property
+    def peer(self) -> int:
+        return self[1]
+
+    @property
+    def count(self) -> int:
+        return self[2]
+
+
+class WaitNotes:
+    """One call's waits on peers, noted in the store once one lasts :data:`NOTE_AFTER_S`
+    and again every :data:`NOTE_EVERY_S` while it lasts.  Called with the peer at every poll
+    of a wait (the group's abort watch); costs a clock read until a wait is long."""
+
+    _GAP_S = 0.2
+    """Polls of one peer further apart than this belong to two waits."""
+
+    def __init__(self, ex: "Exchange", call: int) -> None:
+        self._ex = ex
+        self._call = call
+        self._since: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._next = 0.0
+        self._peer: int | None = None
+
+    def __call__(self, peer: int) -> None:
+        now = time.monotonic()
+        if now - self._last.get(peer, -1e9) > self._GAP_S:
+            self._since[peer] = now
+        self._last[peer] = now
+        if now - self._since[peer] >= NOTE_AFTER_S and now >= self._next:
+            self._next = now + NOTE_EVERY_S
+            self._peer = peer
+            self._ex.note_wait(self._call, peer)
+
+    def renew(self) -> None:
+        """Note the last noted wait again: the call gave up on that peer and is still held by
+        it while it looks for the rank behind it (a peer following this rank sees it live)."""
+        if self._peer is not None:
+            self._ex.note_wait(self._call, self._peer)
+
+    def clear(self) -> None:
+        """The call is over: its note goes (one store delete, only if it noted)."""
+        if self._next:
+            self._ex.clear_wait()
 
 
 class Exchange:
@@ -157,17 +268,33 @@ class Exchange:
         self._mine: list[str] = []  # my keys not yet deleted, oldest first
         self._aborts: list[Abort] = []  # what this rank published, oldest first
         self._posted: list[str] = []  # identity keys this rank posted, not yet deleted, oldest first
+        self._noted = 0  # notes of waits this rank published (Wait.count)
+        self.store_host: int | None = 0
+        """The rank named when the store fails: its host, global rank 0 under
+        ``init_method="tcp://..."`` or ``"env://"`` (under torchrun the agent beside it);
+        None where that rank is not in this group."""
+
+    def _lost(self, e: StoreLost, what: str, timeout_s: float) -> PeerLostError:
+        host = None if self.store_host is None else self.name(self.store_host)
+        who = "global rank 0 (not in this group)" if host is None else f"rank {host}"
+        return PeerLostError(
+            host, what, timeout_s,
+            f"{e}: {who}, the store's host (under torchrun: its agent), died or exited -- every exchange "
+            "of the job goes through that store, so this group is broken and the process group with it: "
+            "end the job and restart it")
 
     # ---- aborts -------------------------------------------------------------------------
     def _abort_key(self, r: int) -> str:
         return f"{self.prefix}abort/{r}"
 
-    def publish_abort(self, call: int, kind: str, message: str) -> None:
+    def publish_abort(self, call: int, kind: str, message: str, missing: int | None = None) -> None:
         """Tell every peer that this rank abandoned call ``call`` (best effort: a store that
-        is gone cannot be told).  The last :data:`ABORTS_KEPT` aborts stay readable: a
+        is gone cannot be told); ``missing``: the rank it gave up waiting for, if that was
+        why.  The last :data:`ABORTS_KEPT` aborts stay readable: a
         peer explaining a wait on call ``n`` needs the abort *of* call ``n`` (its cause),
         not a later call's refusal on the group that abort broke."""
-        self._aborts = (self._aborts + [Abort((call, kind, message))])[-ABORTS_KEPT:]
+        a = Abort((call, kind, message) if missing is None else (call, kind, message, missing))
+        self._aborts = (self._aborts + [a])[-ABORTS_KEPT:]
         try:
             self.kv.set(self._abort_key(self.rank), pickle.dumps(self._aborts))
         except Exception:  # noqa: BLE001 -- the store may be gone with its host
@@ -187,6 +314,38 @@ class Exchange:
         """The first abort rank ``r`` published of call ``since`` or later, or None."""
         return next((a for a in self.aborts_of(r) if a.call >= since), None)
 
+    # ---- whom a rank waits for ------------------------------------------------------------
+    def _wait_key(self, r: int) -> str:
+        return f"{self.prefix}wait/{r}"
+
+    def note_wait(self, call: int, peer: int) -> None:
+        """Publish that this rank has been waiting for ``peer`` in call ``call`` (best effort;
+        :class:`WaitNotes` calls it)."""
+        self._noted += 1
+        try:
+            self.kv.set(self._wait_key(self.rank), pickle.dumps(Wait((call, peer, self._noted))))
+        except Exception:  # noqa: BLE001 -- a note only explains; the wait's own error is the one raised
+            pass
+
+    def clear_wait(self) -> None:
+        try:
+            self.kv.delete(self._wait_key(self.rank))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def wait_of(self, r: int) -> Wait | None:
+        """Rank ``r``'s latest note of a long wait (:meth:`note_wait`), or None."""
+        key = self._wait_key(r)
+        try:
+            if not self.kv.present(key):
+                return None
+            return Wait(pickle.loads(self.kv.get_many([key])[0]))
+        except Exception:  # noqa: BLE001 -- diagnosis only
+            return None
+
+    def wait_notes(self, call: int) -> WaitNotes:
+        return WaitNotes(self, call)
+
     # ---- the exchange -------------------------------------------------------------------
     def exchange(self, obj: object, *, call: int, index: int, timeout_s: float, what: str,
                  check: Callable[[Sequence[int]], None] | None = None) -> list:
@@ -198,11 +357,14 @@ class Exchange:
         W, me = self.world_size, self.rank
         tag = f"{self.prefix}x/{call}/{index}/"
         mine = tag + str(me)
-        self.kv.set(mine, pickle.dumps(obj))
+        what = f"{what}: its part of bootstrap exchange (call #{call}, step {index})"
         keys = [tag + str(r) for r in range(W)]
-        self._wait_for(keys, [r for r in range(W) if r != me], timeout_s, check,
-                       f"{what}: its part of bootstrap exchange (call #{call}, step {index})")
-        got = [pickle.loads(b) for b in self.kv.get_many(keys)]
+        try:
+            self.kv.set(mine, pickle.dumps(obj))
+            self._wait_for(keys, [r for r in range(W) if r != me], timeout_s, check, what)
+            got = [pickle.loads(b) for b in self.kv.get_many(keys)]
+        except StoreLost as e:
+            raise self._lost(e, what, timeout_s) from e.__cause__
         # Every peer wrote this exchange's key, so it has read all my earlier keys.
         for old in self._mine:
             try:
@@ -238,14 +400,18 @@ class Exchange:
     def _identity_key(self, call: int, r: int) -> str:
         return f"{self.prefix}id/{call}/{r}"
 
-    def post_identity(self, call: int, key: int) -> None:
+    def post_identity(self, call: int, key: int, *, timeout_s: float = 0.0) -> None:
         """Post this rank's identity of call ``call`` (its call number and signature
         fingerprint, :meth:`~tide_triton.calls.CallIdentity.check_in`) for peers to read
-        later (:meth:`identities`) -- a store write, no wait.  The last
+        later (:meth:`identities`) -- a store write, no wait (``timeout_s``: the deadline a
+        lost store's error states).  The last
         :data:`IDENTITIES_KEPT` stay readable: a peer reads call ``n``'s at its call ``n + 1``
         at the latest, and this rank cannot be more than a call ahead of a peer that reads it."""
         k = self._identity_key(call, self.rank)
-        self.kv.set(k, str(int(key)).encode())
+        try:
+            self.kv.set(k, str(int(key)).encode())
+        except StoreLost as e:
+            raise self._lost(e, f"the store to take call #{call}'s identity", timeout_s) from e.__cause__
         self._posted.append(k)
         while len(self._posted) > IDENTITIES_KEPT:
             try:
@@ -259,5 +425,9 @@ class Exchange:
         order of ``ranks``, waiting for them with the deadline of :meth:`exchange`."""
         keys = {r: self._identity_key(call, r) for r in ranks}
         by_rank = [keys.get(r, "") for r in range(self.world_size)]
-        self._wait_for(by_rank, list(ranks), timeout_s, check, f"{what}: its identity of call #{call}")
-        return [int(b) for b in self.kv.get_many([keys[r] for r in ranks])]
+        what = f"{what}: its identity of call #{call}"
+        try:
+            self._wait_for(by_rank, list(ranks), timeout_s, check, what)
+            return [int(b) for b in self.kv.get_many([keys[r] for r in ranks])]
+        except StoreLost as e:
+            raise self._lost(e, what, timeout_s) from e.__cause__

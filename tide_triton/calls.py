@@ -14,16 +14,28 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from functools import lru_cache
 from typing import Any, NoReturn, Sequence
 
 from . import stall_watch
-from .bootstrap import Abort
-from .errors import ArgumentMismatchError, GroupBrokenError, PeerAbortedError, PeerArgumentError
+from .bootstrap import NOTE_EVERY_S, Abort
+from .errors import (
+    ArgumentMismatchError,
+    GroupBrokenError,
+    PeerAbortedError,
+    PeerArgumentError,
+    PeerLostError,
+    PeerTimeoutError,
+)
 
 __all__ = ["Call", "CallIdentity", "describe", "fingerprint", "sig32", "sig32_of", "check_same"]
 
 log = logging.getLogger("tide_triton")
+
+FOLLOW_S = 6 * NOTE_EVERY_S
+"""How long a rank timing out on a peer that noted a wait of its own looks for that note to
+be renewed (a wait going on) before it takes the note as stale."""
 
 FAILED_KEPT = 256
 """This rank's failed calls remembered (:meth:`CallIdentity._note_failed`): a peer's abort of
@@ -47,8 +59,13 @@ class CallIdentity:
             log.error("tide_triton group (rank %d of %d) is broken: %s", self.rank, self.world_size, why)
 
     def _raise_abort(self, r: int, a: Abort) -> None:
+        """Raise rank ``r``'s abort ``a`` here.  One that gave up waiting for a third rank
+        names that rank, the one missing, as a ``PeerTimeoutError`` -- ``r`` only waited."""
         if a.kind == "argument":
             raise PeerArgumentError(r, a.message)
+        if a.missing is not None and a.missing != self.rank:
+            raise PeerTimeoutError(a.missing, f"rank {r} gave up waiting for it in call #{a.call}: {a.message}",
+                                   self.options.timeout_s, via=(r,))
         raise PeerAbortedError(r, a.call, a.message)
 
     def _all_aborted(self, ranks: set[int]) -> bool:
@@ -57,10 +74,13 @@ class CallIdentity:
         return all(r != self.rank and self._exchange.abort_of(r, 0) is not None for r in ranks)
 
     def _check_aborts(self, ranks: Sequence[int]) -> None:
-        """Raise for the first of ``ranks`` that published an abort of this call or later."""
+        """Raise for the first of ``ranks`` that published an abort of this call or later
+        (an exchange's wait for ``ranks``: the first is noted as waited for)."""
         c = self._call
         if c is None:
             return
+        if ranks:
+            c.notes(ranks[0])
         for r in ranks:
             a = self._exchange.abort_of(r, c.seq)
             if a is not None:
@@ -119,6 +139,15 @@ class CallIdentity:
         # A timeout that names its peer is explained by that peer's abort only: the others
         # may have aborted because of the same missing rank, and it is the one to blame.
         named = getattr(e, "peer", None)
+        if isinstance(e, PeerTimeoutError) and not isinstance(e, PeerLostError) and isinstance(named, int):
+            found = self._missing_behind(named, since)
+            if found is not None:
+                missing, steps = found
+                via = tuple(r for r, _, _ in steps)
+                told = "; ".join(f"rank {r} {'gave up waiting' if gave_up else 'waits'} for rank {n}"
+                                 for r, n, gave_up in steps)
+                return PeerTimeoutError(missing, f"{e.what} -- from rank {named}; {told}, which is missing",
+                                        e.timeout_s, via=via)
         for r in ([named] if isinstance(named, int) else range(self.world_size)):
             if r == self.rank:
                 continue
@@ -129,15 +158,69 @@ class CallIdentity:
                     PeerAbortedError(r, a.call, a.message)
         return None
 
-    def _watch_flags(self, t: Any, seq: int) -> Any:
+    def _missing_behind(self, peer: int, since: int) -> tuple[int, list[tuple[int, int, bool]]] | None:
+        """The rank missing behind ``peer``, which this rank timed out waiting for: follow
+        whom ``peer`` waits for (its noted wait, renewed while it lasts, or the rank its
+        published abort of call ``since`` or later gave up on), and whom that rank waits
+        for, to a rank that waits for nobody.  Returns ``(that rank, [(rank, waits for,
+        gave up)...])``, or None where ``peer`` waits for nobody (it is the one missing), or
+        the chain comes back to this rank or goes round (ranks waiting on each other: no
+        rank is missing, the calls differ).  Reads the store only on this error path; a note
+        is taken as a wait going on once it is seen renewed (within :data:`FOLLOW_S`)."""
+        ex = self._exchange
+
+        def walk(before: dict[int, int] | None) -> tuple[list, int, dict[int, int], bool] | None:
+            steps: list[tuple[int, int, bool]] = []
+            seen, counts, r = {self.rank}, {}, peer
+            while True:
+                if r in seen:
+                    return None  # back to this rank, or round in a circle
+                seen.add(r)
+                a = ex.abort_of(r, since)
+                if a is not None:
+                    if a.missing is None:
+                        return steps, r, counts, False  # it gave up for its own reason
+                    steps.append((r, a.missing, True))
+                    r = a.missing
+                    continue
+                w = ex.wait_of(r)
+                if w is None:
+                    return steps, r, counts, False
+                counts[r] = w.count
+                if before is not None and before.get(r, w.count) == w.count:
+                    return steps, r, counts, True  # a note not renewed (yet): the wait may be over
+                steps.append((r, w.peer, False))
+                r = w.peer
+
+        try:
+            got = walk(None)
+            deadline = time.monotonic() + FOLLOW_S
+            c = self._call
+            while got is not None and any(not gave_up for _, _, gave_up in got[0]):
+                if c is not None and c.notes is not None:
+                    c.notes.renew()
+                time.sleep(NOTE_EVERY_S / 2)
+                got = walk(got[2])
+                if got is None or not got[3] or time.monotonic() >= deadline:
+                    break
+        except Exception:  # noqa: BLE001 -- a diagnosis: the timeout as it was
+            return None
+        if got is None or not got[0]:
+            return None
+        return got[1], got[0]
+
+    def _watch_flags(self, t: Any, seq: int, notes: Any = None) -> Any:
         """A poll hook for the host transport's waits: raises once the peer waited for has
-        published an abort of this call (its abort flag) -- within one poll, not a timeout."""
+        published an abort of this call (its abort flag) -- within one poll, not a timeout;
+        ``notes`` (the call's :class:`~tide_triton.bootstrap.WaitNotes`) learns whom it waits for."""
         slot = self.flags.abort
 
         def watch(peer: int) -> None:
             if t.read_flag(slot(peer)) >= seq:
                 a = self._exchange.abort_of(peer, seq) or Abort((seq, "failed", "its call failed"))
                 self._raise_abort(peer, a)
+            if notes is not None:
+                notes(peer)
         return watch
 
     def check_in(self, t: Any, peers: Sequence[int]) -> None:
@@ -206,7 +289,7 @@ class CallIdentity:
         if c is None:
             raise RuntimeError("internal error: check_in_posted outside a collective call")
         self.check_posted()
-        self._exchange.post_identity(c.seq, c.key)
+        self._exchange.post_identity(c.seq, c.key, timeout_s=self.options.timeout_s)
         self._posted_pending = (c.seq, c.key, tuple(peers))
 
     def check_posted(self, timeout_s: float | None = None) -> None:
@@ -253,11 +336,12 @@ class CallIdentity:
             f"ranks {self.rank} and {p} made different collectives as call #{c.seq} of this group: rank "
             f"{self.rank}: {mine}; rank {p}: {theirs}")
 
-    def _publish_abort(self, seq: int, kind: str, message: str) -> None:
-        """Tell the peers this rank abandoned call ``seq``: in the bootstrap store (peers in
-        an exchange, and any that look up why) and in every peer's abort flag of every
-        transport this group has (the host transport's waits watch it)."""
-        self._exchange.publish_abort(seq, kind, message)
+    def _publish_abort(self, seq: int, kind: str, message: str, missing: int | None = None) -> None:
+        """Tell the peers this rank abandoned call ``seq`` (``missing``: the rank it gave up
+        waiting for): in the bootstrap store (peers in an exchange, and any that look up
+        why) and in every peer's abort flag of every transport this group has (the host
+        transport's waits watch it)."""
+        self._exchange.publish_abort(seq, kind, message, missing)
         for t in list(self._transports.values()):
             if getattr(t, "device", None) is None or t.device.type != "cpu":
                 continue  # CUDA: a stream write would queue behind the stuck waits; the store tells
@@ -283,6 +367,8 @@ class Call:
         """Data of this call may have moved (or peers may be past its start): an error from
         here on leaves the group broken."""
         self._watched: list[Any] = []
+        self.notes: Any = None
+        """Whom this call waits for, noted once a wait is long (``WaitNotes``)."""
         self._stall: stall_watch.section | None = None
         self._refusal: BaseException | None = None
 
@@ -306,7 +392,7 @@ class Call:
     def watch(self, t: Any) -> None:
         """Let ``t``'s host-side waits see the peers' aborts of this call."""
         if hasattr(t, "watch") and t.watch is None:
-            t.watch = self.g._watch_flags(t, self.seq)
+            t.watch = self.g._watch_flags(t, self.seq, self.notes)
             self._watched.append(t)
 
     def __enter__(self) -> "Call":
@@ -329,6 +415,7 @@ class Call:
                 f"this tide_triton group (rank {g.rank}) is broken and refuses call #{self.seq} ({self.name}): "
                 f"{why}.  Its staging and flags can no longer be trusted; close it (group.close()) and "
                 "create a new one (tide_triton.init)")
+        self.notes = g._exchange.wait_notes(self.seq)
         g._call = self
         # a thread stuck inside a driver call never reaches its deadline checks: reported
         self._stall = stall_watch.section(g.rank, f"{self.name} (call #{self.seq})", g.options.timeout_s)
@@ -351,6 +438,8 @@ class Call:
                 except Exception:  # noqa: BLE001 - the interrupt is what propagates
                     log.exception("rank %d: publishing the abort of an interrupted call failed", g.rank)
         finally:
+            if self.notes is not None:
+                self.notes.clear()  # after the abort: a peer reading this rank sees one of them
             g._call = None
             g._call_lock.release()
             if self._stall is not None:
@@ -364,7 +453,8 @@ class Call:
         g = self.g
         g._note_failed(self.seq)
         argument = (isinstance(e, (TypeError, ValueError)) or e is self._refusal) and not self.moving
-        g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}")
+        missing = e.peer if isinstance(e, PeerTimeoutError) and isinstance(e.peer, int) else None
+        g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}", missing)
         if not argument:
             g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "TideTritonError",
     "PeerTimeoutError",
+    "PeerLostError",
     "PeerArgumentError",
     "ArgumentMismatchError",
     "PeerAbortedError",
@@ -21,16 +22,46 @@ class TideTritonError(Exception):
 
 
 class PeerTimeoutError(TideTritonError, TimeoutError):
-    """A wait on a peer outlived its deadline; ``peer`` names the rank waited for.
+    """A wait on a peer outlived its deadline; ``peer`` names the rank that did not arrive.
+    Where the rank waited for was itself waiting for another, ``peer`` is the end of that
+    chain -- the rank that is missing -- and ``via`` the ranks between, in order (empty when
+    ``peer`` is the rank this rank waited for).
 
     Fix: find out why rank ``peer`` did not arrive (crashed, stuck, called something else, or
     slower than ``timeout_s``); raise ``GroupOptions.timeout_s`` if it is only slow."""
 
-    def __init__(self, peer: int, what: str, timeout_s: float) -> None:
+    def __init__(self, peer: int, what: str, timeout_s: float, via: tuple[int, ...] = ()) -> None:
         super().__init__(f"timed out after {timeout_s:.1f} s waiting for rank {peer} ({what})")
         self.peer = peer
         self.what = what
         self.timeout_s = timeout_s
+        self.via = tuple(via)
+
+
+class PeerLostError(PeerTimeoutError, RuntimeError):
+    """The connection to rank ``peer`` failed while this rank waited through it: that process
+    is gone, not late.  Raised when torch.distributed's store stops answering -- its host is
+    rank 0 under ``init_method="tcp://..."`` or ``"env://"`` (torchrun's agent beside rank 0
+    under torchrun) -- so every exchange of every group of the job fails.  A
+    :class:`PeerTimeoutError` (a dead peer is caught as one either way) and a ``RuntimeError``
+    (the base of torch's ``DistNetworkError`` it replaces, which is its ``__cause__``).
+
+    ``peer`` is None where the store's host is not a rank of this group (global rank 0 outside
+    a subgroup).
+
+    Fix: read rank ``peer``'s log (a process killed by a signal or the OOM killer leaves none;
+    look at the launcher's and the kernel's).  The group is broken afterwards, and the process
+    group too (its store is gone): end the job and restart it (torchrun's ``--max-restarts``
+    does), from a checkpoint."""
+
+    def __init__(self, peer: int | None, what: str, timeout_s: float, cause: str) -> None:
+        who = "the store's host" if peer is None else f"rank {peer}"
+        RuntimeError.__init__(self, f"lost {who} while waiting for {what}: {cause}")
+        self.peer = peer
+        self.what = what
+        self.timeout_s = timeout_s
+        self.via = ()
+        self.cause = cause
 
 
 class PeerArgumentError(TideTritonError, ValueError):

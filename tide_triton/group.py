@@ -108,8 +108,7 @@ class Group(CallIdentity):
             self._local = None
             self.rank = dist.get_rank(self.pg)
             self.world_size = dist.get_world_size(self.pg)
-            self._exchange = Exchange(StoreKeyValue(_default_store()), _store_prefix(self.pg), self.rank,
-                                      self.world_size)
+            self._exchange = _store_exchange(self.pg, _store_prefix(self.pg))
         self.topology = self._agree_topology(local_size)
         self.local_size = self.topology.local_size
         self.nodes = self.topology.nodes
@@ -805,9 +804,17 @@ def exchange_once(pg: Any, obj: object, *, what: str, timeout_s: float) -> list:
     """One all-gather of a small picklable object over ``pg``'s ranks (in their order there),
     through the bootstrap store like a group's exchanges -- with a deadline naming the ranks
     that did not arrive, and no collective of ``pg`` itself (no NCCL communicator made)."""
-    ex = Exchange(StoreKeyValue(_default_store()), _store_prefix(pg) + "once/", dist.get_rank(pg),
-                  dist.get_world_size(pg))
+    ex = _store_exchange(pg, _store_prefix(pg) + "once/")
     return ex.exchange(obj, call=0, index=1, timeout_s=timeout_s, what=what)
+
+
+def _store_exchange(pg: Any, prefix: str) -> Exchange:
+    """An exchange of ``pg``'s ranks through the default store, whose failure names its host:
+    global rank 0 (``init_method="tcp://..."`` / ``"env://"`` serve the store there)."""
+    ex = Exchange(StoreKeyValue(_default_store()), prefix, dist.get_rank(pg), dist.get_world_size(pg))
+    ranks = dist.get_process_group_ranks(pg)
+    ex.store_host = ranks.index(0) if 0 in ranks else None
+    return ex
 
 
 def _store_prefix(pg: Any) -> str:
