@@ -13,8 +13,10 @@ Host transport, processes joined by gloo; the killed rank SIGKILLs itself.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -164,3 +166,95 @@ def test_a_failing_store_raises_peer_lost_naming_its_host() -> None:
     ex.store_host = None  # the host is not a rank of this group
     with pytest.raises(tt.PeerLostError, match=r"^lost the store's host .* global rank 0 \(not in this group\)"):
         ex.identities([0], 3, timeout_s=5.0, what="call #3")
+
+
+def _identity(rank: int, kv, world_size: int = 4):
+    """A group's call-identity side alone (no transport), in call #5, over the store ``kv``."""
+    from types import SimpleNamespace
+
+    from tide_triton.bootstrap import Exchange
+    from tide_triton.calls import CallIdentity
+
+    g = object.__new__(CallIdentity)
+    g.rank, g.world_size, g._seq, g._keys, g._transports, g._call = rank, world_size, 5, {}, {}, None
+    g._failed_calls, g._broken = (), None
+    g.options = SimpleNamespace(timeout_s=2.0)
+    g._exchange = Exchange(kv, "g/", rank, world_size)
+    return g
+
+
+@contextlib.contextmanager
+def _waiting(kv, waits: dict[int, int]):
+    """Ranks ``waits`` keys waiting for their values in call #5: notes renewed every 50 ms."""
+    from tide_triton.bootstrap import Exchange
+
+    ex = {r: Exchange(kv, "g/", r, 4) for r in waits}
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.is_set():
+            for r, p in waits.items():
+                ex[r].note_wait(5, p)
+            stop.wait(0.05)
+    th = threading.Thread(target=renew, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def test_a_timeout_follows_live_waits_to_the_rank_that_waits_for_nobody() -> None:
+    """Rank 3 timed out waiting for rank 2, whose note (renewed while it waits) says it waits
+    for rank 1, whose note says rank 0; rank 0 noted nothing: rank 0 is named, via 2 and 1.
+    A note that is not renewed is a wait that ended: the chain stops there."""
+    import tide_triton as tt
+    from tide_triton.bootstrap import LocalKeyValue
+
+    kv = LocalKeyValue()
+    me = _identity(3, kv)
+    with _waiting(kv, {2: 1, 1: 0}):
+        e = me.explain_timeout(tt.PeerTimeoutError(2, "rank 2's all-gather rail", 2.0), 5)
+    assert isinstance(e, tt.PeerTimeoutError) and e.peer == 0 and e.via == (2, 1), e
+    assert str(e) == ("timed out after 2.0 s waiting for rank 0 (rank 2's all-gather rail -- from rank 2; rank 2 "
+                      "waits for rank 1; rank 1 waits for rank 0, which is missing)"), e
+    # the notes are no longer renewed (both waits ended): rank 2 is the one to look at
+    t0 = time.monotonic()
+    assert me.explain_timeout(tt.PeerTimeoutError(2, "x", 2.0), 5) is None
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_timeout_keeps_its_rank_when_the_waits_go_round() -> None:
+    """Ranks waiting on each other (rank 2 for this rank, or 2 for 1 and 1 for 2: calls that
+    differ) leave nobody missing: the error keeps the rank waited for."""
+    import tide_triton as tt
+    from tide_triton.bootstrap import LocalKeyValue
+
+    for waits in ({2: 3}, {2: 1, 1: 2}):
+        kv = LocalKeyValue()
+        me = _identity(3, kv)
+        with _waiting(kv, waits):
+            assert me.explain_timeout(tt.PeerTimeoutError(2, "x", 2.0), 5) is None, waits
+
+
+def test_a_peer_that_gave_up_on_a_third_rank_names_that_rank() -> None:
+    """Rank 1 gave up waiting for rank 0 (its published abort says so): rank 3, waiting for
+    rank 1, raises ``PeerTimeoutError`` naming rank 0 via rank 1 -- and rank 0, the rank it
+    gave up on, keeps ``PeerAbortedError`` naming rank 1."""
+    import tide_triton as tt
+    from tide_triton.bootstrap import Exchange, LocalKeyValue
+
+    kv = LocalKeyValue()
+    Exchange(kv, "g/", 1, 4).publish_abort(
+        5, "failed", "PeerTimeoutError: timed out after 2.0 s waiting for rank 0 (x)", missing=0)
+    three, zero = _identity(3, kv), _identity(0, kv)
+    with pytest.raises(tt.PeerTimeoutError) as got:
+        three._raise_abort(1, three._exchange.abort_of(1, 5))
+    assert got.value.peer == 0 and got.value.via == (1,), got.value
+    assert str(got.value).startswith("timed out after 2.0 s waiting for rank 0 (rank 1 gave up waiting for it "
+                                     "in call #5: PeerTimeoutError"), got.value
+    with pytest.raises(tt.PeerAbortedError, match="rank 1 abandoned collective call #5"):
+        zero._raise_abort(1, zero._exchange.abort_of(1, 5))
+    e = three.explain_timeout(tt.PeerTimeoutError(1, "y", 2.0), 5)  # its deadline passed first
+    assert isinstance(e, tt.PeerTimeoutError) and e.peer == 0 and e.via == (1,), e

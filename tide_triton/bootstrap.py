@@ -34,7 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from .errors import PeerLostError, PeerTimeoutError
 
-__all__ = ["KeyValue", "StoreKeyValue", "LocalKeyValue", "Exchange", "Abort", "Wait", "StoreLost"]
+__all__ = ["KeyValue", "StoreKeyValue", "LocalKeyValue", "Exchange", "Abort", "Wait", "WaitNotes", "StoreLost"]
 
 IDENTITIES_KEPT = 4
 """Posted call identities (:meth:`Exchange.post_identity`) a rank keeps in the store."""
@@ -247,7 +247,7 @@ class WaitNotes:
 
     def clear(self) -> None:
         """The call is over: its note goes (one store delete, only if it noted)."""
-        if self._next:
+        if self._peer is not None:
             self._ex.clear_wait()
 
 
