@@ -173,7 +173,7 @@ ABORTS_KEPT = 16
 
 class Abort(tuple):
     """What a rank published when it abandoned a call: ``(call, kind, message)``, and
-    ``missing`` as a fourth item where it gave up waiting for a rank.  ``kind``:
+    :attr:`gave_up` as a fourth item where it gave up waiting for a rank.  ``kind``:
     ``"argument"`` (its arguments were bad; nothing of the call moved), ``"failed"`` (it
     failed after data may have moved), ``"broken"`` (its group is broken)."""
 
@@ -190,9 +190,15 @@ class Abort(tuple):
         return self[2]
 
     @property
-    def missing(self) -> int | None:
-        """The rank whose absence made it give up (its ``PeerTimeoutError``), or None."""
+    def gave_up(self) -> tuple[int, float, str, tuple[int, ...]] | None:
+        """Where it gave up waiting (its ``PeerTimeoutError``): ``(the rank missing, seconds
+        waited, what it waited for, the ranks between)``; else None."""
         return self[3] if len(self) > 3 else None
+
+    @property
+    def missing(self) -> int | None:
+        """The rank whose absence made it give up, or None."""
+        return None if len(self) < 4 else self[3][0]
 
 
 class Wait(tuple):
@@ -287,13 +293,14 @@ class Exchange:
     def _abort_key(self, r: int) -> str:
         return f"{self.prefix}abort/{r}"
 
-    def publish_abort(self, call: int, kind: str, message: str, missing: int | None = None) -> None:
+    def publish_abort(self, call: int, kind: str, message: str,
+                      gave_up: tuple[int, float, str, tuple[int, ...]] | None = None) -> None:
         """Tell every peer that this rank abandoned call ``call`` (best effort: a store that
-        is gone cannot be told); ``missing``: the rank it gave up waiting for, if that was
-        why.  The last :data:`ABORTS_KEPT` aborts stay readable: a
+        is gone cannot be told); ``gave_up``: :attr:`Abort.gave_up`, if that was why.  The
+        last :data:`ABORTS_KEPT` aborts stay readable: a
         peer explaining a wait on call ``n`` needs the abort *of* call ``n`` (its cause),
         not a later call's refusal on the group that abort broke."""
-        a = Abort((call, kind, message) if missing is None else (call, kind, message, missing))
+        a = Abort((call, kind, message) if gave_up is None else (call, kind, message, tuple(gave_up)))
         self._aborts = (self._aborts + [a])[-ABORTS_KEPT:]
         try:
             self.kv.set(self._abort_key(self.rank), pickle.dumps(self._aborts))

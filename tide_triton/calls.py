@@ -63,9 +63,10 @@ class CallIdentity:
         names that rank, the one missing, as a ``PeerTimeoutError`` -- ``r`` only waited."""
         if a.kind == "argument":
             raise PeerArgumentError(r, a.message)
-        if a.missing is not None and a.missing != self.rank:
-            raise PeerTimeoutError(a.missing, f"rank {r} gave up waiting for it in call #{a.call}: {a.message}",
-                                   self.options.timeout_s, via=(r,))
+        if a.gave_up is not None and a.missing != self.rank:
+            missing, waited, what, via = a.gave_up
+            raise PeerTimeoutError(missing, f"rank {r} gave up waiting for it in call #{a.call}: {what}", waited,
+                                   via=(r, *via))
         raise PeerAbortedError(r, a.call, a.message)
 
     def _all_aborted(self, ranks: set[int]) -> bool:
@@ -169,9 +170,11 @@ class CallIdentity:
         is taken as a wait going on once it is seen renewed (within :data:`FOLLOW_S`)."""
         ex = self._exchange
 
-        def walk(before: dict[int, int] | None) -> tuple[list, int, dict[int, int], bool] | None:
+        first: dict[int, int] = {}  # the count of each rank's note when first read
+
+        def walk(judge: bool) -> tuple[list, int, bool] | None:
             steps: list[tuple[int, int, bool]] = []
-            seen, counts, r = {self.rank}, {}, peer
+            seen, r = {self.rank}, peer
             while True:
                 if r in seen:
                     return None  # back to this rank, or round in a circle
@@ -179,30 +182,31 @@ class CallIdentity:
                 a = ex.abort_of(r, since)
                 if a is not None:
                     if a.missing is None:
-                        return steps, r, counts, False  # it gave up for its own reason
+                        return steps, r, False  # it gave up for its own reason
                     steps.append((r, a.missing, True))
                     r = a.missing
                     continue
                 w = ex.wait_of(r)
                 if w is None:
-                    return steps, r, counts, False
-                counts[r] = w.count
-                if before is not None and before.get(r, w.count) == w.count:
-                    return steps, r, counts, True  # a note not renewed (yet): the wait may be over
+                    return steps, r, False
+                if judge and first.setdefault(r, w.count) == w.count:
+                    return steps, r, True  # a note not seen renewed (yet): the wait may be over
+                first.setdefault(r, w.count)
                 steps.append((r, w.peer, False))
                 r = w.peer
 
         try:
-            got = walk(None)
-            deadline = time.monotonic() + FOLLOW_S
-            c = self._call
-            while got is not None and any(not gave_up for _, _, gave_up in got[0]):
-                if c is not None and c.notes is not None:
-                    c.notes.renew()
-                time.sleep(NOTE_EVERY_S / 2)
-                got = walk(got[2])
-                if got is None or not got[3] or time.monotonic() >= deadline:
-                    break
+            got = walk(False)
+            if got is not None and any(not gave_up for _, _, gave_up in got[0]):  # notes to see renewed
+                deadline = time.monotonic() + FOLLOW_S
+                c = self._call
+                while True:
+                    if c is not None and c.notes is not None:
+                        c.notes.renew()
+                    time.sleep(NOTE_EVERY_S / 2)
+                    got = walk(True)
+                    if got is None or not got[2] or time.monotonic() >= deadline:
+                        break
         except Exception:  # noqa: BLE001 -- a diagnosis: the timeout as it was
             return None
         if got is None or not got[0]:
@@ -336,12 +340,12 @@ class CallIdentity:
             f"ranks {self.rank} and {p} made different collectives as call #{c.seq} of this group: rank "
             f"{self.rank}: {mine}; rank {p}: {theirs}")
 
-    def _publish_abort(self, seq: int, kind: str, message: str, missing: int | None = None) -> None:
-        """Tell the peers this rank abandoned call ``seq`` (``missing``: the rank it gave up
-        waiting for): in the bootstrap store (peers in an exchange, and any that look up
-        why) and in every peer's abort flag of every transport this group has (the host
-        transport's waits watch it)."""
-        self._exchange.publish_abort(seq, kind, message, missing)
+    def _publish_abort(self, seq: int, kind: str, message: str, gave_up: tuple | None = None) -> None:
+        """Tell the peers this rank abandoned call ``seq`` (``gave_up``: whom it gave up
+        waiting for, :attr:`~tide_triton.bootstrap.Abort.gave_up`): in the bootstrap store
+        (peers in an exchange, and any that look up why) and in every peer's abort flag of
+        every transport this group has (the host transport's waits watch it)."""
+        self._exchange.publish_abort(seq, kind, message, gave_up)
         for t in list(self._transports.values()):
             if getattr(t, "device", None) is None or t.device.type != "cpu":
                 continue  # CUDA: a stream write would queue behind the stuck waits; the store tells
@@ -453,8 +457,9 @@ class Call:
         g = self.g
         g._note_failed(self.seq)
         argument = (isinstance(e, (TypeError, ValueError)) or e is self._refusal) and not self.moving
-        missing = e.peer if isinstance(e, PeerTimeoutError) and isinstance(e.peer, int) else None
-        g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}", missing)
+        gave_up = (e.peer, e.timeout_s, e.what, e.via) if isinstance(e, PeerTimeoutError) and \
+            isinstance(e.peer, int) else None
+        g._publish_abort(self.seq, "argument" if argument else "failed", f"{type(e).__name__}: {e}", gave_up)
         if not argument:
             g._break(f"call #{self.seq} ({self.name}) failed on rank {g.rank}: {type(e).__name__}: {e}")
 
