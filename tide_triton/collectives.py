@@ -13,6 +13,7 @@ policy, padding rows, the staging hand-over) is :mod:`tide_triton.executor`.
 from __future__ import annotations
 
 import math
+import operator
 from functools import lru_cache, partial
 from itertools import chain
 from typing import Any, Sequence
@@ -135,11 +136,12 @@ def split_parts(tensors: Sequence[torch.Tensor], ds: DimShards) -> list[torch.Te
     return out
 
 
-def _by_dims(name: str, full: object, shards: object, shard_dims: object, world: int, rank: int,
+def _by_dims(g: Group, name: str, full: object, shards: object, shard_dims: object,
              gather: bool) -> tuple[Any, Any, DimShards | None]:
     """``shard_dims`` given: ``(full parts, shard parts, DimShards)`` after this rank's checks of
     the tensors as the caller passed them (errors name the caller's indices); otherwise the
     arguments as they are and None."""
+    world, rank = g.world_size, g.rank
     if shard_dims is None:
         return full, shards, None
     full_l = check_tensor_list(name, full)
@@ -162,7 +164,63 @@ def _by_dims(name: str, full: object, shards: object, shard_dims: object, world:
             continue
         alt = "" if real[i] == pad[i] else f" or padded {pad[i]}"
         raise ValueError(f"shards[{i}] must have shape {real[i]}{alt}, got {got} ({ds.shard_rule(i, rank)})")
+    # storage, overlaps: on the caller's tensors (the parts' checks would name parts), before the
+    # split (a view of a freed storage raises torch's own RuntimeError)
+    _check_split_bound(g, name, full_l, shards_l, gather)
     return split_parts(full_l, ds), split_parts(shards_l, ds), ds
+
+
+class _CallerTensors:
+    """The tensors a caller passed to a ``prepare_*`` call with ``shard_dims``, as they were:
+    the prepared collective holds their parts (views), which an in-place change of the
+    caller's tensor (``set_()``, ``t_()``, ``resize_()``) leaves as they were -- the runs would
+    go on reading and writing the old storage or layout, and the caller would read another."""
+
+    __slots__ = ("lists",)
+
+    def __init__(self, *named: tuple[str, Sequence[torch.Tensor]]) -> None:
+        self.lists = [(name, tuple(ts), tuple(map(_PTR, ts)), tuple(map(torch.Tensor.size, ts)),
+                       tuple(t.dtype for t in ts)) for name, ts in named]
+
+    def check(self, what: str, rank: int) -> None:
+        """ValueError naming the first tensor not as prepared (address, shape, contiguity, dtype)."""
+        for name, ts, ptrs, shapes, dtypes in self.lists:
+            if (tuple(map(_PTR, ts)) == ptrs and all(map(operator.eq, map(torch.Tensor.size, ts), shapes))
+                    and all(map(torch.Tensor.is_contiguous, ts)) and all(t.dtype is d for t, d in zip(ts, dtypes))):
+                continue
+            for i, (t, ptr, shape, dtype) in enumerate(zip(ts, ptrs, shapes, dtypes)):
+                now = (t.data_ptr(), tuple(t.shape), t.is_contiguous(), t.dtype)
+                if now != (ptr, tuple(shape), True, dtype):
+                    raise ValueError(
+                        f"{what} on rank {rank}: {name}[{i}] changed since it was prepared (data_ptr {hex(ptr)}, "
+                        f"shape {tuple(shape)}, contiguous, {dtype}; now data_ptr {hex(now[0])}, shape {now[1]}, "
+                        f"{'contiguous' if now[2] else f'strides {tuple(t.stride())}'}, {now[3]}; e.g. set_(), "
+                        f"t_() or resize_()): its shard_dims parts are views of it as it was; a run is not agreed "
+                        f"with the peers, so this breaks the group: make a new group and prepare the collective "
+                        f"for the tensors as they are now")
+
+
+_CHECKED_SPLITS = ("collectives", "checked-split-lists")
+"""Group state: the caller's lists of ``shard_dims`` calls whose storage and overlaps passed."""
+
+
+def _check_split_bound(g: Group, name: str, full: list[torch.Tensor], shards: list[torch.Tensor],
+                       gather: bool) -> None:
+    """:func:`check_bound` of the caller's tensors of a ``shard_dims`` call, as the eager path
+    checks the parts' on a new set of addresses: once per set (by addresses and sizes).  The
+    parts lie inside these tensors, so their own later checks pass."""
+    key = (name, tuple(map(_PTR, full)), tuple(map(_NUMEL, full)), tuple(map(_PTR, shards)),
+           tuple(map(_NUMEL, shards)), full[0].element_size(), shards[0].element_size())
+    seen = g.state(_CHECKED_SPLITS, dict)
+    if key in seen:
+        return
+    if gather:
+        check_bound("shards", shards, name, full)
+    else:
+        check_bound(name, full, "shards", shards, apart=RS_APART)
+    if len(seen) >= 64:
+        seen.pop(next(iter(seen)))
+    seen[key] = True
 
 
 @lru_cache(maxsize=256)
@@ -223,7 +281,7 @@ def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate, shard_dims
     """The reduce-scatter's own checks (this rank): ``(grads, shards, grads dtype, shards
     dtype, device, layout, scale, signature)``; TypeError / ValueError naming the argument."""
     W, me = g.world_size, g.rank
-    grads, shards, ds = _by_dims("grads", grads, shards, shard_dims, W, me, gather=False)
+    grads, shards, ds = _by_dims(g, "grads", grads, shards, shard_dims, gather=False)
     grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
     check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
                  why=lambda i: layout.shard_rule(i, me))
@@ -395,7 +453,7 @@ def _ag_arguments(g: Group, name: str, shards, params, shard_dims=None):
     whose parameter has another dim 0 would place the others' rows by another layout (and pull
     rows they do not hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not
     be mixed."""
-    params, shards, ds = _by_dims("params", params, shards, shard_dims, g.world_size, g.rank, gather=True)
+    params, shards, ds = _by_dims(g, "params", params, shards, shard_dims, gather=True)
     params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, g.world_size)
     check_gather_shards(shards_l, layout, g.rank)
     sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
@@ -553,8 +611,11 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
             err = e
         g.agree(sig, err)
         token = c.seq
-    return programs.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
-                                            bool(accumulate), hold)
+    p = programs.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
+                                         bool(accumulate), hold)
+    if hold and shard_dims is not None:
+        p.caller_tensors = _CallerTensors(("grads", list(grads)), ("shards", list(shards)))
+    return p
 
 
 def prepare_all_gather(
@@ -586,7 +647,10 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool, shard_dims
             err = e
         g.agree(sig, err)
         token = c.seq
-    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold)
+    p = programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold)
+    if hold and shard_dims is not None:
+        p.caller_tensors = _CallerTensors(("shards", list(shards)), ("params", list(params)))
+    return p
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,

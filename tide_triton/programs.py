@@ -102,6 +102,9 @@ class _Prepared:
     (see envs)."""
     _dtypes: tuple[torch.dtype, torch.dtype]
     """The prepared dtypes of the full tensors and of the shards."""
+    caller_tensors: Any = None
+    """Where the held tensors are views the preparation made (``shard_dims``' parts): the
+    caller's tensors, whose ``check(name, rank)`` each checked run calls first."""
 
     def __init__(self, g: Group, device: torch.device, token: int, layout: ShardLayout, region: HeapRegion,
                  first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], hold: bool) -> None:
@@ -238,6 +241,8 @@ class _Prepared:
         with g.call(self.name) as c:
             c.moving = True  # no agreement: see _begin
             captured = self._begin(stream, async_op)
+            if check_addresses and self.caller_tensors is not None:  # held parts are views: their caller's too
+                self.caller_tensors.check(self.name, g.rank)
             if check_addresses:
                 for ts, ptrs, what in zip((first, second), key[:2], self._names):
                     now = tuple(map(_PTR, ts))
