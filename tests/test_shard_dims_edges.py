@@ -75,6 +75,12 @@ def test_shard_dims_errors_name_the_callers_tensors(case: str, words: str) -> No
     assert "rank 0" in out[1], out
 
 
+def test_one_int_shard_dims_out_of_range_names_the_int_and_the_parameter() -> None:
+    with pytest.raises(ValueError) as e:
+        DimShards([(4, 6), (3,)], 1, 2)
+    assert "shard_dims = 1 (every parameter's dim) is not a dim of parameter 1's shape (3,)" in str(e.value)
+
+
 def _prepared_then_changed(case: str, r: int, g) -> None:
     import tide_triton as tt
 
@@ -111,3 +117,91 @@ def test_prepared_shard_dims_run_refuses_a_caller_tensor_changed_in_place(case: 
     out = _run(lambda r, g: _prepared_then_changed(case, r, g), timeout_s=5)
     assert out[0].startswith("ValueError") and words in out[0], out
     assert out[1] != "no error", out
+
+
+# --------------------------------------------------------------------------- FSDP2 drop-in
+def _edge_model():
+    """Shard(2) on a 3-D weight, Shard(-1) on a 2-D one beside a Shard(0) weight in one block,
+    and a block whose 2-D weight has more rows than the split may serve (the test lowers
+    SPLIT_PARTS_MAX to 20: 12 + 4 + 1 slices pass, 12 + 16 + 1 do not)."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.cube = nn.Parameter(torch.randn(3, 4, 6) * 0.3)  # Shard(2): 12 slices of 6
+            self.wide = nn.Parameter(torch.randn(rows, 6) * 0.3)  # Shard(-1): a slice per row
+            self.lin = nn.Linear(6, 6, bias=False)  # Shard(0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.einsum("bd,aed->be", x, self.cube) @ self.wide[:4]
+            return x + self.lin(torch.tanh(y + self.wide.sum(0)))
+
+    return nn.Sequential(Block(4), Block(16))
+
+
+def _edge_child(rank: int, W: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    import tide_triton as tt
+    from tide_triton.fsdp import _torch_adapter
+
+    _torch_adapter.SPLIT_PARTS_MAX = 20
+
+    def train(tide: bool) -> dict:
+        torch.manual_seed(0)
+        model = _edge_model()
+        mesh = init_device_mesh("cpu", (W,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+        def placement(p):
+            return Shard(2) if p.dim() == 3 else Shard(-1) if p.dim() == 2 and p.shape[0] != 6 else None
+
+        for block in model:  # kept unsharded after forward: the backward reuses the forward's all-gather
+            fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=placement, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out: dict = {"losses": []}
+        report = tt.fsdp.enable(model) if tide else None
+        for step in range(2):
+            if tide and step == 1:  # off and on again between steps
+                tt.fsdp.disable(model)
+                report = tt.fsdp.enable(model)
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randint(-4, 5, (6, 6), generator=g).float()
+            loss = model(x).float().square().mean()
+            loss.backward()
+            out["losses"].append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out["params"] = {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
+        if tide:
+            out["report"], out["stats"] = report, tt.fsdp.stats(model)
+            tt.fsdp.disable(model)
+        return out
+
+    return {"stock": train(False), "tide": train(True)}
+
+
+@pytest.mark.multiproc
+def test_fsdp_shard_dims_edges_equal_stock() -> None:
+    """Shard(2) and Shard(-1) beside Shard(0) in one group, reshard_after_forward=False,
+    disable() then enable(), bit for bit against stock; a group splitting into more than
+    SPLIT_PARTS_MAX slices stays stock, saying why."""
+    try:
+        from _dist import run_multiprocess
+    except ImportError:  # pragma: no cover
+        from tests._dist import run_multiprocess
+
+    out = run_multiprocess(_edge_child, 2, timeout=600)
+    for rank, res in enumerate(out):
+        tide, stock = res["tide"], res["stock"]
+        rep = tide["report"]
+        assert rep["0"] is None, rep
+        assert "split into 29 slices" in rep["1"] and "SPLIT_PARTS_MAX = 20" in rep["1"], rep
+        assert tide["stats"]["0"]["reduce_scatters"] > 0 and tide["stats"]["1"] is None, tide["stats"]
+        assert tide["losses"] == stock["losses"], (rank, tide["losses"], stock["losses"])
+        for n, p in stock["params"].items():
+            assert torch.equal(tide["params"][n], p), (rank, n)
