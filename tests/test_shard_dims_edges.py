@@ -75,6 +75,24 @@ def test_shard_dims_errors_name_the_callers_tensors(case: str, words: str) -> No
     assert "rank 0" in out[1], out
 
 
+def _gather_into_region(r: int, g) -> None:
+    import tide_triton as tt
+
+    region = g.heap_region("slot", 4096, torch.device("cpu"))
+    param = region.tensor(torch.float32, 8, 64).view(2, 4)
+    # rank 1's shard lies in the parameter's first 4 elements, none of them its own entries
+    # (columns 2..3): its slice 0 lands on elements 2..3, its slice 1 still to be read there
+    shard = param.view(-1)[0:4].view(2, 2) if r == 1 else torch.empty(2, 2)
+    shard.copy_(torch.tensor([[10.0, 11.0], [12.0, 13.0]]) + 100 * r)
+    tt.all_gather([shard], [param], params_region=region, shard_dims=1, group=g)
+
+
+def test_shard_dims_gather_into_region_refuses_shards_inside_the_params() -> None:
+    out = _run(_gather_into_region)
+    assert "params[0] shares memory with shards[0]: with params_region" in out[1], out
+    assert "rank 1" in out[0], out
+
+
 def test_one_int_shard_dims_out_of_range_names_the_int_and_the_parameter() -> None:
     with pytest.raises(ValueError) as e:
         DimShards([(4, 6), (3,)], 1, 2)
