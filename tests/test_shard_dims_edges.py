@@ -93,6 +93,21 @@ def test_shard_dims_gather_into_region_refuses_shards_inside_the_params() -> Non
     assert "rank 1" in out[0], out
 
 
+def test_shard_dims_calls_whose_slices_coincide_do_not_pair() -> None:
+    """One (2, 3, 4) parameter on dim 1 and two (1, 3, 4) ones on dim 1 are the same slices,
+    two of (3, 4): the caller's shapes are agreed, not the slices'."""
+    import tide_triton as tt
+
+    def body(r: int, g) -> None:
+        shapes = [(2, 3, 4)] if r == 0 else [(1, 3, 4), (1, 3, 4)]
+        ds = DimShards(shapes, 1, W)
+        tt.reduce_scatter([torch.ones(s) for s in shapes], [torch.zeros(s) for s in ds.shard_shapes(r)],
+                          group=g, shard_dims=1)
+
+    out = _run(body)
+    assert all(m.startswith("ArgumentMismatchError") and "(2, 3, 4)" in m and "(1, 3, 4)" in m for m in out), out
+
+
 def test_one_int_shard_dims_out_of_range_names_the_int_and_the_parameter() -> None:
     with pytest.raises(ValueError) as e:
         DimShards([(4, 6), (3,)], 1, 2)
