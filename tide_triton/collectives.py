@@ -135,11 +135,12 @@ def split_parts(tensors: Sequence[torch.Tensor], ds: DimShards) -> list[torch.Te
     return out
 
 
-def _by_dims(name: str, full: object, shards: object, shard_dims: object, world: int, rank: int,
-             gather: bool) -> tuple[Any, Any, DimShards | None]:
+def _by_dims(g: Group, name: str, full: object, shards: object, shard_dims: object,
+             gather: bool, in_region: bool = False) -> tuple[Any, Any, DimShards | None]:
     """``shard_dims`` given: ``(full parts, shard parts, DimShards)`` after this rank's checks of
     the tensors as the caller passed them (errors name the caller's indices); otherwise the
     arguments as they are and None."""
+    world, rank = g.world_size, g.rank
     if shard_dims is None:
         return full, shards, None
     full_l = check_tensor_list(name, full)
@@ -162,7 +163,38 @@ def _by_dims(name: str, full: object, shards: object, shard_dims: object, world:
             continue
         alt = "" if real[i] == pad[i] else f" or padded {pad[i]}"
         raise ValueError(f"shards[{i}] must have shape {real[i]}{alt}, got {got} ({ds.shard_rule(i, rank)})")
+    # storage, overlaps: on the caller's tensors (the parts' checks would name parts), before the
+    # split (a view of a freed storage raises torch's own RuntimeError)
+    _check_split_bound(g, name, full_l, shards_l, gather, in_region)
     return split_parts(full_l, ds), split_parts(shards_l, ds), ds
+
+
+_CHECKED_SPLITS = ("collectives", "checked-split-lists")
+"""Group state: the caller's lists of ``shard_dims`` calls whose storage and overlaps passed."""
+
+
+_REGION_APART = ("with params_region each rank copies its own entries into the parameters slice by slice, and "
+                  "a slice written over shard bytes not yet read would be read back instead of the shard")
+"""Why a ``shard_dims`` all-gather into a params region may not take shards inside the parameters."""
+
+
+def _check_split_bound(g: Group, name: str, full: list[torch.Tensor], shards: list[torch.Tensor],
+                       gather: bool, in_region: bool = False) -> None:
+    """:func:`check_bound` of the caller's tensors of a ``shard_dims`` call, as the eager path
+    checks the parts' on a new set of addresses: once per set (by addresses and sizes).  The
+    parts lie inside these tensors, so their own later checks pass."""
+    key = (name, tuple(map(_PTR, full)), tuple(map(_NUMEL, full)), tuple(map(_PTR, shards)),
+           tuple(map(_NUMEL, shards)), full[0].element_size(), shards[0].element_size(), in_region)
+    seen = g.state(_CHECKED_SPLITS, dict)
+    if key in seen:
+        return
+    if gather:
+        check_bound("shards", shards, name, full, apart=_REGION_APART if in_region else None)
+    else:
+        check_bound(name, full, "shards", shards, apart=RS_APART)
+    if len(seen) >= 64:
+        seen.pop(next(iter(seen)))
+    seen[key] = True
 
 
 @lru_cache(maxsize=256)
@@ -223,7 +255,7 @@ def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate, shard_dims
     """The reduce-scatter's own checks (this rank): ``(grads, shards, grads dtype, shards
     dtype, device, layout, scale, signature)``; TypeError / ValueError naming the argument."""
     W, me = g.world_size, g.rank
-    grads, shards, ds = _by_dims("grads", grads, shards, shard_dims, W, me, gather=False)
+    grads, shards, ds = _by_dims(g, "grads", grads, shards, shard_dims, gather=False)
     grads_l, shards_l, gdt, device, layout = _full_and_shards("grads", grads, shards, W)
     check_shapes("shards", shards_l, layout.shard_shapes(me), layout.shard_shapes(me, padded=True),
                  why=lambda i: layout.shard_rule(i, me))
@@ -389,13 +421,13 @@ def all_gather(
         return _all_gather(g, shards, params, stream, async_op, params_region, shard_dims)
 
 
-def _ag_arguments(g: Group, name: str, shards, params, shard_dims=None):
+def _ag_arguments(g: Group, name: str, shards, params, shard_dims=None, region: object = None):
     """The all-gather's own checks (this rank): ``(params, shards, params dtype, shards dtype,
     device, layout, signature)``.  The params' shapes (their dim 0 too) are agreed: a rank
     whose parameter has another dim 0 would place the others' rows by another layout (and pull
     rows they do not hold as zeros).  Full and padded (W * ceil(dim0 / W) rows) params may not
     be mixed."""
-    params, shards, ds = _by_dims("params", params, shards, shard_dims, g.world_size, g.rank, gather=True)
+    params, shards, ds = _by_dims(g, "params", params, shards, shard_dims, gather=True, in_region=region is not None)
     params_l, shards_l, pdt, device, layout = _full_and_shards("params", params, shards, g.world_size)
     check_gather_shards(shards_l, layout, g.rank)
     sdt, _ = check_uniform("shards", shards_l, dtypes=FLOAT_DTYPES, device=device)
@@ -415,7 +447,7 @@ def _all_gather(g: Group, shards, params, stream, async_op, region, shard_dims=N
     source = None
     try:
         params_l, shards_l, pdt, sdt, device, layout, sig = _ag_arguments(g, "all_gather", shards, params,
-                                                                          shard_dims)
+                                                                          shard_dims, region)
         _check_stream(g, stream, device)
         # the call's addresses, read once (cache keys, the region's offsets)
         pptrs, sptrs, snumels = tuple(map(_PTR, params_l)), tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))

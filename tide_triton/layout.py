@@ -207,7 +207,8 @@ def _as_dims(shard_dims: object, shapes: tuple[tuple[int, ...], ...]) -> tuple[i
         return (0,) * n
     if isinstance(shard_dims, bool):
         raise TypeError(f"shard_dims must be None, an int or a sequence of ints, got {shard_dims!r}")
-    if hasattr(shard_dims, "__index__"):
+    one = hasattr(shard_dims, "__index__")
+    if one:
         given: list[object] = [shard_dims] * n
     elif isinstance(shard_dims, (str, bytes)) or not isinstance(shard_dims, Iterable):
         raise TypeError(f"shard_dims must be None, an int or a sequence of ints, got {type(shard_dims).__name__}")
@@ -222,8 +223,8 @@ def _as_dims(shard_dims: object, shapes: tuple[tuple[int, ...], ...]) -> tuple[i
         k = k.__index__()  # type: ignore[union-attr]
         kk = k + len(s) if k < 0 else k
         if not 0 <= kk < len(s):
-            raise ValueError(f"shard_dims[{i}] = {k} is not a dim of parameter {i}'s shape {s} "
-                             f"(valid: {-len(s)}..{len(s) - 1})")
+            what = f"shard_dims = {k} (every parameter's dim)" if one else f"shard_dims[{i}] = {k}"
+            raise ValueError(f"{what} is not a dim of parameter {i}'s shape {s} (valid: {-len(s)}..{len(s) - 1})")
         out.append(kk)
     return tuple(out)
 

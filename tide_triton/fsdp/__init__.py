@@ -20,7 +20,8 @@ What changes for an enabled parameter group (torch 2.9-2.15, dim-0 sharding):
   ``set_force_sum_reduction_for_comms`` (a sum, then the post-divide), the all-reduce hook.
 
 Falls back to stock FSDP2 for a group, with one log line (logger ``"tide_triton"``) saying
-why: HSDP / replicate meshes, a post-forward reshard mesh, CPU offload,
+why: more Shard(dim > 0) slices than SPLIT_PARTS_MAX (2-D weights on Shard(1): a slice per row),
+HSDP / replicate meshes, a post-forward reshard mesh, CPU offload,
 mixed parameter dtypes, an fp16 reduction (FSDP2 pre/post-divides it), DTensor (TP/EP)
 parameters, all-gather extensions, custom comms, world size 1, an unknown torch version.
 

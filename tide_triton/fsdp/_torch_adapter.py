@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 import textwrap
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "SPLIT_PARTS_MAX",
     "TorchApi",
     "all_sharded",
     "device_handle",
@@ -29,6 +31,7 @@ __all__ = [
     "load_api",
     "param_groups",
     "reduce_return_order",
+    "split_parts_why",
     "supported_torch_version",
     "why_stock",
 ]
@@ -191,6 +194,34 @@ def device_handle(device: torch.device) -> Any:
     return _get_device_handle(device.type)
 
 
+SPLIT_PARTS_MAX = 4096
+"""The most dim-0 parts a group's ``Shard(dim > 0)`` parameters may split into
+(:class:`~tide_triton.layout.DimShards`: ``prod(shape[:dim])`` each) for tide_triton to serve
+it.  Every reduce-scatter makes a view per part and checks each, ~3 us a part on the host
+before anything moves (Qwen3-30B-A3B's experts grouped ``[128, 768, 2048]`` on Shard(1), 384
+parts: ~1 ms a call; its 384 expert matrices as 2-D weights on Shard(1), a part per row, 458752
+parts: ~9 s a call; 2 busy x86 cores, torch 2.13, ``bench/shard_dims_host.py``).  Beyond it
+stock FSDP2's few large copies cost less."""
+
+
+def split_parts_why(fsdp_params: Any) -> str | None:
+    """Why a group's ``Shard(dim > 0)`` parameters split into too many parts to serve (None: they
+    do not)."""
+    total, worst = 0, None
+    for fp in fsdp_params:
+        k, shape = fp.fsdp_placement.dim, tuple(fp._orig_size)
+        k = k + len(shape) if k < 0 else k
+        n = math.prod(shape[:k]) if k > 0 else 1
+        total += n
+        if k > 0 and (worst is None or n > worst[0]):
+            worst = (n, k, shape)
+    if total <= SPLIT_PARTS_MAX or worst is None:
+        return None
+    n, k, shape = worst
+    return (f"Shard({k}) parameters that split into {total} slices (a parameter of shape {shape} into {n}: one per "
+            f"entry of its dims before {k}); tide_triton serves up to SPLIT_PARTS_MAX = {SPLIT_PARTS_MAX} a group")
+
+
 def why_stock(pg: Any, api: TorchApi) -> str | None:
     """Why this FSDPParamGroup must stay on the stock path (None: it can use tide_triton)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_common as fcom
@@ -232,6 +263,8 @@ def why_stock(pg: Any, api: TorchApi) -> str | None:
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return "all-gather extensions (fsdp_pre_all_gather)"
         dtypes.add(fp.sharded_param.dtype)
+    if (why := split_parts_why(pg.fsdp_params)) is not None:
+        return why
     if len(dtypes) > 1:
         return f"mixed parameter dtypes in one group ({sorted(map(str, dtypes))})"
     if not dtypes:
