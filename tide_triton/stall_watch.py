@@ -16,9 +16,16 @@ sections and, for each still open
 it would have raised -- logs once (``WARNING``, logger ``tide_triton``) which rank, which call,
 how long, and the innermost frames of its thread.  It changes nothing: the call may still
 finish (a slow driver call), and the report says so if it does.
+
+The watcher ends at interpreter exit (an ``atexit`` handler stops and joins it): a daemon
+thread still alive when the interpreter finalizes is ended by Python with ``pthread_exit``
+wherever it stands, and one that stands inside a C++ call then (torch's, reached through
+a garbage collection or a destructor it runs) unwinds through a ``noexcept`` frame: the
+process aborts with "terminate called without an active exception" after a correct run.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -53,6 +60,7 @@ _ids = itertools.count()
 _lock = threading.Lock()
 _wake = threading.Condition(_lock)
 _watcher: list[threading.Thread] = []
+_stopped = False  # set at interpreter exit: no watcher runs, none starts
 POLL_S = 1.0
 """How often the watcher looks (a section due sooner wakes it: short deadlines, tests)."""
 
@@ -73,7 +81,7 @@ class section:
         e = self._entry
         with _lock:
             _open[self._key] = e
-            if not _watcher:
+            if not _watcher and not _stopped:
                 th = threading.Thread(target=_watch, name="tide_triton-stall-watch", daemon=True)
                 _watcher.append(th)
                 th.start()
@@ -101,6 +109,26 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
+JOIN_AT_EXIT_S = 5.0
+"""How long interpreter exit waits for the watcher to end (it is between two looks, or
+writing a report)."""
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, before it finalizes: the watcher ends and is joined, so no thread
+    of this module is left for Python to end inside whatever call it stands in (see the
+    module).  Sections still open (a thread of the caller's in a call) are no longer watched."""
+    global _stopped
+    with _lock:
+        _stopped = True
+        threads = list(_watcher)
+        _wake.notify_all()
+    for th in threads:
+        th.join(JOIN_AT_EXIT_S)
+
+
+atexit.register(_stop_at_exit)
+
 
 def _due(e: _Open) -> float:
     return e.start + FACTOR * e.deadline_s + SLACK_S
@@ -111,6 +139,8 @@ def _watch() -> None:
     line (written after it leaves, under the lock) never comes before its report."""
     while True:
         with _lock:
+            if _stopped:
+                return
             now = time.monotonic()
             late = [e for e in _open.values() if not e.reported and _due(e) <= now]
             if late:
