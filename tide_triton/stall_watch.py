@@ -119,10 +119,14 @@ def _stop_at_exit() -> None:
     of this module is left for Python to end inside whatever call it stands in (see the
     module).  Sections still open (a thread of the caller's in a call) are no longer watched."""
     global _stopped
-    with _lock:
-        _stopped = True
+    _stopped = True
+    if not _lock.acquire(timeout=JOIN_AT_EXIT_S):  # the watcher stuck in a report: exit all the same
+        return
+    try:
         threads = list(_watcher)
         _wake.notify_all()
+    finally:
+        _lock.release()
     for th in threads:
         th.join(JOIN_AT_EXIT_S)
 
