@@ -1,11 +1,15 @@
 """Shared test setup: where the Triton kernels run, the ``device`` fixture, exact-value
 tensors and the real model layouts (scaled down for the interpreter).
 
-Without a CUDA device compiled Triton cannot run, so the kernels go through Triton's CPU
-interpreter (``TRITON_INTERPRET=1``) on CPU tensors.  Triton 3.6 reads the variable when
-``@triton.jit`` decorates a kernel, i.e. when ``tide_triton.kernels`` is first imported,
-so it is set here, at conftest import, before any test module imports the package.  A
-value the user set (``TRITON_INTERPRET=1`` on a GPU machine, say) is kept.
+On CPU tensors the package runs each kernel launch as plain torch by default
+(``TIDE_TRITON_CPU_KERNELS=torch``).  The suite runs the Triton kernels themselves wherever
+it can: without a CUDA device through Triton's CPU interpreter, so ``TRITON_INTERPRET=1`` is
+set here, at conftest import, before any test module imports the package (Triton 3.6 reads it
+when ``@triton.jit`` decorates a kernel), and CPU launches default to ``interpret``.  Tests
+marked ``cpu_torch`` -- the FSDP2 end-to-end runs and the examples, whose subject is the
+drop-in, not the kernels -- run the product's default, plain torch, in this process and in
+their spawned ranks.  Values the user set are kept: ``TIDE_TRITON_CPU_KERNELS=torch`` runs
+every CPU test on the torch path.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"  # tide_triton.envs.CPU_KERNELS (not imported before the above)
+os.environ.setdefault(CPU_KERNELS, "interpret")
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -68,6 +74,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "TRITON_INTERPRET=1 (skipped when compiled Triton runs, i.e. on a GPU machine "
         "without it)",
         "multiproc: spawns several processes",
+        "cpu_torch: kernels on CPU tensors run as plain torch (TIDE_TRITON_CPU_KERNELS=torch), in "
+        "this process and its spawned ranks, instead of the suite's default, Triton's interpreter",
     ):
         config.addinivalue_line("markers", line)
     if config.getoption("--share-gpu", default=False):
@@ -203,20 +211,27 @@ def _stacks_of_a_stuck_test(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _children_interpret(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A CPU test's spawned ranks run the kernels through the interpreter, also where this
-    process runs compiled Triton (a GPU machine): they are fresh processes, so the CPU
-    tests of the multi-process kind run on every machine.  GPU tests' children inherit."""
+def _children_interpret(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A CPU test's spawned ranks run the kernels as this test asks: through the interpreter
+    (the suite's default), also where this process runs compiled Triton (a GPU machine) --
+    they are fresh processes, so the CPU tests of the multi-process kind run on every machine
+    -- or, marked ``cpu_torch``, as plain torch (here and in the children).  GPU tests'
+    children inherit."""
     try:
         import _dist
     except ImportError:  # pragma: no cover
         from tests import _dist
     cpu_test = "gpu" not in request.node.keywords
+    torch_path = "cpu_torch" in request.node.keywords
     saved = dict(_dist.CHILD_ENV)
-    if cpu_test and "multiproc" in request.node.keywords and not interpreting() and not INTERPRETER_WORKS:
+    if torch_path:
+        monkeypatch.setenv(CPU_KERNELS, "torch")
+        _dist.CHILD_ENV[CPU_KERNELS] = "torch"
+    elif cpu_test and "multiproc" in request.node.keywords and not interpreting() and not INTERPRETER_WORKS:
         pytest.skip(_NUMPY_REASON)
-    if cpu_test:
+    if cpu_test and not torch_path:
         _dist.CHILD_ENV["TRITON_INTERPRET"] = "1"
+        _dist.CHILD_ENV[CPU_KERNELS] = os.environ.get(CPU_KERNELS, "interpret")
     try:
         yield
     finally:
@@ -240,19 +255,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 _DEVICES = [
     pytest.param("cpu", id="cpu"),
+    pytest.param("cpu_torch", id="cpu_torch"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
 
 
 @pytest.fixture(params=_DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
-    """Where the kernels' tensors live: "cpu" under the interpreter (compiled Triton cannot
-    take CPU tensors), "cuda" whenever a GPU is there (skipped otherwise)."""
+    """Where the kernels' tensors live: "cpu" runs the Triton kernels through the interpreter
+    (compiled Triton cannot take CPU tensors), "cpu_torch" the same CPU tensors on the plain-torch
+    path (``TIDE_TRITON_CPU_KERNELS=torch``, every machine), "cuda" whenever a GPU is there
+    (skipped otherwise)."""
     name = request.param
     if name == "cpu" and not interpreting():
         pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
     if name == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
+    if name == "cpu":
+        request.getfixturevalue("monkeypatch").setenv(CPU_KERNELS, "interpret")
+    if name == "cpu_torch":
+        request.getfixturevalue("monkeypatch").setenv(CPU_KERNELS, "torch")
+        return torch.device("cpu")
     return torch.device(name)
 
 

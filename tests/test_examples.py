@@ -16,15 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-@pytest.fixture(autouse=True)
-def _cpu_examples_need_the_interpreter() -> None:
-    """The examples' CPU runs launch the kernels through Triton 3.6's interpreter, which needs
-    numpy < 2.4 (the CPU pins); a GPU machine's image may carry a newer numpy."""
-    import numpy
-
-    if torch.cuda.is_available() and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"CPU example runs need Triton's interpreter, which needs numpy < 2.4 "
-                    f"(numpy {numpy.__version__} here)")
+# The examples run as users run them: kernels on CPU tensors as plain torch (the default).
+pytestmark = pytest.mark.cpu_torch
 
 
 def _run(args: list[str], *, torchrun: int | None = None, timeout: float = 180) -> str:
@@ -32,8 +25,6 @@ def _run(args: list[str], *, torchrun: int | None = None, timeout: float = 180) 
     non-zero exit.  ``torchrun``: that many processes through ``python -m torch.distributed.run``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's tide_triton
-    if not torch.cuda.is_available():  # on a GPU the examples run compiled kernels on CUDA
-        env.setdefault("TRITON_INTERPRET", "1")
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable]
     if torchrun:

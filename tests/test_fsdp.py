@@ -1,11 +1,11 @@
 """tide_triton.fsdp: fully_shard training on tide_triton's collectives vs stock FSDP2.
 
-Several processes on gloo (CPU: host transport, Triton interpreter; GPU variant: processes
-sharing cuda:0).  The model is examples/train_llama.py's Llama, shrunk so the interpreter is
-quick, with the parameters that break naive layouts: vocab 13 (prime: uneven shards, rank
-W-1 short), SwiGLU width 12 (W=3: 4 rows each; W=4: 3 each), attention biases, a per-head
-query gain of shape (1, 2, 4) (dim 0 = 1 < W: every rank but 0 holds only padding), and the
-output projection tied to the embedding.
+Several processes on gloo (CPU: host transport, the kernels as plain torch -- the product's
+CPU path, ``cpu_torch``; GPU variant: processes sharing cuda:0).  The model is
+examples/train_llama.py's Llama, shrunk so a CPU run is quick, with the parameters that break
+naive layouts: vocab 13 (prime: uneven shards, rank W-1 short), SwiGLU width 12 (W=3: 4 rows
+each; W=4: 3 each), attention biases, a per-head query gain of shape (1, 2, 4) (dim 0 = 1 < W:
+every rank but 0 holds only padding), and the output projection tied to the embedding.
 
 One spawn per world size runs several scenarios (a spawn costs seconds, a scenario less);
 the comparisons run in the parent.  Tolerances: W=2 sums two numbers (exact in any order),
@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover
 
 from train_llama import Llama, LlamaConfig, batch, loss_fn, shard  # noqa: E402
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.cpu_torch]
 
 CFG = LlamaConfig(vocab=13, dim=8, n_layers=2, n_heads=2, hidden=12, tied=True, bias=True, head_gain=True)
 BS, SEQ, LR = 2, 4, 1e-2
@@ -635,8 +635,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
 
 # W=2 carries every scenario (sums of two are exact: bit-for-bit checks); W=3 (1/3 is inexact,
 # 4-row shards) and W=4 (head gain padded on 3 ranks, HSDP mesh) the core ones, to stay within
-# the CI budget (~2 min for the three on 2 cores; bf16 steps cost most: the all-gather's
-# fp32 -> bf16 cast is a Triton kernel run by the interpreter).
+# the CI budget.
 _PLAN = {
     2: ("bf16", "fp32", "accum", "prefetch", "divide", "state_dict", "disable", "fallbacks", "errors", "slot",
         "prepared"),

@@ -1,5 +1,5 @@
 """FSDP2 uses of the drop-in that would go wrong without an error, each run
-on the CPU (gloo, the host transport, the Triton interpreter) beside stock FSDP2:
+on the CPU (gloo, the host transport, the kernels as plain torch) beside stock FSDP2:
 
 1. Slot-Reuse with two groups of one heap slot unsharded by ``unshard(async_op=True)``
    (FSDP2's documented early unshard) before either is waited for: the second all-gather
@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.cpu_torch]
 W = 2
 
 

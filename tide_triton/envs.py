@@ -61,6 +61,14 @@ Variables of the package
     whatever ``GroupOptions.multicast`` says (``"on"`` then raises, saying so).  Any other
     value, or unset, leaves the decision to the option and the guard.  The benchmarks'
     environment sets it to ``0``.  (:mod:`tide_triton.transport.multicast`)
+``TIDE_TRITON_CPU_KERNELS``
+    How the kernels run on CPU tensors: ``torch`` (default) runs each launch as plain torch
+    ops on views of the tensors, exact and equal to the kernels bit for bit (the same fp32
+    summation order, bf16 rounded to nearest even); ``interpret`` runs the Triton kernels
+    through Triton's interpreter (the kernels' own tests), which needs ``TRITON_INTERPRET=1``
+    before the kernels are defined -- set for you when no CUDA device exists and this
+    variable says ``interpret`` at import.  Read when a kernel binding is made.
+    (:mod:`tide_triton.kernels.segments`)
 ``TIDE_TRITON_HOST_COPY_QUEUE``
     Tests: ``async`` runs the host transport's copy queue behind the caller, on a worker
     thread per rank, as a GPU's copy stream runs behind the caller's stream (default
@@ -76,8 +84,8 @@ Variables of other software, as the package reads them
 ``TRITON_INTERPRET``
     Triton's own switch: kernels run through its CPU interpreter on CPU tensors.  Triton
     reads it when ``@triton.jit`` decorates a kernel; the package reads it to tell which
-    tensors a launch accepts (:func:`triton_interpret`), and sets it when no GPU exists
-    (:func:`use_interpreter_if_no_gpu`).
+    tensors a launch accepts (:func:`triton_interpret`), and sets it when no GPU exists and
+    ``TIDE_TRITON_CPU_KERNELS=interpret`` (:func:`use_interpreter_if_no_gpu`).
 ``CUDA_DEVICE_MAX_CONNECTIONS``
     The driver's number of hardware queues per device, read when the CUDA context is
     created; the single-process mode needs it >= 2 x ranks.  Read and set by
@@ -113,6 +121,8 @@ __all__ = [
     "memop_batch",
     "launch_mode",
     "triton_interpret",
+    "CPU_KERNELS",
+    "cpu_kernels",
     "use_interpreter_if_no_gpu",
     "cuda_device_max_connections",
     "local_world_size",
@@ -131,6 +141,7 @@ log = logging.getLogger("tide_triton")
 NCCL_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
 RS_PUSH = "TIDE_TRITON_RS_PUSH"
 MULTICAST = "TIDE_TRITON_MULTICAST"
+CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"
 
 _NCCL_CLOSE = ("destroy", "abort", "none")
 _COPY_MODES = ("auto", "batch", "loop")
@@ -139,6 +150,7 @@ _COPY_GRAPHS = ("auto", "always", "off")
 _HOST_COPY_QUEUES = ("sync", "async")
 _RUN_GRAPHS = ("auto", "all", "all-gathers", "off")
 RS_PUSH_CHOICES = ("auto", "copy_engine", "kernel")
+CPU_KERNELS_CHOICES = ("torch", "interpret")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...], env: Mapping[str, str] | None) -> str:
@@ -257,23 +269,36 @@ def triton_interpret(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cpu_kernels(env: Mapping[str, str] | None = None) -> str:
+    """``$TIDE_TRITON_CPU_KERNELS``: ``"torch"`` (default) or ``"interpret"`` -- how a kernel
+    launch on CPU tensors runs."""
+    return _choice(CPU_KERNELS, "torch", CPU_KERNELS_CHOICES, env)
+
+
 _interpreter_decided = False
 
 
 def use_interpreter_if_no_gpu() -> bool:
-    """Without a CUDA device, compiled Triton cannot run at all: set ``TRITON_INTERPRET=1``
-    so the kernels run through Triton's interpreter on CPU tensors.  A value the user set
-    is kept either way.  Called by :mod:`tide_triton.kernels` before its kernels are
-    defined (Triton reads the variable then); logged once.  Returns whether the
-    interpreter is on afterwards."""
+    """Without a CUDA device compiled Triton cannot run: where ``$TIDE_TRITON_CPU_KERNELS``
+    asks for the interpreter, set ``TRITON_INTERPRET=1`` so the kernels run through it on CPU
+    tensors (the default, ``torch``, needs no interpreter and sets nothing).  A value the user
+    set is kept either way.  Called by :mod:`tide_triton.kernels` before its kernels are
+    defined (Triton reads the variable then); what was decided is logged once.  Returns
+    whether the interpreter is on afterwards."""
     global _interpreter_decided
-    if "TRITON_INTERPRET" not in os.environ:
+    if not _interpreter_decided:
         import torch
 
         if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-            if not _interpreter_decided:
-                log.info("no CUDA device: Triton kernels run through the interpreter (TRITON_INTERPRET=1)")
+            try:
+                mode = cpu_kernels()
+            except ValueError:  # raised where a kernel is bound, naming the value; import goes on
+                mode = "torch"
+            if mode == "interpret" and "TRITON_INTERPRET" not in os.environ:
+                os.environ["TRITON_INTERPRET"] = "1"
+            log.info("no CUDA device: kernels on CPU tensors run %s ($%s=%s)",
+                     "through Triton's interpreter" if mode == "interpret" else "as plain torch",
+                     CPU_KERNELS, mode)
     _interpreter_decided = True
     return triton_interpret()
 

@@ -3,10 +3,12 @@ bf16 -> fp32 accumulation).  Each launcher has a plain-torch ``*_ref``.  The seg
 (:mod:`tide_triton.kernels.segments`: :class:`Span`, :class:`SegmentProgram`,
 :class:`Binding`) is public: the executors bind it to heap and tensor addresses.
 
-Without a CUDA device, compiled Triton cannot run at all; the kernels then run on CPU
-tensors through Triton's interpreter.  Triton reads ``TRITON_INTERPRET`` when a kernel is
-defined, so :func:`tide_triton.envs.use_interpreter_if_no_gpu` decides it here, before the
-kernel modules are imported (a value the user set is kept).
+On CPU tensors a launch runs as plain torch by default, equal to the kernel bit for bit
+(``TIDE_TRITON_CPU_KERNELS=torch``; :mod:`tide_triton.kernels.segments`), or through Triton's
+interpreter (``interpret``).  Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so
+:func:`tide_triton.envs.use_interpreter_if_no_gpu` decides it here, before the kernel modules
+are imported: set without a CUDA device where the interpreter is asked for (a value the user
+set is kept).
 """
 from .. import envs as _envs
 

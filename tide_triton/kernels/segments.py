@@ -8,9 +8,17 @@ parameters alike.  The tile table depends only on the layout, so it is built onc
 on every device it is used on; the pointer tables (addresses of the tensors of one call)
 are cached by address, so a call with the same tensors as an earlier one sends nothing to
 the device.
+
+On CPU tensors a launch runs, by default (``TIDE_TRITON_CPU_KERNELS=torch``), as plain torch
+ops on views of the bound addresses, one op per run (:meth:`SegmentProgram.torch_plan`):
+the kernel's arithmetic in the kernel's order -- fp32 sum over k = 0..K-1 starting from
+source 0, then the scale, then the old value, one rounding (to nearest even) at the store --
+so its results equal the kernel's bit for bit.  ``interpret`` runs the Triton kernel through
+Triton's interpreter instead (the kernels' own tests).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from array import array
@@ -27,7 +35,7 @@ from triton import knobs as _knobs
 from .. import device_wide, envs, host_capture
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
 
-__all__ = ["Span", "SegmentProgram", "Binding", "launch_config", "interpreting"]
+__all__ = ["Span", "SegmentProgram", "Binding", "TorchPlan", "launch_config", "interpreting", "cpu_runs_torch"]
 
 _TL_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -126,12 +134,49 @@ def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, obj
     return table, event, stream
 
 
+NEEDS_INTERPRETER = "(or the CPU under TRITON_INTERPRET=1), got cpu"
+"""The tail of :func:`check_device`'s error for CPU tensors bound for the interpreter where
+Triton runs compiled (the test suite turns it into a skip on such machines)."""
+
+
+def cpu_runs_torch(device: torch.device) -> bool:
+    """Whether a launch on ``device`` runs as plain torch: CPU tensors under
+    ``TIDE_TRITON_CPU_KERNELS=torch`` (the default)."""
+    return device.type == "cpu" and envs.cpu_kernels() == "torch"
+
+
 def check_device(name: str, device: torch.device) -> None:
-    """The kernels run on CUDA tensors, or on CPU tensors through the interpreter."""
-    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+    """The kernels run on CUDA tensors, and on CPU tensors as plain torch (the default) or
+    through Triton's interpreter (``TIDE_TRITON_CPU_KERNELS=interpret`` under
+    ``TRITON_INTERPRET=1``)."""
+    if device.type == "cuda" or (device.type == "cpu" and (cpu_runs_torch(device) or interpreting())):
         return
-    want = "a CUDA device" + (" (or the CPU under TRITON_INTERPRET=1)" if device.type == "cpu" else "")
-    raise ValueError(f"{name} must be on {want}, got {device}")
+    if device.type == "cpu":
+        raise ValueError(
+            f"{name}: ${envs.CPU_KERNELS}=interpret runs the kernels on CPU tensors through Triton's "
+            f"interpreter, which is off here (set TRITON_INTERPRET=1 before tide_triton is imported, or "
+            f"unset ${envs.CPU_KERNELS} for plain torch); {name} must be on a CUDA device {NEEDS_INTERPRETER}")
+    raise ValueError(f"{name} must be on a CUDA device or the CPU, got {device}")
+
+
+def _host_view(addr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor over ``numel`` elements of host memory at ``addr`` (not owned: the
+    binding's tensors, or the transport's memory the caller bound, keep it alive)."""
+    if numel <= 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer((ctypes.c_char * (numel * dtype.itemsize)).from_address(addr), dtype=dtype)
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """A program's runs for the plain-torch path: consecutive runs that continue each other
+    in the same destination and source merged (one op each), and how far each destination
+    and source slot is reached (the views' lengths)."""
+
+    runs: tuple[tuple[int, int, int, int, int], ...]
+    """(dst_idx, dst_off, src_idx, src_off, numel), numel > 0."""
+    dst_extent: tuple[int, ...]
+    src_extent: tuple[int, ...]
 
 
 def _alignment(values: Sequence[int], cap: int = 16) -> int:
@@ -232,6 +277,28 @@ class SegmentProgram:
     def n_tiles(self) -> int:
         return int(self.tiles.shape[0])
 
+    def torch_plan(self) -> TorchPlan:
+        """The runs as the plain-torch path executes them (made once, kept)."""
+        plan = self.__dict__.get("_torch_plan")
+        if plan is not None:
+            return plan
+        merged: list[list[int]] = []
+        dst_ext, src_ext = [0] * self.n_dst, [0] * self.n_src
+        for r in self.runs:
+            if r.numel <= 0:
+                continue
+            dst_ext[r.dst_idx] = max(dst_ext[r.dst_idx], r.dst_off + r.numel)
+            src_ext[r.src_idx] = max(src_ext[r.src_idx], r.src_off + r.numel)
+            if merged:
+                d, do, si, so, n = merged[-1]
+                if d == r.dst_idx and si == r.src_idx and do + n == r.dst_off and so + n == r.src_off:
+                    merged[-1][4] = n + r.numel
+                    continue
+            merged.append([r.dst_idx, r.dst_off, r.src_idx, r.src_off, r.numel])
+        plan = TorchPlan(tuple(map(tuple, merged)), tuple(dst_ext), tuple(src_ext))  # type: ignore[arg-type]
+        self.__dict__["_torch_plan"] = plan
+        return plan
+
     def tiles_on(self, device: torch.device) -> tuple[torch.Tensor, object, object]:
         """The tile table on ``device``, the event its upload recorded and the stream it went
         up on -- the stream current at the program's first binding on ``device``, which later
@@ -311,6 +378,8 @@ class Binding:
         dst0, src0 = self.dsts[0], self.srcs[0]
         device = dst0.device
         check_device("the tensors", device)
+        self._torch = cpu_runs_torch(device)
+        self._views: tuple | None = None  # the plain-torch path's views, made at its first launch
         if self.shared is not None:
             sp = self.shared
             if self.known_ptrs is None or (len(sp.dst), len(sp.src)) != (len(self.dst_ptrs), len(self.src_ptrs)):
@@ -376,6 +445,7 @@ class Binding:
         b._upload_stream = shared.stream
         b._set_uploads(shared.event)
         b._streams_seen, b._streams_kept = set(), set()
+        b._views = None
         return b  # _compiled: the same dict (the same kernels serve every agreeing binding)
 
     def _set_uploads(self, ptr_event: Any) -> None:
@@ -468,8 +538,14 @@ class Binding:
             )
         key = self._variant(scale, accumulate)
         has_scale, accumulate, raw = key
-        args = self._args(scale)
-        if not self._cuda:
+        if self._torch:
+            scale_f = None if scale is None else float(scale)
+
+            def run() -> None:
+                self._run_torch(scale_f, accumulate, raw)
+        elif not self._cuda:
+            args = self._args(scale)
+
             def run() -> None:
                 # The interpreter keeps global state per launch: one launch at a time (threads
                 # of the single-process multi-rank mode launch concurrently).
@@ -477,12 +553,14 @@ class Binding:
                     segmented_reduce_kernel[self._grid](
                         *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
                     )
+        if not self._cuda:
             graph = host_capture.recording() if capturing else None
             if graph is not None:  # the host's capture (tests): recorded, run at each replay
                 graph.record(run)
             else:
                 run()
             return
+        args = self._args(scale)
         if stream is None:
             stream = torch.cuda.current_stream(self.dsts[0].device)
         if not (capturing or ordered) and stream not in self._streams_seen:
@@ -512,6 +590,33 @@ class Binding:
         kernel.run(self._grid[0], 1, 1, s, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(self._grid, s, *all_args),
                    _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *all_args)
+
+    def _run_torch(self, scale: float | None, accumulate: bool, raw: bool) -> None:
+        """The launch as plain torch on CPU tensors, run by run: the kernel's ``_block``
+        (fp32 sum of the K sources in order from source 0, times ``scale``, plus the old
+        value, one cast at the store: torch's ``copy_`` rounds to nearest even, as the
+        kernel's store does), or a plain copy of the bits where the kernel moves them
+        untouched (``RAW``)."""
+        plan = self.program.torch_plan()
+        if self._views is None:
+            ddt, sdt, n_src = self.dsts[0].dtype, self.srcs[0].dtype, self.program.n_src
+            self._views = (tuple(_host_view(a, n, ddt) for a, n in zip(self.dst_ptrs, plan.dst_extent)),
+                           tuple(_host_view(a, plan.src_extent[i % n_src], sdt) for i, a in enumerate(self.src_ptrs)))
+        dsts, srcs = self._views
+        n_src, K, f32 = self.program.n_src, self.k, torch.float32
+        for di, do, si, so, n in plan.runs:
+            d = dsts[di][do:do + n]
+            if raw:
+                d.copy_(srcs[si][so:so + n])
+                continue
+            acc = srcs[si][so:so + n].to(f32, copy=True)
+            for k in range(1, K):
+                acc.add_(srcs[k * n_src + si][so:so + n])
+            if scale is not None:
+                acc.mul_(scale)
+            if accumulate:
+                acc.add_(d)
+            d.copy_(acc)
 
     def prepare(self, *, scale: float | None = None, accumulate: bool = False) -> None:
         """Compile and load the kernel variant ``launch`` will use, without launching.
