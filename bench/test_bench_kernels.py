@@ -32,7 +32,7 @@ def test_cli_cpu_prints_truthful_tables(tmp_path, capsys: pytest.CaptureFixture[
     assert main(["--models", "wan2.2-14b", "--skip", "cast", "accumulate", "--json", str(rows)]) == 0
     cap = capsys.readouterr()
     head = cap.out.splitlines()[0]
-    assert head.startswith("tide_triton kernel benchmarks on CPU (") and "Triton interpreter" in head
+    assert head.startswith("tide_triton kernel benchmarks on CPU (") and "kernels as plain torch" in head
     assert " on none" not in cap.out and "launches: -1" not in cap.out and "0.00x" not in cap.out
     assert "speed-up vs FSDP2" not in cap.out  # interpreter vs torch: no ratio column on the CPU
     assert "256 MiB ring" in cap.out and "64 MiB ring" not in cap.out  # the ring the table uses

@@ -3,7 +3,8 @@
 On a GPU: real layer shapes (Llama-3.1-70B, Qwen3-30B-A3B, Wan2.2-14B) at W = 8 and 64,
 each kernel side by side with what FSDP2 runs for the same step, bandwidth reported as a
 fraction of the device-copy ceiling measured in the same run.  Without a GPU: the same
-code through the Triton interpreter at scaled-down sizes (a smoke run: its times say
+code on CPU tensors (the kernels as plain torch, or through the Triton interpreter under
+``TIDE_TRITON_CPU_KERNELS=interpret``) at scaled-down sizes (a smoke run: its times say
 nothing about GPUs).
 
     python -m tide_triton.bench [--json ROWS.jsonl] [--plot FILE.png]
@@ -60,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from ._cli import Progress, recorded_rows, require_device
+    from .kernels.segments import cpu_runs_torch
+    from .measure import cpu_kernels_label
     from .workloads import MODELS, layer_shapes, scaled_shapes
 
     ap = argparse.ArgumentParser(prog="python -m tide_triton.bench", description=__doc__.split("\n\n")[0])
@@ -82,8 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(w < 1 for w in args.world_sizes or []):
         ap.error(f"--world-sizes must be >= 1, got {args.world_sizes}")
     device = require_device(ap, "--device", args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        ap.error("--device cpu: CPU tensors need the Triton interpreter; set TRITON_INTERPRET=1 before starting")
+    if device.type == "cpu" and not cpu_runs_torch(device) and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        ap.error("--device cpu with TIDE_TRITON_CPU_KERNELS=interpret: the kernels need the Triton interpreter; set "
+                 "TRITON_INTERPRET=1 before starting (or unset TIDE_TRITON_CPU_KERNELS for plain torch)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     gpu = device.type == "cuda"
@@ -95,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{info['triton']} | CUDA {info['cuda']} | git {info['git_sha']} | {info['date']}")
     print("sizes: real layer shapes" if gpu else
           f"sizes: layer shapes with every dim divided by {factor}, at most the first {max_params} parameters "
-          "(CPU, Triton interpreter: a smoke run, times say nothing about GPUs)", flush=True)
+          f"(CPU, kernels {cpu_kernels_label(device)}: a smoke run, times say nothing about GPUs)", flush=True)
 
     def shapes_of(model: str) -> tuple[str, tuple]:
         shapes = layer_shapes(model) if factor == 1 else scaled_shapes(model, factor)
@@ -133,8 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nreduce-scatter buffers per rank (from the layout, bf16 gradients, {_RING_BYTES >> 20} MiB ring):")
     print(staging_table(args.models, [2, 4, 8, 16, 64], _RING_BYTES))
     if not gpu:
-        print("(CPU: every kernel runs in Triton's Python interpreter, so kernel times and host overhead "
-              "measure the interpreter, not tide_triton; no speed-ups or launch counts are shown)")
+        print(f"(CPU: every kernel runs {cpu_kernels_label(device)}, so kernel times and host overhead say "
+              "nothing about GPUs; no speed-ups or launch counts are shown)")
     json_rows = kernel_json_rows(rows, ceiling, str(device), info)
     if args.json:
         with open(args.json, "a") as f:

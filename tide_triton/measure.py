@@ -104,19 +104,26 @@ def env_info(device: torch.device) -> dict:
         except Exception:
             info["nccl"] = "n/a"
     else:
-        info["gpu"] = f"none (CPU: {platform.processor() or platform.machine()}, Triton interpreter)"
+        info["gpu"] = f"none (CPU: {platform.processor() or platform.machine()}, {cpu_kernels_label(device)})"
         info["cuda"] = "n/a"
     return info
 
 
 def device_label(device: torch.device) -> str:
     """What ``device`` is, in words, for headers: ``"NVIDIA H200 (cuda:0)"`` or
-    ``"CPU (x86_64, 2 cores) through the Triton interpreter"``."""
+    ``"CPU (x86_64, 2 cores), kernels as plain torch"``."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"{torch.cuda.get_device_name(index)} (cuda:{index})"
     cpu = platform.processor() or platform.machine() or "unknown"
-    return f"CPU ({cpu}, {os.cpu_count()} cores) through the Triton interpreter"
+    return f"CPU ({cpu}, {os.cpu_count()} cores), kernels {cpu_kernels_label(device)}"
+
+
+def cpu_kernels_label(device: torch.device) -> str:
+    """How the kernels run on ``device``'s CPU tensors, in words (``TIDE_TRITON_CPU_KERNELS``)."""
+    from .kernels.segments import cpu_runs_torch
+
+    return "as plain torch" if cpu_runs_torch(device) else "through the Triton interpreter"
 
 
 # --------------------------------------------------------------------------- timing

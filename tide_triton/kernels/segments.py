@@ -592,31 +592,41 @@ class Binding:
                    _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *all_args)
 
     def _run_torch(self, scale: float | None, accumulate: bool, raw: bool) -> None:
-        """The launch as plain torch on CPU tensors, run by run: the kernel's ``_block``
-        (fp32 sum of the K sources in order from source 0, times ``scale``, plus the old
-        value, one cast at the store: torch's ``copy_`` rounds to nearest even, as the
-        kernel's store does), or a plain copy of the bits where the kernel moves them
-        untouched (``RAW``)."""
+        """The launch as plain torch on CPU tensors, over every run at once (torch's
+        ``_foreach`` ops: one call per step, each run's own ``add_`` / ``copy_`` inside): the
+        kernel's ``_block`` -- fp32 sum of the K sources in order from source 0, times
+        ``scale``, plus the old value, one cast at the store (torch's ``copy_`` rounds to
+        nearest even, as the kernel's store does) -- or a plain copy where the kernel moves the
+        bits untouched (``RAW``) or only converts them."""
+        views = self._views
+        if views is None:
+            views = self._views = self._torch_views()
+        dsts, srcs, sizes = views
+        # One source and no arithmetic: copy_ is the kernel's widening (exact) then its one
+        # rounding to nearest even -- torch converts fp16 -> bf16 through fp32 too.
+        if raw or (self.k == 1 and scale is None and not accumulate):
+            torch._foreach_copy_(dsts, srcs[0])
+            return
+        accs = list(torch.empty(sum(sizes), dtype=torch.float32).split(sizes))
+        torch._foreach_copy_(accs, srcs[0])  # from source 0, not from 0.0: -0.0 stays -0.0
+        for k in range(1, self.k):
+            torch._foreach_add_(accs, srcs[k])
+        if scale is not None:
+            torch._foreach_mul_(accs, scale)
+        if accumulate:
+            torch._foreach_add_(accs, dsts)
+        torch._foreach_copy_(dsts, accs)
+
+    def _torch_views(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[int]]:
+        """Per run of the program's :meth:`~SegmentProgram.torch_plan`: its destination, its
+        piece of each of the K sources (as lists for the ``_foreach`` ops), and its length."""
         plan = self.program.torch_plan()
-        if self._views is None:
-            ddt, sdt, n_src = self.dsts[0].dtype, self.srcs[0].dtype, self.program.n_src
-            self._views = (tuple(_host_view(a, n, ddt) for a, n in zip(self.dst_ptrs, plan.dst_extent)),
-                           tuple(_host_view(a, plan.src_extent[i % n_src], sdt) for i, a in enumerate(self.src_ptrs)))
-        dsts, srcs = self._views
-        n_src, K, f32 = self.program.n_src, self.k, torch.float32
-        for di, do, si, so, n in plan.runs:
-            d = dsts[di][do:do + n]
-            if raw:
-                d.copy_(srcs[si][so:so + n])
-                continue
-            acc = srcs[si][so:so + n].to(f32, copy=True)
-            for k in range(1, K):
-                acc.add_(srcs[k * n_src + si][so:so + n])
-            if scale is not None:
-                acc.mul_(scale)
-            if accumulate:
-                acc.add_(d)
-            d.copy_(acc)
+        ddt, sdt, n_src = self.dsts[0].dtype, self.srcs[0].dtype, self.program.n_src
+        dviews = [_host_view(a, n, ddt) for a, n in zip(self.dst_ptrs, plan.dst_extent)]
+        sviews = [_host_view(a, plan.src_extent[i % n_src], sdt) for i, a in enumerate(self.src_ptrs)]
+        dsts = [dviews[di][do:do + n] for di, do, _, _, n in plan.runs]
+        srcs = [[sviews[k * n_src + si][so:so + n] for _, _, si, so, n in plan.runs] for k in range(self.k)]
+        return dsts, srcs, [r[4] for r in plan.runs]
 
     def prepare(self, *, scale: float | None = None, accumulate: bool = False) -> None:
         """Compile and load the kernel variant ``launch`` will use, without launching.
