@@ -162,3 +162,33 @@ def test_import_without_cuda_sets_the_interpreter_only_when_asked(mode: str, int
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("no CUDA device: kernels on CPU tensors run")]
     assert lines == [f"no CUDA device: kernels on CPU tensors run {said} ($TIDE_TRITON_CPU_KERNELS="
                      f"{mode or 'torch'})"], out.stderr
+
+
+def test_a_launched_binding_rebound_to_new_addresses_writes_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path keeps views of the bound addresses after a launch; a copy rebound to
+    other addresses (a reduce-scatter's chunks on new gradients) reads and writes those."""
+    from tide_triton import accumulate_shards_ref, bind_accumulate_shards
+    from tide_triton.kernels import Binding, upload_table_pairs
+
+    monkeypatch.setenv("TIDE_TRITON_CPU_KERNELS", "torch")
+    layout = ShardLayout([(6, 40), (5, 24), (64,)], 2)
+    g = torch.Generator().manual_seed(3)
+
+    def operands() -> tuple[list[torch.Tensor], list[torch.Tensor], tuple, tuple]:
+        shards = [torch.zeros(s) for s in layout.shard_shapes(1, padded=True)]
+        srcs = [torch.randn(layout.flat_shard_numel, generator=g).to(BF16) for _ in range(3)]
+        return shards, srcs, tuple(t.data_ptr() for t in shards), tuple(t.data_ptr() for t in srcs)
+
+    shards0, srcs0, d0, s0 = operands()
+    own = bind_accumulate_shards(srcs0, shards0, layout, 1)
+    first = Binding(own.program, own.dsts, own.srcs, own.k, own.max_ctas, known_ptrs=(d0, s0),
+                    shared=upload_table_pairs(torch.device("cpu"), [(d0, s0)])[0])
+    first.launch(scale=0.5)
+    shards1, srcs1, d1, s1 = operands()
+    first.rebound((d1, s1), upload_table_pairs(torch.device("cpu"), [(d1, s1)])[0]).launch(
+        scale=0.5, check_addresses=False)
+    for srcs, shards in ((srcs0, shards0), (srcs1, shards1)):
+        want = [torch.zeros_like(s) for s in shards]
+        accumulate_shards_ref(srcs, want, layout, 1, scale=0.5)
+        for got, exp in zip(shards, want):
+            assert torch.equal(got, exp)
