@@ -7,8 +7,9 @@ all_gather (bf16 shards -> bf16 parameters), checked against plain torch.
     torchrun --nproc-per-node 2 examples/collectives.py --device cuda   # rank r on cuda:LOCAL_RANK
 
 Without a GPU everything runs on the CPU: the data moves through shared memory and the
-Triton kernels through Triton's interpreter (tide_triton sets ``TRITON_INTERPRET=1`` itself
-when torch has no CUDA; with a GPU present, ``--device cpu`` sets it here, before the import).
+kernels run as plain torch, equal to the Triton kernels bit for bit (``--device cpu`` does the
+same on a GPU machine; ``TIDE_TRITON_CPU_KERNELS=interpret`` runs them through Triton's
+interpreter).
 With ``--device cuda`` under torchrun, rank r uses ``cuda:LOCAL_RANK`` (``--share-gpu``: every
 rank on cuda:0); run as threads, all ranks share cuda:0.  Each rank prints its shard shapes;
 rank 0 prints ``OK`` when every rank's results equal plain torch's (the all-gather bit for
@@ -89,8 +90,6 @@ def main() -> int:
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible to torch; leave --device out to run on the CPU")
-    if kind == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before tide_triton's kernels are defined
     import tide_triton as tt
 
     if "RANK" in os.environ:  # under torchrun: one process per rank

@@ -6,11 +6,8 @@
     torchrun --nproc-per-node 2 examples/train_llama.py --no-tide          # stock FSDP2, for comparison
     torchrun --nproc-per-node 2 examples/train_llama.py --dim 64 --layers 2 --steps 10   # larger
 
-Time: the defaults (dim 32, 1 layer, 2 x 16 tokens per rank, 8 steps) took 19.7 s, start-up
-included (1.5-2.7 s a step), under ``torchrun --nproc-per-node 2`` on 2 shared CPU cores
-(torch 2.13 CPU, Triton 3.6).  On the CPU every Triton kernel runs in Triton's Python
-interpreter, so a step costs seconds where ``--no-tide`` costs milliseconds; larger sizes
-cost more in proportion to the number of parameters.
+On the CPU the kernels run as plain torch (exact to the bit), so a step costs about what a stock
+FSDP2 step (``--no-tide``) costs; ``bench/cpu_fsdp_step.py`` measures the two in turns.
 
 The process group is gloo in every case: tide_triton only needs it for its bootstrap -- the
 data moves through its own transport (CPU shared memory, or VMM heaps + copy engines on the
@@ -206,8 +203,6 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU tensors
     import tide_triton
 
     dist.init_process_group("gloo")

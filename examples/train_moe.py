@@ -178,8 +178,6 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU tensors
     import tide_triton
 
     dist.init_process_group("gloo")

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "docs" / "*.md")))]
@@ -52,14 +51,10 @@ _BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), r
 
 
 @pytest.mark.multiproc
+@pytest.mark.cpu_torch  # as pasted by a user: CPU kernels as plain torch, the default
 @pytest.mark.parametrize("i", range(len(_BLOCKS)))
 def test_readme_snippet_runs_as_pasted(i: int, tmp_path: Path) -> None:
     code = _BLOCKS[i]
-    if torch.cuda.is_available():  # on a CPU-only torch the package picks the interpreter itself
-        import numpy
-
-        if "cuda" not in code and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-            pytest.skip("a CPU-only snippet needs Triton's interpreter, which needs numpy < 2.4")
     path = tmp_path / f"snippet{i}.py"
     path.write_text(code)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
