@@ -365,6 +365,7 @@ _MOE_PLAN = {2: (1, ("bf16", "fp32", "accum", "prepared", "slot")), 4: (3, ("bf1
 
 
 @pytest.mark.multiproc
+@pytest.mark.cpu_torch  # the drop-in end to end: the CPU kernels as plain torch, the product's path
 @pytest.mark.parametrize("W", sorted(_MOE_PLAN))
 def test_fsdp_serves_shard1_experts_equal_to_stock(W: int) -> None:
     n_experts, scenarios = _MOE_PLAN[W]
