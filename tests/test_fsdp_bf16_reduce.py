@@ -11,7 +11,7 @@ with the op's scale ``s`` (1/W for the default average) and the ranks' gradients
   ``(W + 1) 2^-8 s sum|g|`` -- the bound docs/fsdp.md states;
 * at W = 2 one bf16 addition rounds once too (halving is exact): bit for bit equal to stock.
 
-CPU: gloo, the host transport, the Triton interpreter.
+CPU: gloo, the host transport, the kernels as plain torch (``cpu_torch``: the product's CPU path).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.cpu_torch]
 U = 2.0 ** -8  # bf16's unit roundoff
 
 
