@@ -104,7 +104,7 @@ class SoakConfig:
     timeout_s: float = 120.0
     """The process group's deadline (tide_triton's groups keep their default)."""
     leak: str | None = None
-    """Tests of the soak itself: inject a leak of one resource per step (``shm``, ``fd``, ``thread``)."""
+    """Tests of the soak itself: leak these resources, one each per step (:class:`_Leak`)."""
     env: dict = field(default_factory=dict)
     """Set in the ranks' environment."""
 
@@ -184,37 +184,39 @@ def sample(model: Any = None, device: Any = None) -> dict[str, int]:
 
 
 class _Leak:
-    """A leak of one resource per step, injected to show the soak catches it."""
+    """Leaks of resources, one of each kind per step, injected to show the soak catches them:
+    ``kinds`` is a comma-separated subset of ``shm`` (a /dev/shm file named as tide_triton
+    names its heaps, never unlinked), ``fd`` (a descriptor never closed), ``thread``."""
 
-    def __init__(self, kind: str | None) -> None:
-        if kind not in (None, "shm", "fd", "thread"):
-            raise ValueError(f"leak must be None, 'shm', 'fd' or 'thread', got {kind!r}")
-        self.kind, self.n, self.kept = kind, 0, []
+    KINDS = ("shm", "fd", "thread")
+
+    def __init__(self, kinds: str | None) -> None:
+        self.kinds = [k for k in (kinds or "").split(",") if k]
+        if any(k not in self.KINDS for k in self.kinds):
+            raise ValueError(f"leak must name kinds among {self.KINDS}, comma-separated, got {kinds!r}")
+        self.n = 0
+        self.paths: list[str] = []
+        self.fds: list[int] = []
         self.stop = threading.Event()
 
     def step(self) -> None:
-        if self.kind is None:
-            return
         self.n += 1
-        if self.kind == "shm":  # a segment named as tide_triton names its heaps, never unlinked
+        if "shm" in self.kinds:
             path = f"{_SHM}/tide_triton.{os.getpid()}.soakleak{self.n:06d}.0"
             with open(path, "wb") as f:
                 f.truncate(4096)
-            self.kept.append(path)
-        elif self.kind == "fd":
-            self.kept.append(os.open(os.devnull, os.O_RDONLY))
-        else:
-            t = threading.Thread(target=self.stop.wait, daemon=True)
-            t.start()
-            self.kept.append(t)
+            self.paths.append(path)
+        if "fd" in self.kinds:
+            self.fds.append(os.open(os.devnull, os.O_RDONLY))
+        if "thread" in self.kinds:
+            threading.Thread(target=self.stop.wait, daemon=True).start()
 
     def close(self) -> None:
         self.stop.set()
-        for k in self.kept:
-            if self.kind == "shm":
-                os.unlink(k)
-            elif self.kind == "fd":
-                os.close(k)
+        for path in self.paths:
+            os.unlink(path)
+        for fd in self.fds:
+            os.close(fd)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -241,9 +243,11 @@ def rank_device(rank: int, cfg: SoakConfig):
     return torch.device("cuda", rank % n if cfg.gpu_per_rank else 0)
 
 
-def train(rank: int, world: int, mode: str, cfg: SoakConfig, emit: Callable[[dict], None]) -> None:
+def train(rank: int, world: int, mode: str, cfg: SoakConfig, emit: Callable[[dict], None],
+          label: str | None = None) -> None:
     """Train ``cfg.steps`` steps in ``mode`` inside an initialised process group, emitting a
-    sample every ``cfg.every`` steps (and at step 0, before training) and a final record."""
+    sample every ``cfg.every`` steps (and at step 0, before training) and a final record,
+    each under ``"mode": label`` (default: ``mode``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -269,7 +273,7 @@ def train(rank: int, world: int, mode: str, cfg: SoakConfig, emit: Callable[[dic
             raise RuntimeError(f"{mode}: modules left on stock FSDP2: {stock}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     leak = _Leak(cfg.leak)
-    base = {"kind": "sample", "mode": mode, "rank": rank, "world": world}
+    base = {"kind": "sample", "mode": label or mode, "enable": mode, "rank": rank, "world": world}
     losses: list[float] = []
     t0 = time.perf_counter()
     emit({**base, "step": 0, "loss": None, "t": 0.0, **sample(model if tide else None, device)})
