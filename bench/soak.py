@@ -6,7 +6,7 @@ resources sampled on the way -- do they stay flat, and do the losses stay equal 
     python bench/soak.py --device cuda                     # GPU: the W processes share cuda:0
     python bench/soak.py --summarize out.jsonl             # the summary of a recorded run again
 
-Modes (each in fresh processes, one after the other): ``stock`` (FSDP2's own collectives),
+Modes (each in fresh processes, one after the other; ``--parallel``: all at once): ``stock`` (FSDP2's own collectives),
 ``eager`` (``tide_triton.fsdp.enable(model)``), ``prepared`` (``enable(model, prepared=True)``),
 ``slot_reuse`` (``enable(model, slot_reuse=True)``).  The model is ``examples/train_llama.py``'s
 Llama (``--dim``, ``--layers``; attention biases, a (1, heads, head_dim) query gain and a tied
@@ -33,14 +33,16 @@ Output: one JSON line per record (``--out``), then a summary (printed, and appen
 line ``{"kind": "summary", ...}``).  Warm-up: the samples at steps <= ``--warmup`` x steps
 (10%).  A series is *flat* when, after warm-up, no sample exceeds the first post-warm-up sample
 by more than its tolerance (:data:`TOLERANCE`: 0 for counts and for tide_triton's heap and
-torch's allocated bytes, which are exact; 8 MiB or 2% for the RSS, the larger -- malloc's arenas
-and the allocator's caches move by a few MiB; a leak of 4 KiB a step crosses it within 2,000
-steps); the summary gives each series' first / last / max post-warm-up values, its max drift
-(max - first post-warm-up) and slope (least squares, units per 1,000 steps).  Losses: compared
+torch's allocated and reserved bytes, which are exact between steps; 8 MiB or 2% for the RSS,
+the larger -- malloc's arenas and the allocator's caches move by a few MiB; a leak of 5 KiB a
+step crosses it within 2,000 steps, smaller ones show in the slope); the summary gives each
+series' first / last / max post-warm-up values, its max drift (max - first post-warm-up) and
+slope (least squares, units per 1,000 steps).  Losses: compared
 with stock's at every step, bit for bit (the drop-in sums the fp32 reduction of W=2 ranks
 exactly as gloo does; at W > 2 or on a GPU the summation order differs, so they agree to fp32
 rounding, which training then amplifies: the summary gives the first step that differs and the
-largest difference).
+largest difference).  Exit status 1 when a judged series is not flat or, at W=2 on the CPU, a
+loss differs from stock's.
 """
 from __future__ import annotations
 
@@ -610,7 +612,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["config"] = head
         out.write(json.dumps(summary) + "\n")
     print(format_summary(summary))
-    return 0 if all(row["flat"] and row.get("losses_vs_stock", {"equal": True})["equal"]
+    # bit-equal losses are the promise only where the math is stock's: W=2 on the CPU
+    exact = a.device == "cpu" and a.world == 2
+    return 0 if all(row["flat"] and (not exact or row.get("losses_vs_stock", {"equal": True})["equal"])
                     for ranks in summary["modes"].values() for row in ranks.values()) else 1
 
 
