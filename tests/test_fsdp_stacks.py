@@ -403,3 +403,44 @@ def test_stack_configuration_served_and_equal_to_stock(world_size: int, config: 
     out = run_multiprocess(_child, world_size, (config,), timeout=400)
     print(f"{config} W={world_size}: {out[0][config]['_time']} s (rank 0)")
     _check(out, config)
+
+
+def _fake_foreach_reduce(reduce_scatter_input, reduce_scatter_event, post_reduce_stream, post_reduce_event,
+                         all_reduce_input, all_reduce_event, partial_reduce_output, all_reduce_grads):
+    if not all_reduce_grads:  # the HSDP early return: its event made in place
+        return (reduce_scatter_input, reduce_scatter_event, post_reduce_stream, post_reduce_stream.record_event(),
+                all_reduce_input, all_reduce_event, partial_reduce_output)
+    return (reduce_scatter_input, reduce_scatter_event, post_reduce_stream, post_reduce_event,
+            all_reduce_input, all_reduce_event, None)
+
+
+def _fake_reduce_without_partial(reduce_scatter_input, reduce_scatter_event):
+    return (reduce_scatter_input, reduce_scatter_event, None)
+
+
+def test_hsdp_partial_result_layout_read_from_source() -> None:
+    """The HSDP accumulation's early return is read like the normal one: tide_triton hands its
+    partial sum back where FSDP2's post_backward unpacks it."""
+    from tide_triton.fsdp import _torch_adapter as ta
+
+    names = ("reduce_scatter_input", "reduce_scatter_event", "post_reduce_stream", "post_reduce_event",
+             "all_reduce_input", "all_reduce_event")
+    assert ta.reduce_return_order(_fake_foreach_reduce) == (*names, None)
+    assert ta.partial_return_order(_fake_foreach_reduce) == (*names, "partial_reduce_output")
+    assert ta.partial_return_order(_fake_reduce_without_partial) is None
+    api = ta.load_api()  # the installed torch (2.13 in CI) has one
+    assert api.partial_order is not None and "partial_reduce_output" in api.partial_order, api.partial_order
+
+
+def test_replicate_only_mesh_stays_stock_saying_why() -> None:
+    """A DDP mesh (FSDP2 replicates, nothing sharded) is the one data-parallel mesh left stock,
+    and the reason says so -- no "HSDP", no "TP/EP"."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    from tide_triton.fsdp import _torch_adapter as ta
+
+    pg = SimpleNamespace(mesh_info=object.__new__(DDPMeshInfo))
+    why = ta.why_stock(pg, ta.load_api())
+    assert why is not None and "replicate only" in why and "DDPMeshInfo" in why, why
