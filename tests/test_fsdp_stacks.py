@@ -444,3 +444,30 @@ def test_replicate_only_mesh_stays_stock_saying_why() -> None:
     pg = SimpleNamespace(mesh_info=object.__new__(DDPMeshInfo))
     why = ta.why_stock(pg, ta.load_api())
     assert why is not None and "replicate only" in why and "DDPMeshInfo" in why, why
+
+
+def _split_decision_in_a_shard_group(rank: int, W: int) -> str:
+    import tide_triton as tt
+    from tide_triton.fsdp import _torch_adapter
+
+    model = Tiny()
+    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("dp_replicate", "fsdp"))
+    _fsdp_all(model, lambda i, m: dict(mesh=mesh), dict(mesh=mesh))
+    if rank == 3:  # this rank's torch is not served: it would run stock FSDP2 in the shard group [2, 3]
+        _torch_adapter._API, _torch_adapter._API_ERROR = None, "torch build not served here"
+    try:
+        report = tt.fsdp.enable(model)
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"
+    return "served" if all(v is None for v in report.values()) else f"report {report}"
+
+
+def test_hsdp_ranks_deciding_differently_raise_in_their_shard_group_naming_global_ranks() -> None:
+    """The tide-or-stock decision is agreed per shard group: the group [2, 3], split, raises on
+    both of its ranks naming them by their global ranks; the group [0, 1] agrees and is served."""
+    out = run_multiprocess(_split_decision_in_a_shard_group, 4, timeout=300)
+    assert out[:2] == ["served", "served"], out
+    for rank in (2, 3):
+        assert out[rank].startswith("RuntimeError: enable: ") and \
+            "on rank 2 and stock FSDP2's on rank 3 of the shard group [2, 3]" in out[rank], (rank, out[rank])
+        assert "torch build not served here" in out[rank], (rank, out[rank])
