@@ -14,7 +14,8 @@ parameters must be equal, and ``enable`` must report every module served:
   FSDP on the ``dp`` sub-mesh: FSDP2's collectives on the TP-local tensors;
 * ``ep``: a MoE block whose experts are DTensors ``Shard(0)`` on the ``ep`` mesh with their
   own FSDP group on the ``efsdp`` mesh (torchtitan's ``shard_placement_fn`` with a
-  ``ShardPlacementResult``), beside the block's dense group on the ``dp`` mesh.
+  ``ShardPlacementResult``), beside the block's dense group on the ``dp`` mesh; at W=2 the
+  expert groups have one rank (nothing to communicate) and stay stock, saying so.
 
 gloo has no PREMUL_SUM, so stock FSDP2 cannot run torchtitan's divide factor 1.0 as it
 would on NCCL; the stock runs use ``set_force_sum_reduction_for_comms(True)`` with the same
@@ -385,12 +386,22 @@ def _equal(a, b, what: str) -> None:
     assert torch.equal(a, b), f"{what}: max diff {(a - b).abs().max().item():.3g}"
 
 
-def _check(out: list[dict], config: str) -> None:
+def _check(out: list[dict], config: str, one_rank: tuple[str, ...] = ()) -> None:
+    """``one_rank``: the parameter groups whose FSDP group has one rank (nothing to
+    communicate): stock, saying so; every other group served."""
     for rank, res in enumerate(out):
         r = res[config]
         tide, stock = r["tide"], r["stock"]
-        assert all(v is None for v in tide["report"].values()), (rank, tide["report"], r["logged"])
+        for name, why in tide["report"].items():
+            if any(g.partition("[")[0] == name for g in one_rank):
+                assert why is not None and "world size 1" in why, (rank, name, why)
+            else:
+                assert why is None, (rank, name, why, r["logged"])
+        assert len(r["logged"]) == len(one_rank), (rank, r["logged"])
         for name, st in tide["stats"].items():
+            if name in one_rank:
+                assert st is None, (rank, name, st)
+                continue
             assert st is not None and st["all_gathers"] > 0 and st["reduce_scatters"] > 0, (rank, name, st)
         _equal(tide["losses"], stock["losses"], f"{config} losses rank {rank}")
         _equal(tide["grads"], stock["grads"], f"{config} last-step grads rank {rank}")
@@ -403,6 +414,14 @@ def test_stack_configuration_served_and_equal_to_stock(world_size: int, config: 
     out = run_multiprocess(_child, world_size, (config,), timeout=400)
     print(f"{config} W={world_size}: {out[0][config]['_time']} s (rank 0)")
     _check(out, config)
+
+
+def test_ep_at_two_ranks_serves_the_dense_group_and_says_why_the_experts_stay_stock() -> None:
+    """EP 2 on 2 ranks: the experts' FSDP group (efsdp) has one rank -- nothing to all-gather or
+    reduce-scatter, so it stays stock with that reason; the block's dense group is served."""
+    out = run_multiprocess(_child, 2, ("ep",), timeout=400)
+    print(f"ep W=2: {out[0]['ep']['_time']} s (rank 0)")
+    _check(out, "ep", one_rank=("layers.0[1]",))
 
 
 def _fake_foreach_reduce(reduce_scatter_input, reduce_scatter_event, post_reduce_stream, post_reduce_event,
