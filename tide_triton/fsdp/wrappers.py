@@ -204,7 +204,7 @@ reduce._tide_wrapper = True  # type: ignore[attr-defined]
 
 
 def _reduce_plan(api: TorchApi, a: dict):
-    """(op, post_divide, orig_dtype) for tide_triton, or the reason to run stock."""
+    """(op, post_divide, orig_dtype, HSDP all-reduce op or None) for tide_triton, or the reason to run stock."""
     from torch.distributed import ReduceOp
 
     grads, rs_group, ar_group = a["unsharded_grads"], a["reduce_scatter_group"], a["all_reduce_group"]
