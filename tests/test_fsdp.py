@@ -124,8 +124,8 @@ def _explicit_prefetch(model) -> None:
     b.set_reshard_after_forward(False)
 
 
-def _train(W, rank, device, mp, tide, steps, setup=None, prepared=False, **kw):
-    model, opt, report = _build(W, device, mp, tide, prepared=prepared)
+def _train(W, rank, device, mp, tide, steps, setup=None, prepared=False, mesh=None, **kw):
+    model, opt, report = _build(W, device, mp, tide, mesh=mesh, prepared=prepared)
     if setup is not None:
         setup(model)
     grads: dict = {}
@@ -348,14 +348,16 @@ def _scenario_fallbacks(W, rank, device):
 
 
 def _scenario_hsdp(W, rank, device):
+    """HSDP (replicate x shard): tide_triton on the shard groups, FSDP2's all-reduce across replicas."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    import tide_triton as tt
 
     h = _capture()
     mesh = init_device_mesh(device, (2, W // 2), mesh_dim_names=("replicate", "shard"))
-    model, _, report = _build(W, device, "bf16", True, mesh=mesh)
-    return {"report": report, "logged": list(h.lines), "stats": tt.fsdp.stats(model)}
+    out = {"stock": _train(W, rank, device, "bf16", False, 2, mesh=mesh)}
+    h.lines.clear()
+    out["tide"] = _train(W, rank, device, "bf16", True, 2, mesh=mesh)
+    out["logged"] = list(h.lines)
+    return out
 
 
 def _scenario_errors(W, rank, device):
@@ -577,9 +579,12 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
         assert all(v and "2.99.0" in v for v in uv["report"].values()), uv["report"]
         assert all(st is None for st in uv["stats"].values()), uv["stats"]
     if "hsdp" in r0:
-        h = r0["hsdp"]
-        assert all(v and "HSDP" in v for v in h["report"].values()), h["report"]
-        assert len(h["logged"]) == len(h["report"]), h["logged"]
+        for rank, res in enumerate(out):
+            _check_tide_served(res["hsdp"]["tide"])
+            assert res["hsdp"]["logged"] == [], res["hsdp"]["logged"]
+            close(res["hsdp"]["tide"]["losses"], res["hsdp"]["stock"]["losses"], f"hsdp losses rank {rank}")
+        close(r0["hsdp"]["tide"]["grads"], r0["hsdp"]["stock"]["grads"], "hsdp last-step grads")
+        close(r0["hsdp"]["tide"]["params"], r0["hsdp"]["stock"]["params"], "hsdp params")
     if "slot" in r0:
         for rank, res in enumerate(out):
             sl = res["slot"]

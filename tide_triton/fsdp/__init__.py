@@ -19,11 +19,18 @@ What changes for an enabled parameter group (torch 2.9-2.15, dim-0 sharding):
   Ops: AVG (default), ``set_gradient_divide_factor`` (a pre-multiplied sum),
   ``set_force_sum_reduction_for_comms`` (a sum, then the post-divide), the all-reduce hook.
 
+Served as training stacks build FSDP2 (docs/fsdp.md, "Supported configurations"): DTensor
+parameters (torchtitan's ``full_dtensor`` on a 1-D mesh, TP and EP placements: FSDP2's
+collectives move their local tensors over the dp shard group), HSDP (the shard group's
+all-gather and reduce-scatter; FSDP2's all-reduce across replicas stays torch's), several
+meshes in one block (experts on their own ``edp`` mesh) -- each shard group its own
+tide_triton group.
+
 Falls back to stock FSDP2 for a group, with one log line (logger ``"tide_triton"``) saying
 why: more Shard(dim > 0) slices than SPLIT_PARTS_MAX (2-D weights on Shard(1): a slice per row),
-HSDP / replicate meshes, a post-forward reshard mesh, CPU offload,
-mixed parameter dtypes, an fp16 reduction (FSDP2 pre/post-divides it), DTensor (TP/EP)
-parameters, all-gather extensions, custom comms, world size 1, an unknown torch version.
+a replicate-only (DDP) mesh, a post-forward reshard mesh, CPU offload,
+mixed parameter dtypes, an fp16 reduction (FSDP2 pre/post-divides it), all-gather
+extensions, custom comms, world size 1, an unknown torch version.
 
 Slot-Reuse (``enable(..., slot_reuse=True)``): every group's unsharded storage lives in a heap
 slot (:mod:`.slots`; :data:`SLOT_POOL` slots shared by the groups that reshard after forward).

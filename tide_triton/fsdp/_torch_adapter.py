@@ -93,15 +93,16 @@ class TorchApi:
     """Names of ``foreach_reduce``'s results in the order this version returns them."""
     path: str
     """:func:`supported_torch_version` of the installed torch."""
+    partial_order: tuple[str | None, ...] | None = None
+    """The same for its HSDP early return that hands back ``partial_reduce_output`` (gradient
+    accumulation without the all-reduce); None: this version has none (that case stays stock)."""
 
 
 _API: TorchApi | None = None
 _API_ERROR: str | None = None  # why the installed torch cannot be served (cached: checked once)
 
 
-def reduce_return_order(fn: Callable) -> tuple[str | None, ...]:
-    """The names in ``fn``'s last ``return (a, b, ...)`` (None for a literal None):
-    the result layout FSDPParamGroup.post_backward unpacks in this torch version."""
+def _tuple_returns(fn: Callable) -> list[ast.Return]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     func = tree.body[0]
     if not isinstance(func, ast.FunctionDef):
@@ -109,13 +110,38 @@ def reduce_return_order(fn: Callable) -> tuple[str | None, ...]:
     rets = [n for n in ast.walk(func) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
     if not rets:
         raise ValueError("foreach_reduce has no `return (...)`")
-    ret = max(rets, key=lambda n: n.lineno)  # the last one: the normal (non-HSDP-partial) exit
+    return rets
+
+
+def reduce_return_order(fn: Callable) -> tuple[str | None, ...]:
+    """The names in ``fn``'s last ``return (a, b, ...)`` (None for a literal None):
+    the result layout FSDPParamGroup.post_backward unpacks in this torch version."""
+    ret = max(_tuple_returns(fn), key=lambda n: n.lineno)  # the last one: the normal (non-HSDP-partial) exit
+    return _names(ret.value)
+
+
+def partial_return_order(fn: Callable) -> tuple[str | None, ...] | None:
+    """The names of ``fn``'s ``return (...)`` that hands back ``partial_reduce_output`` (HSDP
+    accumulation without the all-reduce), or None when it has none."""
+    for ret in _tuple_returns(fn):
+        try:
+            names = _names(ret.value)
+        except ValueError:  # not a result tuple tide_triton knows: not this one
+            continue
+        if "partial_reduce_output" in names:
+            return names
+    return None
+
+
+def _names(ret: Any) -> tuple[str | None, ...]:
     out: list[str | None] = []
-    for e in ret.value.elts:
+    for e in ret.elts:
         if isinstance(e, ast.Constant) and e.value is None:
             out.append(None)
         elif isinstance(e, ast.Name) and e.id in _REDUCE_RESULT_NAMES:
             out.append(e.id)
+        elif ast.unparse(e) == "post_reduce_stream.record_event()":  # the HSDP early return's event
+            out.append("post_reduce_event")
         else:
             raise ValueError(f"foreach_reduce returns {ast.unparse(e)!r}, which tide_triton does not know")
     return tuple(out)
@@ -154,7 +180,7 @@ def load_api() -> TorchApi:
         order = reduce_return_order(orig_rd)
         if not hasattr(fc, "_get_gradient_divide_factors"):
             raise RuntimeError(f"torch {torch.__version__}: no _get_gradient_divide_factors")
-        _API = TorchApi(fpg, fc, orig_ag, orig_co, orig_rd, *sigs, order, path)
+        _API = TorchApi(fpg, fc, orig_ag, orig_co, orig_rd, *sigs, order, path, partial_return_order(orig_rd))
         return _API
     except (RuntimeError, ImportError, OSError, TypeError, ValueError, SyntaxError) as e:
         _API_ERROR = str(e)
@@ -229,10 +255,11 @@ def why_stock(pg: Any, api: TorchApi) -> str | None:
     from torch.distributed.tensor import Shard
 
     mi = pg.mesh_info
-    if isinstance(mi, getattr(fcom, "DDPMeshInfo", ())) or isinstance(mi, getattr(fcom, "HSDPMeshInfo", ())):
-        return "HSDP / replicate mesh (gradients are also all-reduced across replicas)"
-    if not isinstance(mi, fcom.FSDPMeshInfo):
-        return f"mesh {type(mi).__name__} is not a plain FSDP shard mesh"
+    if not isinstance(mi, fcom.FSDPMeshInfo):  # DDPMeshInfo: FSDP2 all-reduces whole gradients
+        return f"mesh {type(mi).__name__} shards nothing (replicate only: no all-gather, no reduce-scatter)"
+    hsdp = isinstance(mi, getattr(fcom, "DDPMeshInfo", ()))  # HSDP: the replicas' all-reduce stays torch's
+    if hsdp and not hasattr(pg, "_all_reduce_process_group"):
+        return "HSDP without FSDP2's _all_reduce_process_group (unknown to tide_triton)"
     pf = pg.post_forward_mesh_info  # None (no reshard), mesh_info (reshard), or a smaller mesh
     if pf is not None and pf is not mi:
         return "reshard_after_forward=<int> (post-forward mesh)"
@@ -258,8 +285,6 @@ def why_stock(pg: Any, api: TorchApi) -> str | None:
     for fp in pg.fsdp_params:
         if type(fp.fsdp_placement) is not Shard:  # Shard(dim) of any dim is served; others are not
             return f"{fp.fsdp_placement} placement (tide_triton serves Shard(dim) placements)"
-        if getattr(fp, "is_dtensor", False):
-            return "DTensor (TP/EP) parameters"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return "all-gather extensions (fsdp_pre_all_gather)"
         dtypes.add(fp.sharded_param.dtype)

@@ -275,19 +275,22 @@ def _agree_decisions(plan: list, options: list, group: Any = None) -> None:
         got = exchange_once(apg, (sig, mine), what="tide_triton.fsdp.enable's options and decisions",
                             timeout_s=timeout_s)
         check_same([(0, their_sig, None) for their_sig, _ in got], dist.get_rank(apg))
+        ranks = dist.get_process_group_ranks(apg)  # global ranks: a shard group may be a sub-group (HSDP, EP)
+        me = dist.get_rank(apg)
+        where = "" if len(ranks) == dist.get_world_size() else f" of the shard group {ranks}"
         for r, (_, theirs) in enumerate(got):
             if [lab for lab, _ in theirs] != [lab for lab, _ in mine]:
-                raise RuntimeError(f"enable: rank {r} of the process group holds other FSDP2 groups "
-                                   f"({[lab for lab, _ in theirs]}) than rank {dist.get_rank(apg)} "
+                raise RuntimeError(f"enable: rank {ranks[r]}{where} holds other FSDP2 groups "
+                                   f"({[lab for lab, _ in theirs]}) than rank {ranks[me]} "
                                    f"({[lab for lab, _ in mine]}); call enable on the same model on every rank")
             for (label, why), (_, their) in zip(mine, theirs):
                 if (why is None) != (their is None):
-                    tide, stock = (dist.get_rank(apg), r) if why is None else (r, dist.get_rank(apg))
+                    tide, stock = (ranks[me], ranks[r]) if why is None else (ranks[r], ranks[me])
                     reason = their if why is None else why
                     raise RuntimeError(
                         f"enable: {label} would run tide_triton's collectives on rank {tide} and stock "
-                        f"FSDP2's on rank {stock} ({reason}); their collectives would never pair -- make the "
-                        f"ranks agree (the same torch build, sources and settings) or disable it everywhere")
+                        f"FSDP2's on rank {stock}{where} ({reason}); their collectives would never pair -- make "
+                        f"the ranks agree (the same torch build, sources and settings) or disable it everywhere")
 
 
 _UNREDUCED = ("{what}: {name} holds gradients accumulated without a reduce-scatter ({param}'s, "

@@ -204,12 +204,10 @@ reduce._tide_wrapper = True  # type: ignore[attr-defined]
 
 
 def _reduce_plan(api: TorchApi, a: dict):
-    """(op, post_divide, orig_dtype) for tide_triton, or the reason to run stock."""
+    """(op, post_divide, orig_dtype, HSDP all-reduce op or None) for tide_triton, or the reason to run stock."""
     from torch.distributed import ReduceOp
 
-    grads, rs_group = a["unsharded_grads"], a["reduce_scatter_group"]
-    if a["all_reduce_group"] is not None or a["partial_reduce_output"] is not None:
-        return "HSDP all-reduce"
+    grads, rs_group, ar_group = a["unsharded_grads"], a["reduce_scatter_group"], a["all_reduce_group"]
     prep = a.get("prepare_reduce_scatter_inputs")  # torch 2.15: tide_triton lays out the inputs itself
     if prep is not None and prep is not getattr(api.fc, "_default_reduce_scatter_input_fn", None):
         return "a custom prepare_reduce_scatter_inputs callback"
@@ -225,12 +223,16 @@ def _reduce_plan(api: TorchApi, a: dict):
     device, factor = a["device"], a["gradient_divide_factor"]
     force_sum = a.get("force_sum_reduction_for_comms", False)
     try:
-        pre, post, rs_op, _ = api.fc._get_gradient_divide_factors(
-            rs_group, None, reduce_dtype, device.type, factor, force_sum)
+        pre, post, rs_op, ar_op = api.fc._get_gradient_divide_factors(
+            rs_group, ar_group, reduce_dtype, device.type, factor, force_sum)
     except TypeError as e:
         return f"_get_gradient_divide_factors has an unknown signature ({e})"
     if pre is not None and pre != 1:
         return "a pre-divide factor"
+    if ar_group is None and a["partial_reduce_output"] is not None:
+        return "a partial reduce output without an all-reduce group"
+    if ar_group is not None and not a["all_reduce_grads"] and api.partial_order is None:
+        return "HSDP accumulation without the all-reduce (this torch's foreach_reduce returns no partial sum)"
     kind = rs_op if isinstance(rs_op, ReduceOp.RedOpType) else getattr(rs_op, "op", None)
     if kind == ReduceOp.AVG:
         op: str | float = "avg"
@@ -244,7 +246,7 @@ def _reduce_plan(api: TorchApi, a: dict):
         orig_dtype = a["orig_dtype"]
     else:  # torch 2.15 dropped the argument: the group's parameters carry it
         orig_dtype = a["fsdp_params"][0].orig_dtype
-    return op, (post if post not in (None, 1) else None), orig_dtype
+    return op, (post if post not in (None, 1) else None), orig_dtype, (ar_op if ar_group is not None else None)
 
 
 _RELEASE_QUEUED = [False]
@@ -298,7 +300,8 @@ def _combine(op: str | float, post: float, W: int) -> float:
 
 @torch.no_grad()
 def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: float | None,
-                 orig_dtype: torch.dtype | None):
+                 orig_dtype: torch.dtype | None, ar_op: Any):
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from ..collectives import reduce_scatter
@@ -306,6 +309,7 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
     fsdp_params, unsharded_grads = a["fsdp_params"], a["unsharded_grads"]
     rs_group, rs_stream, device = a["reduce_scatter_group"], a["reduce_scatter_stream"], a["device"]
     hook, ar_stream = a["all_reduce_hook"], a["all_reduce_stream"]
+    ar_group = a["all_reduce_group"]  # HSDP: FSDP2's all-reduce across the replicas, run by torch as in stock
     W = rs_group.size()
     handle = device_handle(device)
     cuda = device.type == "cuda"
@@ -314,7 +318,10 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
     unsharded_grads.clear()  # FSDP2's contract: the caller's list no longer owns them
     reduce_dtype = a["reduce_dtype"] or grads[0].dtype
     out_dtype = orig_dtype or reduce_dtype  # fp32 shards straight from the (bf16) grads
-    if hook is None and post is not None:  # fold force-sum's post-divide into the op
+    # HSDP: the reduce-scatter's output is the all-reduce's input, in the reduce dtype as in
+    # stock; the post-divide and the cast follow the all-reduce.
+    flat_dtype = reduce_dtype if ar_group is not None else out_dtype
+    if hook is None and post is not None and ar_group is None:  # fold force-sum's post-divide into the op
         op, post = _combine(op, post, W), None
     # reduce_dtype=bf16 with fp32 shards: summed in fp32, rounded once to bf16 -- the precision
     # the user asked for, stock's result dtype (FSDP2 casts its bf16 sums to orig_dtype)
@@ -333,7 +340,7 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         ok = (loc is not None and loc.dtype == out_dtype and loc.is_contiguous()
               and tuple(loc.shape) == tuple(fp.sharded_size) and loc.device == device)
         locals_.append(loc if ok else None)
-    direct = hook is None and not round_bf16 and all(x is not None for x in locals_)
+    direct = hook is None and ar_group is None and not round_bf16 and all(x is not None for x in locals_)
 
     rs_stream.wait_stream(current)
     flat = None
@@ -343,7 +350,7 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         else:
             sizes = [fp.padded_sharded_param_size for fp in fsdp_params]
             numels = [s.numel() for s in sizes]
-            flat = torch.empty(sum(numels), dtype=out_dtype, device=device)
+            flat = torch.empty(sum(numels), dtype=flat_dtype, device=device)
             shards, off = [], 0
             for s, n in zip(sizes, numels):
                 shards.append(flat[off:off + n].view(s))
@@ -369,10 +376,29 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
             _queue_release()
         st.staged_reduce_scatters += staging is not None
         st.direct_accumulations += direct
-        if round_bf16:  # before the event: the hook and the .grad update read the rounded sums
-            flat.copy_(flat.to(torch.bfloat16))
+        if round_bf16 and flat.dtype != torch.bfloat16:  # before the event: the hook and the .grad read them
+            flat.copy_(flat.to(torch.bfloat16))  # (HSDP's flat is bf16 already: the all-reduce's dtype)
         reduce_scatter_event = rs_stream.record_event()
-    post_reduce_stream = rs_stream
+        post_reduce_stream = rs_stream
+        all_reduce_input = all_reduce_event = None
+        partial = a["partial_reduce_output"]
+        if ar_group is not None:  # FSDP2's HSDP steps, unchanged (accumulations on the reduce-scatter stream)
+            if not a["all_reduce_grads"]:  # gradient accumulation without the all-reduce: keep the partial sum
+                if partial is not None:
+                    partial += flat
+                else:
+                    partial = flat
+                return _reduce_result(api.partial_order, grads, reduce_scatter_event, post_reduce_stream,
+                                      post_reduce_stream.record_event(), None, None, partial)
+            if partial is not None:
+                flat += partial
+    if ar_group is not None:
+        post_reduce_stream = ar_stream
+        ar_stream.wait_stream(rs_stream)
+        with handle.stream(ar_stream):
+            dist.all_reduce(flat, group=ar_group, op=ar_op)
+            all_reduce_input = flat  # FSDP2 holds it until the event: the next layer's buffers cannot reuse it
+            all_reduce_event = ar_stream.record_event()
     if hook is not None:
         post_reduce_stream = ar_stream
         ar_stream.wait_stream(rs_stream)
@@ -382,9 +408,10 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         if flat is not None:
             if post is not None:
                 flat.div_(post)
+            out = flat if flat.dtype == out_dtype else flat.to(out_dtype)
             off = 0
             for fp in fsdp_params:
-                new = torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
+                new = torch.as_strided(out, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
                                        storage_offset=off)
                 if fp.sharded_param.grad is not None:
                     fp.sharded_param.grad._local_tensor += new
@@ -395,6 +422,13 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
             for h in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
                 h(fp.sharded_param)
         post_reduce_event = post_reduce_stream.record_event()
+    return _reduce_result(api.reduce_order, grads, reduce_scatter_event, post_reduce_stream, post_reduce_event,
+                          all_reduce_input, all_reduce_event, None)
+
+
+def _reduce_result(order: Any, grads: list, reduce_scatter_event: Any, post_reduce_stream: Any,
+                   post_reduce_event: Any, all_reduce_input: Any, all_reduce_event: Any, partial: Any) -> tuple:
+    """``foreach_reduce``'s results in ``order`` (the installed version's, read from its source)."""
     values = {
         # The autograd grads stay referenced until FSDP2 has waited for this event (its
         # ReduceScatterState), as its own staging buffer would: the copy queue reads them.
@@ -402,8 +436,8 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         "reduce_scatter_event": reduce_scatter_event,
         "post_reduce_stream": post_reduce_stream,
         "post_reduce_event": post_reduce_event,
-        "all_reduce_input": None,
-        "all_reduce_event": None,
-        "partial_reduce_output": None,
+        "all_reduce_input": all_reduce_input,
+        "all_reduce_event": all_reduce_event,
+        "partial_reduce_output": partial,
     }
-    return tuple(None if n is None else values[n] for n in api.reduce_order)
+    return tuple(None if n is None else values[n] for n in order)
