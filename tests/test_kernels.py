@@ -958,7 +958,7 @@ def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
         b = object.__new__(Binding)
         b.program = type("P", (), {"n_tiles": 4, "n_src": 1})()
         b.k, b._same_dtype, b._grid, b._n_iters = 1, True, (1,), 4
-        b._cuda, b._upload_stream, b._tile_upload = True, ptr_stream, ("tile-event", tile_home)
+        b._cuda, b._torch, b._upload_stream, b._tile_upload = True, False, ptr_stream, ("tile-event", tile_home)
         b._tables, b._static = (_FakeTable(), _FakeTable(), _FakeTable()), {}
         b._streams_seen, b._streams_kept = set(), set()
         b._set_uploads("pointer-event")
