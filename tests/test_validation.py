@@ -435,7 +435,7 @@ def test_first_param_on_another_device(layout) -> None:
     with pytest.raises(ValueError, match=rf"params\[1\] must be on meta, got {DEV_NAME}"):
         _place(layout, params=params)
     # All params on meta: a device the kernels cannot run on, named as such.
-    with pytest.raises(ValueError, match=r"params must be on a CUDA device, got meta"):
+    with pytest.raises(ValueError, match=r"params must be on a CUDA device or the CPU, got meta"):
         _place(layout, params=[p.to("meta") for p in _params()])
 
 
@@ -477,7 +477,7 @@ def test_pack_out_must_be_contiguous(layout) -> None:
 
 
 def test_pack_out_on_a_kernel_device(layout) -> None:
-    with pytest.raises(ValueError, match=r"out must be on a CUDA device, got meta"):
+    with pytest.raises(ValueError, match=r"out must be on a CUDA device or the CPU, got meta"):
         _pack(layout, out=torch.zeros(2 * F, device="meta"))
 
 
