@@ -125,9 +125,12 @@ def main() -> int:
 
         def thread(r: int) -> None:
             try:
-                if devices[r].type == "cuda":
+                if devices[r].type == "cuda":  # ranks sharing a GPU need a stream each
                     torch.cuda.set_device(devices[r])
-                results[r] = run_rank(groups[r], r, world, devices[r])
+                    with torch.cuda.stream(torch.cuda.Stream(devices[r])):
+                        results[r] = run_rank(groups[r], r, world, devices[r])
+                else:
+                    results[r] = run_rank(groups[r], r, world, devices[r])
             except Exception as e:  # noqa: BLE001 - reported below with the rank
                 results[r] = [f"rank {r}: {type(e).__name__}: {e}"]
 

@@ -5,7 +5,8 @@ On CPU tensors the package runs each kernel launch as plain torch by default
 (``TIDE_TRITON_CPU_KERNELS=torch``).  The suite runs the Triton kernels themselves wherever
 it can: without a CUDA device through Triton's CPU interpreter, so ``TRITON_INTERPRET=1`` is
 set here, at conftest import, before any test module imports the package (Triton 3.6 reads it
-when ``@triton.jit`` decorates a kernel), and CPU launches default to ``interpret``.  Tests
+when ``@triton.jit`` decorates a kernel), and CPU launches default to ``interpret``; on a GPU
+machine (compiled Triton, which cannot take CPU tensors) the CPU tests run plain torch.  Tests
 marked ``cpu_torch`` -- the FSDP2 end-to-end runs and the examples, whose subject is the
 drop-in, not the kernels -- run the product's default, plain torch, in this process and in
 their spawned ranks.  Values the user set are kept: ``TIDE_TRITON_CPU_KERNELS=torch`` runs
@@ -36,7 +37,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"  # tide_triton.envs.CPU_KERNELS (not imported before the above)
-os.environ.setdefault(CPU_KERNELS, "interpret")
+# CPU tensors' kernels: through the interpreter where it runs, else (compiled Triton, a GPU
+# machine) as plain torch, so the CPU tests run on both kinds of machine.
+os.environ.setdefault(CPU_KERNELS, "interpret" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "torch")
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -227,7 +230,8 @@ def _children_interpret(request: pytest.FixtureRequest, monkeypatch: pytest.Monk
     if torch_path:
         monkeypatch.setenv(CPU_KERNELS, "torch")
         _dist.CHILD_ENV[CPU_KERNELS] = "torch"
-    elif cpu_test and "multiproc" in request.node.keywords and not interpreting() and not INTERPRETER_WORKS:
+    elif (cpu_test and "multiproc" in request.node.keywords and not interpreting() and not INTERPRETER_WORKS
+          and os.environ.get(CPU_KERNELS) == "interpret"):
         pytest.skip(_NUMPY_REASON)
     if cpu_test and not torch_path:
         _dist.CHILD_ENV["TRITON_INTERPRET"] = "1"
