@@ -79,7 +79,7 @@ def test_reused_copy_lists_in_the_single_process_mode(monkeypatch, mode: str) ->
                               params, group=groups[r])
                 tt.synchronize(groups[r], timeout_s=60)
                 seen.append(([x.cpu() for x in shards], [x.cpu() for x in params]))
-            return seen, groups[r].transport(dev)._sig.graphs()
+            return seen, groups[r].transport(dev)._copy_graphs.held()
 
     try:
         out = run_threads(body, W, timeout=120)

@@ -39,130 +39,133 @@ CUresult cuGetErrorString(int e, const char** s) { return errname(e, s); }
 
 SCRIPT = r"""
 import contextlib, sys, threading
-from collections import OrderedDict
 from cuda.bindings import driver as cu
-from tide_triton.transport.signals import CopyEngine, HiddenWords
-from tide_triton.transport.progress import ProgressWords
+import torch
+from tide_triton.transport.copies import Copies
+from tide_triton.transport.copy_graphs import CopyGraphs
+from tide_triton.transport.flags import Flags, HiddenWords
+from tide_triton.transport.streams import RankStreams
+from tide_triton.transport.waits import WaitLedger
 from tide_triton.transport.vmm import VmmHeap
 from tide_triton.transport.driver import Transaction
 
-t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
-t._cu, t._guard, t.rank, t.local_size, t.n_flags = cu, contextlib.nullcontext(), 0, 4, 64
-t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
-t._waits_into, t._tracks, t._rec_tracks, t._superseded = None, {}, None, OrderedDict()
-t._progress = ProgressWords(cu, t._guard, cu.CUstream(0x6000), 0)
-t._progress.grow()                         # cuMemAlloc + cuMemsetD8Async + sync: the forms
-t._progress._next, t._progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # the stub's pointer is 0
-t.copy_graphs, t._graphs, t._capture_handle = "off", {}, None
-t.words = HiddenWords(0, 32, 4096)
-t.own_va = 0x7f0000000000
-t.bases = [0x7f0000000000 + r * (1 << 36) for r in range(4)]
-t.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-t.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-t._WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
-t._WRITE_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
+# The parts of one rank's CUDA transport, made by their own constructors on the stub driver
+# (cuStreamCreate, cuMemAllocHost, the progress words' cuMemAlloc + cuMemsetD8Async + sync: the
+# forms); torch's handle of the copy stream stands in (no torch.cuda on this machine).
+torch.cuda.ExternalStream = lambda handle, device=None: ("external", handle)
+guard, dev = contextlib.nullcontext(), torch.device("cuda", 0)
+with Transaction() as tx:
+    st = RankStreams(cu, guard, rank=0, local_size=4, device=dev, tx=tx)
+st.copy_stream_int = 0x5000
+st.progress._next, st.progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # the stub's pointer is 0
+words = HiddenWords(0, 32, 4096)
+own = 0x7f0000000000
+w = WaitLedger(cu, guard, st, rank=0, own_flags=own + words.user_off)
+f = Flags(cu, guard, st, w, rank=0, local_size=4, n_flags=64, own_va=own, words=words)
+f.bases = [own + r * (1 << 36) for r in range(4)]
+g = CopyGraphs(cu, guard, st, rank=0)
+c = Copies(cu, guard, st, g, rank=0, device=dev)
 a = cu.CUmemcpyAttributes()
 a.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 a.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-t._attrs = [a]
+c._attrs = [a]
 base = 0x7f0000100000
 dsts, srcs, sizes = [base + 4096 * i for i in range(300)], [base + (1 << 30) + 8 * i for i in range(300)], [8] * 300
 sizes[7] = 0                               # dropped, as copy() drops empty pieces
 for path in ("batch", "loop"):
-    t.copy_path = path
-    p = t.prepare_copies(dsts, srcs, sizes)
+    c.copy_path = path
+    p = c.prepare_copies(dsts, srcs, sizes)
     assert len(p.nbytes) == 299 and len(p.dst_ptrs) == 299 and isinstance(p.dst_ptrs[0], cu.CUdeviceptr)
-    t.copy_prepared(p)
+    c.copy_prepared(p)
 # Prepared lists replayed as CUDA graphs: captured at the second use under "auto" (lists of
 # >= 8 descriptors), at the first under "always"; a graph lives as long as its list.
 import gc
-from tide_triton.transport.signals import GRAPH_MIN_DESCRIPTORS
-t._graphs, t._capture_handle = {}, None
-t.copy_path = "batch"
+from tide_triton.transport.copy_graphs import GRAPH_MIN_DESCRIPTORS
+g._graphs, st._capture_handle = {}, None
+c.copy_path = "batch"
 for mode, uses_before_graph in (("auto", 1), ("always", 0)):
-    t.copy_graphs = mode
-    p = t.prepare_copies(dsts, srcs, sizes)
+    g.mode = mode
+    p = c.prepare_copies(dsts, srcs, sizes)
     for _ in range(uses_before_graph):
-        t.copy_prepared(p)
-        assert "graph" not in p.replay and t.graphs() == 0, (mode, p.replay)
-    t.copy_prepared(p)
-    assert p.replay.get("graph") is not None and t.graphs() == 1, (mode, p.replay)
-    t.copy_prepared(p)                     # replayed: one cuGraphLaunch
+        c.copy_prepared(p)
+        assert "graph" not in p.replay and g.held() == 0, (mode, p.replay)
+    c.copy_prepared(p)
+    assert p.replay.get("graph") is not None and g.held() == 1, (mode, p.replay)
+    c.copy_prepared(p)                     # replayed: one cuGraphLaunch
     del p
     gc.collect()
-    assert t.graphs() == 0                 # destroyed with its list
+    assert g.held() == 0                 # destroyed with its list
 # warm_replays (a collective, before its flag waits) captures what the next use would replay
-t.copy_graphs = "auto"
-p = t.prepare_copies(dsts, srcs, sizes)
-t.warm_replays([p, None])
+g.mode = "auto"
+p = c.prepare_copies(dsts, srcs, sizes)
+g.warm_replays([p, None])
 assert "graph" not in p.replay                # never used: nothing to replay yet
-t.copy_prepared(p)
-t.warm_replays([p])
-assert p.replay.get("graph") is not None and t.graphs() == 1
-t.copy_prepared(p)                            # the warmed graph
+c.copy_prepared(p)
+g.warm_replays([p])
+assert p.replay.get("graph") is not None and g.held() == 1
+c.copy_prepared(p)                            # the warmed graph
 del p
 gc.collect()
-assert t.graphs() == 0
+assert g.held() == 0
 n = GRAPH_MIN_DESCRIPTORS - 1
-small = t.prepare_copies(dsts[:n], srcs[:n], [8] * n)
+small = c.prepare_copies(dsts[:n], srcs[:n], [8] * n)
 for _ in range(3):
-    t.copy_prepared(small)
-assert "graph" not in small.replay and t.graphs() == 0
-t.copy_graphs = "always"
-kept = t.prepare_copies(dsts, srcs, sizes)
-t.copy_prepared(kept)
-assert t.graphs() == 1
-for key in list(t._graphs):
-    t._drop_graph(key)
-assert t.graphs() == 0
-t.copy_graphs = "off"
+    c.copy_prepared(small)
+assert "graph" not in small.replay and g.held() == 0
+g.mode = "always"
+kept = c.prepare_copies(dsts, srcs, sizes)
+c.copy_prepared(kept)
+assert g.held() == 1
+for key in list(g._graphs):
+    g._drop_graph(key)
+assert g.held() == 0
+g.mode = "off"
 for sig in ("direct", "copy"):
-    t.signal_path = sig
+    f.signal_path = sig
     for batch in (True, False):
-        t.memop_batch = batch
-        t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, what="rank {peer}")
-        t.signal_all([1, 2, 3], [4, 4, 4], [9, 9, 9])
-        t.signal(2, 3, 1 << 40)
-        t.wait(3, 1 << 40, peer=1, timeout_s=1.0)
-t._memops(t.copy_stream_int, [(t._WRITE_OP, base, 7, t.WRITE)] * 300, "write")  # > 255: two calls
-assert set(t._pending) == {1, 2, 3}, t._pending
+        f.memop_batch = batch
+        f.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, what="rank {peer}")
+        f.signal_all([1, 2, 3], [4, 4, 4], [9, 9, 9])
+        f.signal(2, 3, 1 << 40)
+        f.wait(3, 1 << 40, peer=1, timeout_s=1.0)
+f._memops(st.copy_stream_int, [(f._WRITE_OP, base, 7, f.WRITE)] * 300, "write")  # > 255: two calls
+assert set(w._pending) == {1, 2, 3}, w._pending
 # A run recorded into a graph (tide_triton.run_graph): its waits go into the recording, not
 # into the pending waits (nothing waits until a replay); each replay notes them as pending on
 # the stream it was launched on -- what a stuck synchronize names.
-before = dict(t._pending)
-with t.recording_waits() as rec:
-    t.memop_batch = True
-    t.wait_all([7, 8], [3, 3], peers=[1, 2], timeout_s=1.0, what="rank {peer}'s block")
-    t.memop_batch = False
-    t.wait(9, 4, peer=3, timeout_s=1.0, what="rank 3's slot")
-assert t._pending == before and t._waits_into is None, t._pending
-w = rec[7][4]                               # the recording's own progress word (copy stream)
-assert w and w not in {tr.word for tr in t._tracks.values()}, (rec, t._tracks)
-assert rec == {7: (3, 1, 0x5000, "rank 1's block", w, 1), 8: (3, 2, 0x5000, "rank 2's block", w, 1),
-               9: (4, 3, 0x5000, "rank 3's slot", w, 2)}, rec
+before = dict(w._pending)
+with w.recording_waits() as rec:
+    f.memop_batch = True
+    f.wait_all([7, 8], [3, 3], peers=[1, 2], timeout_s=1.0, what="rank {peer}'s block")
+    f.memop_batch = False
+    f.wait(9, 4, peer=3, timeout_s=1.0, what="rank 3's slot")
+assert w._pending == before and w._waits_into is None, w._pending
+rw = rec[7][4]                              # the recording's own progress word (copy stream)
+assert rw and rw not in {tr.word for tr in w._tracks.values()}, (rec, w._tracks)
+assert rec == {7: (3, 1, 0x5000, "rank 1's block", rw, 1), 8: (3, 2, 0x5000, "rank 2's block", rw, 1),
+               9: (4, 3, 0x5000, "rank 3's slot", rw, 2)}, rec
 try:
-    with t.recording_waits():
-        with t.recording_waits():
+    with w.recording_waits():
+        with w.recording_waits():
             raise AssertionError("recording twice at once must raise")
 except RuntimeError as e:
     assert "records waits already" in str(e), e
-assert t._waits_into is None
-t.copy_stream_int = 0x5100                  # the replay's stream (None: the copy stream)
-t.note_waits(rec, None)
-assert {k: t._pending[k] for k in (7, 8, 9)} == {k: (v, p, 0x5100, w, word, seq)
-                                                  for k, (v, p, _s, w, word, seq) in rec.items()}
-t.copy_stream_int = 0x5000
+assert w._waits_into is None
+st.copy_stream_int = 0x5100                 # the replay's stream (None: the copy stream)
+w.note_waits(rec, None)
+assert {k: w._pending[k] for k in (7, 8, 9)} == {k: (v, p, 0x5100, wt, word, seq)
+                                                  for k, (v, p, _s, wt, word, seq) in rec.items()}
+st.copy_stream_int = 0x5000
 for k in (7, 8, 9):
-    del t._pending[k]
+    del w._pending[k]
 # The stream recordings are captured on: the rank's own (cuStreamCreate), made once.
-import torch
 made = []
 torch.cuda.ExternalStream = lambda handle, device=None: made.append((handle, device)) or ("external", handle)
-t._capture_handle = t._record_stream = None
-t.device = "cuda:0"
-first = t.recording_stream()
-assert t.recording_stream() is first and len(made) == 1 and made[0][1] == "cuda:0", made
-assert first == ("external", int(t._capture_handle)), (first, t._capture_handle)
+st._capture_handle = st._record_stream = None
+st.device = "cuda:0"
+first = st.recording_stream()
+assert st.recording_stream() is first and len(made) == 1 and made[0][1] == "cuda:0", made
+assert first == ("external", int(st._capture_handle)), (first, st._capture_handle)
 
 # A close whose streams did not drain releases this rank's own pending flag waits: the short
 # ones only (a GEQ counter below its value, an EQ identity word holding another value), with
@@ -180,28 +183,28 @@ class Recording:
             self.writes.append((int(addr), int(value)))
             return f(s, addr, value, flags)
         return write
-t._cu = Recording(cu)
-t._host_stream, t.host_stream_int = cu.CUstream(0x6000), 0x6000
-t._pending = {1: (5, 1, 0x5000, "", 0, 0), 2: (6, 2, 0x5000, "", 0, 0), 3: (7, 3, 0x5000, "", 0, 0),
+w._cu = Recording(cu)
+st.host_stream, st.host_stream_int = cu.CUstream(0x6000), 0x6000
+w._pending = {1: (5, 1, 0x5000, "", 0, 0), 2: (6, 2, 0x5000, "", 0, 0), 3: (7, 3, 0x5000, "", 0, 0),
               4: (8, 3, 0x5000, "", 0, 0), 5: (9, 1, 0x5100, "", 0, 0)}   # no progress words: the flags tell
-t._equal = {3, 4, 5}
+w._equal = {3, 4, 5}
 cur = {1: 9, 2: 2, 3: 12, 4: 8, 5: 0}       # 1 passed; 2 short; 3 another identity; 4 passed;
                                             # 5 reset by its reader, on an idle stream: finished
-t.read_flag = lambda slot: cur[slot]
+w.read_flag = lambda slot: cur[slot]
 import time
-assert t.stuck_peers() == {2, 3}, t.stuck_peers()   # the peers of the short waits
+assert w.stuck_peers() == {2, 3}, w.stuck_peers()   # the peers of the short waits
 # A stream stuck behind another stream's wait (the copy queue fenced behind a replay on the
 # caller's stream) names that wait's peer, not "no pending flag wait is short".
 from tide_triton.errors import PeerTimeoutError
 try:
-    t.raise_stuck(1.0, 0x5100)
+    w.raise_stuck(1.0, 0x5100)
 except PeerTimeoutError as e:
     assert e.peer == 2, e
 else:
     raise AssertionError("raise_stuck named no peer")
-assert t.release_own_waits(time.monotonic() + 1.0) == 2
-assert t._cu.writes == [(t.flag_addr(0, 2), 6), (t.flag_addr(0, 3), 7)], t._cu.writes
-t._cu = cu
+assert w.release_own_waits(time.monotonic() + 1.0) == 2
+assert w._cu.writes == [(f.flag_addr(0, 2), 6), (f.flag_addr(0, 3), 7)], w._cu.writes
+w._cu = cu
 
 # Fences: one cuEventRecord + cuStreamWaitEvent on an event lent to the calling thread.  A
 # thread that ends gives its event back (threads made per step add none); threads alive at
@@ -218,20 +221,18 @@ class Events:
         if name == "cuEventDestroy":
             return lambda ev: self.destroyed.append(int(ev)) or (cu.CUresult(0),)
         return getattr(self.real, name)
-t._cu = Events(cu)
-t._events, t._free_events, t._events_lock = [], [], threading.Lock()
-t._fence_what = ("cuEventRecord(rank=0, fence)", "cuStreamWaitEvent(rank=0, fence)")
-t.stream_waits_for(0x5100, 0x5000)
-t.stream_waits_for(0x5000, 0x5100)
-assert t._cu.made == 1, t._cu.made
+st._cu = Events(cu)
+st.stream_waits_for(0x5100, 0x5000)
+st.stream_waits_for(0x5000, 0x5100)
+assert st._cu.made == 1, st._cu.made
 def fence():
-    t.stream_waits_for(0x5100, 0x5000)
+    st.stream_waits_for(0x5100, 0x5000)
 for _ in range(5):
     th = threading.Thread(target=fence)
     th.start()
     th.join()
 gc.collect()
-assert t._cu.made == 2 and len(t._free_events) == 1, (t._cu.made, t._free_events)
+assert st._cu.made == 2 and len(st._free_events) == 1, (st._cu.made, st._free_events)
 together = threading.Barrier(3)
 def fence_together():
     fence()
@@ -242,10 +243,10 @@ for th in ths:
 for th in ths:
     th.join()
 gc.collect()
-assert t._cu.made == 4 and len(t._free_events) == 3, (t._cu.made, t._free_events)
-t._destroy_events(lambda f, *a: f(*a))
-assert sorted(t._cu.destroyed) == [0x9001, 0x9002, 0x9003, 0x9004] and not t._events, t._cu.destroyed
-t._cu = cu
+assert st._cu.made == 4 and len(st._free_events) == 3, (st._cu.made, st._free_events)
+st._destroy_events(lambda fn, *a: fn(*a))
+assert sorted(st._cu.destroyed) == [0x9001, 0x9002, 0x9003, 0x9004] and not st._events, st._cu.destroyed
+st._cu = cu
 
 # Cross-device heap calls: one cuMemSetAccess with a descriptor per device that touches
 # the mapping (the single-process mode over GPUs 0, 1, 2), and the peer-access query.
@@ -268,9 +269,8 @@ with Transaction() as tx:
     tx.commit()
 ok = cu.cuDeviceCanAccessPeer(cu.CUdevice(0), cu.CUdevice(1))
 assert int(ok[0]) == 0, ok
-t._cu = cu
-t._progress.free_all()                      # cuMemFree of the progress words' chunk (at close)
-assert t._progress.available() == 0 and not t._progress._chunks
+st.progress.free_all()                      # cuMemFree of the progress words' chunk (at close)
+assert st.progress.available() == 0 and not st.progress._chunks
 print("call forms ok")
 """
 
@@ -279,12 +279,14 @@ PROGRESS_SCRIPT = r"""
 # Progress words (tide_triton/transport/progress.py): every wait batch ends with a write of its
 # sequence number into its stream's word, so a timeout and a close tell the waits that passed
 # (a token word its reader reset reads "short" all the same) from the one a stream is stuck on.
-import contextlib, threading, time
-from collections import OrderedDict
+import contextlib, time
+import torch
 from cuda.bindings import driver as cu
 from tide_triton.errors import PeerTimeoutError
-from tide_triton.transport.progress import ProgressWords
-from tide_triton.transport.signals import CopyEngine, HiddenWords
+from tide_triton.transport.driver import Transaction
+from tide_triton.transport.flags import Flags, HiddenWords
+from tide_triton.transport.streams import RankStreams
+from tide_triton.transport.waits import WaitLedger
 
 WAIT_OP = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
 NONE = cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
@@ -320,28 +322,28 @@ class Driver:
         return logged
 
 def engine(local_size=4):
-    t = object.__new__(CopyEngine)             # no constructor: no torch.cuda on this machine
+    # One rank's streams, wait ledger and flags on the logged stub driver; streams are handles
+    # here, and the host reads device words from `mem` (address -> value).
     drv = Driver()
-    t._cu, t._guard, t.rank, t.local_size, t.n_flags = drv, contextlib.nullcontext(), 0, local_size, 64
-    t.copy_stream_int, t.streams_used, t._pending, t._tls, t.rank_offset = 0x5000, set(), {}, threading.local(), 0
-    t._waits_into, t._tracks, t._rec_tracks, t._equal, t._superseded = None, {}, None, set(), OrderedDict()
-    t.words, t.own_va = HiddenWords(0, 32, 4096), 0x7f0000000000
-    t.bases = [0x7f0000000000 + r * (1 << 36) for r in range(local_size)]
-    t.WRITE = int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    t.GEQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-    t.EQ = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
-    t._WAIT_OP, t._WRITE_OP = WAIT_OP, cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
-    t.signal_path, t.memop_batch = "direct", True
-    t._host_stream, t.host_stream_int = cu.CUstream(0x6000), 0x6000
-    t._progress = ProgressWords(drv, t._guard, t._host_stream, 0)
-    t._progress._next, t._progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # a chunk (the stub's is 0)
-    t.stream_int = lambda stream: t.copy_stream_int if stream is None else stream  # streams: handles here
-    mem = {}                                   # device words as the host reads them: address -> value
-    t.read_words = lambda addr, n: [mem.get(addr + 8 * i, 0) for i in range(n)]
-    return t, drv, mem
+    guard = contextlib.nullcontext()
+    torch.cuda.ExternalStream = lambda handle, device=None: ("external", handle)  # no torch.cuda here
+    with Transaction() as tx:
+        st = RankStreams(drv, guard, rank=0, local_size=local_size, device=torch.device("cuda", 0), tx=tx)
+    st.copy_stream_int = 0x5000
+    st.host_stream, st.host_stream_int = cu.CUstream(0x6000), 0x6000
+    st.progress._next, st.progress._end = 0x7e0000000000, 0x7e0000000000 + 4096  # a chunk (the stub's is 0)
+    st.stream_int = lambda stream: st.copy_stream_int if stream is None else stream
+    mem = {}
+    st.read_words = lambda addr, n: [mem.get(addr + 8 * i, 0) for i in range(n)]
+    words, own = HiddenWords(0, 32, 4096), 0x7f0000000000
+    w = WaitLedger(drv, guard, st, rank=0, own_flags=own + words.user_off)
+    f = Flags(drv, guard, st, w, rank=0, local_size=local_size, n_flags=64, own_va=own, words=words)
+    f.bases = [own + r * (1 << 36) for r in range(local_size)]
+    f.signal_path, f.memop_batch = "direct", True
+    return f, w, drv, mem
 
-def flag(t, slot):
-    return t.flag_addr(t.rank, slot)
+def flag(f, slot):
+    return f.flag_addr(f.rank, slot)
 
 T = (7 << 32) | 1                              # a prepared collective's token
 
@@ -350,29 +352,29 @@ T = (7 << 32) | 1                              # a prepared collective's token
 # slots 20..22, where peer 3's token never came; batch 3 (slot 5, lower than all) is behind it.
 # Read from the host, slots 10..12 look short like slot 22 does; the progress word (1) says batch
 # 1 passed and batch 2 is the earliest that did not.
-t, drv, mem = engine()
-t.wait_all([10, 11, 12], [T] * 3, peers=[1, 2, 3], timeout_s=1.0, equal=True, what="rank {peer}'s token (A)")
-t.wait_all([20, 21, 22], [T] * 3, peers=[1, 2, 3], timeout_s=1.0, equal=True, what="rank {peer}'s token (B)")
-t.wait_all([5], [T], peers=[1], timeout_s=1.0, equal=True, what="rank {peer}'s token (C)")
-word = t._tracks[0x5000].word
-assert [t._pending[sl][4:] for sl in (10, 20, 5)] == [(word, 1), (word, 2), (word, 3)], t._pending
+f, w, drv, mem = engine()
+f.wait_all([10, 11, 12], [T] * 3, peers=[1, 2, 3], timeout_s=1.0, equal=True, what="rank {peer}'s token (A)")
+f.wait_all([20, 21, 22], [T] * 3, peers=[1, 2, 3], timeout_s=1.0, equal=True, what="rank {peer}'s token (B)")
+f.wait_all([5], [T], peers=[1], timeout_s=1.0, equal=True, what="rank {peer}'s token (C)")
+word = w._tracks[0x5000].word
+assert [w._pending[sl][4:] for sl in (10, 20, 5)] == [(word, 1), (word, 2), (word, 3)], w._pending
 mem[word] = 1                                  # batch 1 passed, batch 2 did not
-mem[flag(t, 20)] = mem[flag(t, 21)] = T        # peers 1 and 2 did their part of batch 2
+mem[flag(f, 20)] = mem[flag(f, 21)] = T        # peers 1 and 2 did their part of batch 2
 drv.busy.add(0x5000)
 try:
-    t.raise_stuck(1.0, 0x5000)
+    w.raise_stuck(1.0, 0x5000)
 except PeerTimeoutError as e:
     assert e.peer == 3 and "rank 3's token (B)" in str(e), (e.peer, str(e))
 else:
     raise AssertionError("raise_stuck named no peer")
-assert t.stuck_peers() == {1, 3}, t.stuck_peers()  # 3 (batch 2), and 1 (batch 3, behind it)
+assert w.stuck_peers() == {1, 3}, w.stuck_peers()  # 3 (batch 2), and 1 (batch 3, behind it)
 try:                                           # the pacer's wait (no stream of its own): the same
-    t.raise_stuck(1.0, None)
+    w.raise_stuck(1.0, None)
 except PeerTimeoutError as e:
     assert e.peer == 3, e.peer
 mem[word] = 3                                  # every batch passed: nothing short any more
 try:
-    t.raise_stuck(1.0, 0x5000)
+    w.raise_stuck(1.0, 0x5000)
 except PeerTimeoutError as e:
     raise AssertionError(f"named rank {e.peer} for waits that passed")
 except TimeoutError as e:
@@ -382,93 +384,93 @@ mem[word] = 1
 # (2) A close releases only the waits that did not pass: slot 22 (and slot 5, behind it), never
 # the tokens of batch 1 (writing them again would leave a token nobody takes) nor slots 20, 21.
 drv.calls.clear()
-assert t.release_own_waits(time.monotonic() + 1.0) == 2
+assert w.release_own_waits(time.monotonic() + 1.0) == 2
 writes = [c[2:4] for c in drv.calls if c[0] == "cuStreamWriteValue64"]
-assert writes == [(flag(t, 5), T), (flag(t, 22), T)], (writes, drv.calls)
+assert writes == [(flag(f, 5), T), (flag(f, 22), T)], (writes, drv.calls)
 assert all(c[1] == 0x6000 for c in drv.calls if c[0] == "cuStreamWriteValue64"), drv.calls
 
 # (3) A recording: its waits use words of its own, one per stream (the branches of its graph run
 # concurrently), numbered 1..k; its first node writes them to 0 (recording_started, right after
 # the capture began), so each replay starts from 0.  The eager words and numbers are untouched.
-t, drv, mem = engine()
-t.wait_all([1, 2], [3, 3], peers=[1, 2], timeout_s=1.0)          # an eager batch on the copy stream
-eager = t._tracks[0x5000].word
-pending_before = dict(t._pending)
+f, w, drv, mem = engine()
+f.wait_all([1, 2], [3, 3], peers=[1, 2], timeout_s=1.0)          # an eager batch on the copy stream
+eager = w._tracks[0x5000].word
+pending_before = dict(w._pending)
 drv.calls.clear()
-with t.recording_waits() as rec:
-    t.recording_started(0x7000)                                   # the recording stream
+with w.recording_waits() as rec:
+    f.recording_started(0x7000)                                   # the recording stream
     (name, stream, ops), = drv.calls                              # the graph's first node: both resets
     assert name == "cuStreamBatchMemOp" and stream == 0x7000, drv.calls
     assert [op[0] for op in ops] == ["write", "write"] and [op[2] for op in ops] == [0, 0], ops
     w_rec, w_copy = ops[0][1], ops[1][1]
     assert len({w_rec, w_copy, eager}) == 3, (w_rec, w_copy, eager)
-    t.wait_all([30, 31], [T, T], peers=[1, 2], timeout_s=1.0, stream=0x7000, equal=True)
-    t.wait_all([40], [T], peers=[1], timeout_s=1.0, equal=True)   # the copy stream, joined by a fence
-    t.wait_all([41, 42], [T, T], peers=[2, 3], timeout_s=1.0, equal=True)
-    t.wait(43, 9, peer=3, timeout_s=1.0, stream=0x7100)           # a stream that joined later
-assert drv.calls[1] == ("cuStreamBatchMemOp", 0x7000, [("wait", flag(t, 30), T), ("wait", flag(t, 31), T),
+    f.wait_all([30, 31], [T, T], peers=[1, 2], timeout_s=1.0, stream=0x7000, equal=True)
+    f.wait_all([40], [T], peers=[1], timeout_s=1.0, equal=True)   # the copy stream, joined by a fence
+    f.wait_all([41, 42], [T, T], peers=[2, 3], timeout_s=1.0, equal=True)
+    f.wait(43, 9, peer=3, timeout_s=1.0, stream=0x7100)           # a stream that joined later
+assert drv.calls[1] == ("cuStreamBatchMemOp", 0x7000, [("wait", flag(f, 30), T), ("wait", flag(f, 31), T),
                                                         ("write", w_rec, 1)]), drv.calls[1]
 late = drv.calls[-1][2]
-assert late[0][0] == "write" and late[0][2] == 0 and late[1] == ("wait", flag(t, 43), 9) and late[2][2] == 1, late
+assert late[0][0] == "write" and late[0][2] == 0 and late[1] == ("wait", flag(f, 43), 9) and late[2][2] == 1, late
 assert [rec[sl][4:] for sl in (30, 31, 40, 41, 42)] == [(w_rec, 1), (w_rec, 1), (w_copy, 1), (w_copy, 2),
                                                          (w_copy, 2)], rec
-assert t._pending == pending_before and t._tracks[0x5000].seq == 1 and t._rec_tracks is None
+assert w._pending == pending_before and w._tracks[0x5000].seq == 1 and w._rec_tracks is None
 # a replay (one launch: no driver call of the engine) notes them on the replay's stream; stuck at
 # slot 31 (rank 2) while the copy branch's batch 1 passed and its token word was reset
 drv.calls.clear()
-t.note_waits(rec, 0x5100)
-assert drv.calls == [] and t._pending[31] == (T, 2, 0x5100, "", w_rec, 1), t._pending[31]
+w.note_waits(rec, 0x5100)
+assert drv.calls == [] and w._pending[31] == (T, 2, 0x5100, "", w_rec, 1), w._pending[31]
 mem[w_rec], mem[w_copy], mem[late[0][1]] = 0, 1, 1
-mem[flag(t, 30)] = T
+mem[flag(f, 30)] = T
 drv.busy.update({0x5000, 0x5100})
 try:
-    t.raise_stuck(1.0, 0x5100)
+    w.raise_stuck(1.0, 0x5100)
 except PeerTimeoutError as e:
     assert e.peer == 2, e.peer                 # slot 40 (rank 1's reset token) lies lower, but passed
-assert 1 not in {w.peer for w in t._short_waits() if w.slot == 40}
+assert 1 not in {w.peer for w in w._short_waits() if w.slot == 40}
 
 # Under a user's capture (torch.cuda.graph around a prepared run: the run's capture query said so)
 # the waits get no progress word -- the graph would write its numbers at each of the user's replays
 # -- and keep the old rule; the next query that says "not captured" ends it.
-t, drv, mem = engine()
-t.wait_all([1], [1], peers=[1], timeout_s=1.0)
+f, w, drv, mem = engine()
+f.wait_all([1], [1], peers=[1], timeout_s=1.0)
 drv.capturing = ACTIVE
-assert t.stream_capturing(0x5000)
+assert w.stream_capturing(0x5000)
 drv.calls.clear()
-t.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
-assert drv.calls == [("cuStreamBatchMemOp", 0x5000, [("wait", flag(t, 2), T), ("wait", flag(t, 3), T)])], drv.calls
-assert t._pending[2][4:] == (0, 0) and t._tracks[0x5000].seq == 1, (t._pending, t._tracks)
+f.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
+assert drv.calls == [("cuStreamBatchMemOp", 0x5000, [("wait", flag(f, 2), T), ("wait", flag(f, 3), T)])], drv.calls
+assert w._pending[2][4:] == (0, 0) and w._tracks[0x5000].seq == 1, (w._pending, w._tracks)
 drv.capturing = NONE
-assert not t.stream_capturing(0x5000)
-t.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
-assert t._pending[2][4:] == (t._tracks[0x5000].word, 2), t._pending
+assert not w.stream_capturing(0x5000)
+f.wait_all([2, 3], [T, T], peers=[1, 2], timeout_s=1.0, equal=True)
+assert w._pending[2][4:] == (w._tracks[0x5000].word, 2), w._pending
 # ... and so does the end of the captured run (user_capture_ended), without another query: the
 # thread's eager waits after it are numbered again
 drv.capturing = ACTIVE
-assert t.stream_capturing(0x5000)
-t.user_capture_ended()
-t.wait_all([4], [T], peers=[3], timeout_s=1.0, equal=True)
-assert t._pending[4][4:] == (t._tracks[0x5000].word, 3), t._pending
+assert w.stream_capturing(0x5000)
+w.user_capture_ended()
+f.wait_all([4], [T], peers=[3], timeout_s=1.0, equal=True)
+assert w._pending[4][4:] == (w._tracks[0x5000].word, 3), w._pending
 
 # (4) What a wait batch costs: its progress write rides in the same cuStreamBatchMemOp -- no
 # driver call more per batch (nor at a stream's first batch: the words were allocated before);
 # without batches, one cuStreamWriteValue64 more per batch.
-t, drv, mem = engine()
+f, w, drv, mem = engine()
 drv.calls.clear()
-t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
-t.wait(4, 8, peer=1, timeout_s=1.0, stream=0x5200)
-w = t._tracks[0x5200].word
+f.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
+f.wait(4, 8, peer=1, timeout_s=1.0, stream=0x5200)
+w = w._tracks[0x5200].word
 assert drv.calls == [
-    ("cuStreamBatchMemOp", 0x5200, [("wait", flag(t, 1), 5), ("wait", flag(t, 2), 6), ("wait", flag(t, 3), 7),
+    ("cuStreamBatchMemOp", 0x5200, [("wait", flag(f, 1), 5), ("wait", flag(f, 2), 6), ("wait", flag(f, 3), 7),
                                     ("write", w, 1)]),
-    ("cuStreamBatchMemOp", 0x5200, [("wait", flag(t, 4), 8), ("write", w, 2)]),
+    ("cuStreamBatchMemOp", 0x5200, [("wait", flag(f, 4), 8), ("write", w, 2)]),
 ], drv.calls
 drv.calls.clear()
-t.wait_all([i % 64 for i in range(255)], [1] * 255, peers=[1] * 255, timeout_s=1.0, stream=0x5200)  # 256 ops
+f.wait_all([i % 64 for i in range(255)], [1] * 255, peers=[1] * 255, timeout_s=1.0, stream=0x5200)  # 256 ops
 assert [len(c[2]) for c in drv.calls] == [255, 1] and drv.calls[1][2] == [("write", w, 3)], drv.calls[1]
-t.memop_batch = False
+f.memop_batch = False
 drv.calls.clear()
-t.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
+f.wait_all([1, 2, 3], [5, 6, 7], peers=[1, 2, 3], timeout_s=1.0, stream=0x5200)
 assert [c[0] for c in drv.calls] == ["cuStreamWaitValue64"] * 3 + ["cuStreamWriteValue64"], drv.calls
 assert drv.calls[-1][2:4] == (w, 4), drv.calls[-1]
 # (5) A replay noted behind a stuck run (FSDP2's backward enqueues the next layer's replay without
@@ -476,42 +478,42 @@ assert drv.calls[-1][2:4] == (w, 4), drv.calls[-1]
 # reads its last replay's count until its first node runs, so its waits read "passed".  G1's waits,
 # replaced in the ledger by G2's, are kept aside: the timeout still names rank 3, and a close
 # releases G1's missing token (not G2's, which would hide it from G1's exact-value wait).
-t, drv, mem = engine()
+f, w, drv, mem = engine()
 T1, T2 = (7 << 32) | 1, (8 << 32) | 1
 recs = {}
 for name, tok in (("G1", T1), ("G2", T2)):
-    with t.recording_waits() as rec:
-        t.recording_started(0x7000)
-        t.wait_all([20, 21, 22], [tok] * 3, peers=[1, 2, 3], timeout_s=1.0, stream=0x7000, equal=True,
+    with w.recording_waits() as rec:
+        f.recording_started(0x7000)
+        f.wait_all([20, 21, 22], [tok] * 3, peers=[1, 2, 3], timeout_s=1.0, stream=0x7000, equal=True,
                    what=name + ": rank {peer}'s contribution")
     recs[name] = rec
 w1, w2 = recs["G1"][20][4], recs["G2"][20][4]
 mem[w2] = 1                                    # G2's previous replay passed its batch
-t.note_waits(recs["G1"], 0x5100)
+w.note_waits(recs["G1"], 0x5100)
 mem[w1] = 0                                    # G1 reset its word and is stuck in batch 1
-mem[flag(t, 20)] = mem[flag(t, 21)] = T1       # ranks 1 and 2 delivered, rank 3 never
+mem[flag(f, 20)] = mem[flag(f, 21)] = T1       # ranks 1 and 2 delivered, rank 3 never
 drv.busy.add(0x5100)
-t.note_waits(recs["G2"], 0x5100)
+w.note_waits(recs["G2"], 0x5100)
 try:
-    t.raise_stuck(1.0, 0x5100)
+    w.raise_stuck(1.0, 0x5100)
 except PeerTimeoutError as e:
     assert e.peer == 3 and "G1: rank 3's contribution" in str(e), e
 else:
     raise AssertionError("no PeerTimeoutError")
-assert t.stuck_peers() == {3}, t.stuck_peers()
+assert w.stuck_peers() == {3}, w.stuck_peers()
 drv.calls.clear()
-assert t.release_own_waits(time.monotonic() + 1.0) == 1
-assert [c[2:4] for c in drv.calls if c[0] == "cuStreamWriteValue64"] == [(flag(t, 22), T1)], drv.calls
+assert w.release_own_waits(time.monotonic() + 1.0) == 1
+assert [c[2:4] for c in drv.calls if c[0] == "cuStreamWriteValue64"] == [(flag(f, 22), T1)], drv.calls
 drv.busy.clear()
-t.synchronize(timeout_s=1.0, stream=0x5100)    # idle: its waits, kept aside or not, leave the ledger
-assert not t._pending and not t._superseded, (t._pending, t._superseded)
+w.synchronize(timeout_s=1.0, stream=0x5100)    # idle: its waits, kept aside or not, leave the ledger
+assert not w._pending and not w._superseded, (w._pending, w._superseded)
 
 # the words are freed at close
 freed = []
 drv.cuMemFree = lambda p: freed.append(int(p)) or (cu.CUresult(0),)
-t._progress._chunks = [0x7e0000000000]
-t._progress.free_all()
-assert freed == [0x7e0000000000] and t._progress.available() == 0
+w._streams.progress._chunks = [0x7e0000000000]
+w._streams.progress.free_all()
+assert freed == [0x7e0000000000] and w._streams.progress.available() == 0
 print("progress words ok")
 """
 

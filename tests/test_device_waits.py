@@ -15,6 +15,7 @@ import torch
 from tide_triton.errors import PeerTimeoutError
 from tide_triton.transport import driver
 from tide_triton.transport.cuda import CudaTransport
+from tide_triton.transport.heap_rounds import HeapRounds
 
 
 def test_a_quick_wait_returns_and_its_error_is_raised_in_the_caller() -> None:
@@ -44,15 +45,15 @@ def test_a_stuck_wait_ends_in_the_callers_error_at_the_deadline() -> None:
 
 def _stand_in_transport(stuck_peers: set[int]) -> types.SimpleNamespace:
     """What ``CudaTransport.release_range`` reads of itself, without a GPU."""
+    heap = types.SimpleNamespace(spans_in=lambda s, e: [(s, e - s)], unmap_range=lambda s, e: None)
     t = types.SimpleNamespace(
         rank=1, device=torch.device("cuda", 0), _peers=None, _local=True, _closed=False,
         options=types.SimpleNamespace(timeout_s=0.5),
-        _words=types.SimpleNamespace(user_off=4096),
-        _heap=types.SimpleNamespace(spans_in=lambda s, e: [(s, e - s)], unmap_range=lambda s, e: None),
-        _sig=types.SimpleNamespace(stuck_peers=lambda: set(stuck_peers)),
+        _rounds=HeapRounds(heap, None, None, rank=1, local_size=2, user_off=4096, zero_words=lambda: None),
+        _waits=types.SimpleNamespace(stuck_peers=lambda: set(stuck_peers)),
         _check_open=lambda: None, _drain=lambda timeout_s: True,
     )
-    for name in ("busy_error", "_user_range", "release_range"):
+    for name in ("busy_error", "_settle_for_release", "release_range"):
         setattr(t, name, types.MethodType(getattr(CudaTransport, name), t))
     return t
 

@@ -108,7 +108,7 @@ def test_a_transport_that_cannot_settle_names_the_peer_its_streams_wait_for() ->
     t = object.__new__(CudaTransport)
     t._closed, t.rank = False, 0
     t.options = types.SimpleNamespace(timeout_s=0.25)
-    t._sig = types.SimpleNamespace(stuck_peers=lambda: {2, 1})
+    t._waits = types.SimpleNamespace(stuck_peers=lambda: {2, 1})
     drained: list = []
     t._drain = lambda timeout_s: drained.append(timeout_s) or False
     with pytest.raises(PeerTimeoutError, match="before loading Y, which waits for every stream") as e:
@@ -116,7 +116,7 @@ def test_a_transport_that_cannot_settle_names_the_peer_its_streams_wait_for() ->
     assert e.value.peer == 1 and drained == [0.25]
     t._drain = lambda timeout_s: True
     t.settle_device_wide("loading Y")  # idle: returns
-    t._sig = types.SimpleNamespace(stuck_peers=lambda: set())
+    t._waits = types.SimpleNamespace(stuck_peers=lambda: set())
     t._drain = lambda timeout_s: False
     with pytest.raises(TimeoutError, match="rank 0: before loading Y"):
         t.settle_device_wide("loading Y")

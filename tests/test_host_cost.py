@@ -485,7 +485,7 @@ def test_single_process_mode_beyond_the_hardware_queues_is_warned_about(monkeypa
 def test_sub_row_bytes_rule() -> None:
     """Same-GPU strided runs of wide rows are cut into the largest power-of-two sub-rows (64 to
     512 KiB, at most half a row) dividing the row and both pitches; narrow rows stay 2-D."""
-    from tide_triton.transport.signals import sub_row_bytes
+    from tide_triton.transport.copies import sub_row_bytes
 
     K = 1 << 10
     assert sub_row_bytes(1536 * K, 3072 * K, 1536 * K) == 512 * K  # Qwen3's expert rows, W=2
@@ -522,13 +522,13 @@ def test_same_gpu_strided_run_moves_the_same_bytes_as_3d_sub_rows(on_gpu: bool) 
     pytest.importorskip("cuda.bindings")
     from cuda.bindings import driver as cu
 
-    from tide_triton.transport.signals import CopyEngine
+    from tide_triton.transport.copies import Copies
 
     K = 1 << 10
     rows, width, dpitch, spitch = 3, 256 * K, 512 * K, 384 * K
     stub = types.SimpleNamespace(_cu=cu, _guard=contextlib.nullcontext(), _on_this_gpu=lambda a: on_gpu)
     src0, dst0 = 0, rows * spitch
-    m = CopyEngine._strided_struct(stub, dst0, src0, width, rows, dpitch, spitch)
+    m = Copies._strided_struct(stub, dst0, src0, width, rows, dpitch, spitch)
     assert isinstance(m, cu.CUDA_MEMCPY3D if on_gpu else cu.CUDA_MEMCPY2D)
     if on_gpu:
         assert (m.WidthInBytes, m.Height, m.Depth) == (128 * K, 2, rows)

@@ -753,7 +753,7 @@ def test_prepared_collectives_single_process_mode_cuda(monkeypatch) -> None:
                                              st["params"], group=groups[r])
             torch.cuda.current_stream(dev).synchronize()
             assert not st["rs"]._graphs_on and not st["ag"]._graphs_on, r
-            assert groups[r].transport(dev)._sig.copy_graphs == "off", r
+            assert groups[r].transport(dev)._copy_graphs.mode == "off", r
 
     def step(r: int):
         st = state[r]

@@ -128,7 +128,7 @@ def test_local_heap_views_and_copies(group4):
         peer_bytes = _pattern((t.rank + 1) % 4, numel, "cuda").view(torch.uint8)
         expect = torch.cat([peer_bytes[off:off + n] for n, off in pieces])
         assert torch.equal(raw, expect)
-    print(f"[tide paths] local: copy={group4[0].copy_path} signal={group4[0].signal_path}")
+    print(f"[tide paths] local: copy={group4[0]._copies.copy_path} signal={group4[0]._flags.signal_path}")
 
 
 @pytest.mark.parametrize("copy_mode", ["loop", "auto"])
@@ -140,9 +140,9 @@ def test_local_signal_orders_copies(signal_mode, copy_mode):
     g = CudaTransport.create_local_group(4, device="cuda:0", n_flags=64,
                                          signal_mode=signal_mode, copy_mode=copy_mode)
     try:
-        assert g[0].signal_path == ("copy" if signal_mode == "copy" else "direct")
+        assert g[0]._flags.signal_path == ("copy" if signal_mode == "copy" else "direct")
         if copy_mode == "loop":
-            assert g[0].copy_path == "loop"
+            assert g[0]._copies.copy_path == "loop"
         for t in g:
             t.ensure_heap(_DATA + 4 * numel)
             t.heap_tensor(t.rank, _DATA, numel, torch.int32).fill_(-1)
@@ -182,7 +182,7 @@ def _release_waits(group) -> None:
     s = torch.cuda.Stream()
     for t in group:
         if not t._closed:
-            for slot in list(t._pending):
+            for slot in list(t._waits._pending):
                 t.signal(t.rank, slot, 1 << 40, stream=s)
     s.synchronize()
 
@@ -192,14 +192,14 @@ def test_local_heap_growth_keeps_addresses(group4):
     for t in group4:
         t.ensure_heap(_DATA + 4 * numel)
         t.heap_tensor(t.rank, _DATA, numel, torch.int32).copy_(_pattern(t.rank, numel, "cuda"))
-    ptrs = [[t.heap_ptr(p) for p in range(4)] for t in group4]
+    ptrs = [[t.address(p, 0) for p in range(4)] for t in group4]
     size0 = group4[0].heap_nbytes()
     big = size0 + 5 * _MIB + 4  # three more 2 MiB segments
     for t in group4:
         t.ensure_heap(big)
         t.ensure_heap(big - 1)  # no-op
     assert group4[0].heap_nbytes() >= big
-    assert [[t.heap_ptr(p) for p in range(4)] for t in group4] == ptrs
+    assert [[t.address(p, 0) for p in range(4)] for t in group4] == ptrs
     for t in group4:
         tail = t.heap_tensor(t.rank, big - 4 * numel, numel, torch.int32)
         tail.copy_(_pattern(t.rank + 10, numel, "cuda"))
@@ -220,7 +220,7 @@ def test_local_host_wait_timeout_names_peer(group4):
     group4[2].signal(1, 5, 3, stream=None)
     assert t.host_wait_flag(5, 3, 2, 10.0) == 3
     # Flags are the first words of the heap, as every rank sees it.
-    assert t.flag_ptr(1, 5) == group4[2].address(1, 40)
+    assert t._flags.flag_addr(1, 5) == group4[2].address(1, 40)
     assert group4[3].heap_tensor(1, 0, 64, torch.int64)[5].item() == 3
 
 
@@ -310,7 +310,7 @@ def _mp_checks(rank: int, world: int) -> dict:
     out = {}
     with CudaTransport(rank, world, _exchange, device="cuda:0", n_flags=64,
                        segment_bytes=2 * _MIB) as t:
-        out["paths"] = (t.copy_path, t.signal_path)
+        out["paths"] = (t._copies.copy_path, t._flags.signal_path)
         t.ensure_heap(_DATA + 8 * numel)
         mine = t.heap_tensor(rank, _DATA, numel, torch.int32)
         assert mine.data_ptr() == t.address(rank, _DATA)
@@ -352,11 +352,11 @@ def _mp_checks(rank: int, world: int) -> dict:
         else:
             raise AssertionError("host_wait_flag did not time out")
         # Growth keeps addresses and contents; the new tail is shared too.
-        ptrs = [t.heap_ptr(p) for p in range(world)]
+        ptrs = [t.address(p, 0) for p in range(world)]
         before = t.heap_nbytes()
         t.ensure_heap(before + 3 * _MIB)
         assert t.heap_nbytes() >= before + 3 * _MIB
-        assert [t.heap_ptr(p) for p in range(world)] == ptrs
+        assert [t.address(p, 0) for p in range(world)] == ptrs
         tail = t.heap_nbytes() - 4 * 1000
         t.heap_tensor(rank, tail, 1000, torch.int32).copy_(_pattern(rank + 50, 1000, "cuda"))
         torch.cuda.synchronize()
@@ -519,7 +519,7 @@ def test_multiprocess_create_close_cycles_leak_nothing():
 
 def test_local_wide_strided_runs_exact_as_3d_sub_rows(group4):
     """Strided runs of wide rows between ranks on this GPU go as cuMemcpy3DAsync of sub-rows
-    (tide_triton.transport.signals.sub_row_bytes), narrow ones as cuMemcpy2DAsync: both exact,
+    (tide_triton.transport.copies.sub_row_bytes), narrow ones as cuMemcpy2DAsync: both exact,
     eagerly and replayed from a CUDA graph."""
     from cuda.bindings import driver as cu
 

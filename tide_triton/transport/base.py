@@ -11,7 +11,7 @@ only grow (epochs), so no flag ever needs resetting.
 :class:`Transport` is what every transport implements (:class:`~.host.HostTransport`,
 :class:`~.cuda.CudaTransport`, :class:`~.node_view.GlobalRanks` around either);
 :class:`DeviceTransport` adds what only the GPU transports have (a copy stream, host waits
-on it).  ``tests/test_transport_protocol.py`` checks the three classes against both
+on it, strided copies, recorded runs).  ``tests/test_transport_protocol.py`` checks the three classes against both
 structurally, so the interface stays current: a method the executors start calling goes
 here first.
 """
@@ -38,6 +38,9 @@ class Transport(Protocol):
     """Flag words per rank."""
     device: torch.device
     """Where this rank's heap views and streams live."""
+    rank_offset: int
+    """Added to rank numbers in errors and timeouts: a node-local transport of a several-node
+    group names global ranks (:class:`~.node_view.GlobalRanks` sets it)."""
 
     def ensure_heap(self, nbytes: int) -> None:
         """Collective over the node: every heap holds at least ``nbytes`` bytes (flags
@@ -46,6 +49,20 @@ class Transport(Protocol):
 
     def heap_nbytes(self) -> int:
         """Bytes in this rank's heap, flags included."""
+
+    def release_range(self, offset: int, nbytes: int) -> None:
+        """Collective over the node: unmap heap bytes ``[offset, offset + nbytes)`` (whole
+        segments, else ValueError on every rank) on every rank -- its own mapping and its
+        mappings of every peer's -- and release their memory, once every queue that may touch
+        the heaps is idle.  The addresses stay reserved: :meth:`restore_range` maps new memory
+        there (contents are not kept).  In the single-process mode each rank's call releases
+        its own range; the caller orders the ranks (no rank may still address a peer's range)."""
+
+    def restore_range(self, offset: int, nbytes: int) -> None:
+        """Collective over the node: map new memory at the released segments of ``[offset,
+        offset + nbytes)`` on every rank and every peer's mapping of them (the same addresses,
+        so existing views stay valid; the contents are undefined).  A no-op for segments that
+        are mapped; every rank must have released the same ones."""
 
     def address(self, rank: int, offset: int) -> int:
         """Address, in this process, of byte ``offset`` of ``rank``'s heap (0 = flag 0)."""
@@ -137,6 +154,54 @@ class Transport(Protocol):
 @runtime_checkable
 class DeviceTransport(Transport, Protocol):
     """A :class:`Transport` whose copy queue is a GPU stream."""
+
+    strided_copies: bool
+    """:meth:`prepare_copies` takes ``strided=`` runs ``(dst, src, nbytes, rows, dst_pitch,
+    src_pitch)`` of equal rows (:class:`tide_triton.executor.Strided`), one descriptor each."""
+
+    def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
+                       strided: Sequence[Any] = ()) -> Any:
+        """:meth:`Transport.prepare_copies`, with strided runs (:attr:`strided_copies`)."""
+
+    def busy_error(self, what: str) -> BaseException:
+        """The error for a device wait past its deadline: ``PeerTimeoutError`` naming a peer
+        that this rank's pending stream waits wait for, else ``TimeoutError``."""
+
+    def settle_device_wide(self, what: str) -> None:
+        """Before ``what``, a driver call that waits for every stream of this process
+        (:mod:`tide_triton.device_wide`): wait, with the deadline, until this rank's streams are
+        idle -- what that call would wait for anyway, but ending in ``PeerTimeoutError`` naming
+        the peer they wait for, not in a thread stopped inside the driver."""
+
+    def stream_capturing(self, stream: Any) -> bool:
+        """Whether ``stream`` (None: the device's current stream) is being captured into a CUDA
+        graph.  The answer holds for this thread's wait batches until its next query: under a
+        capture they write no progress word (a prepared run asks before each run)."""
+
+    def user_capture_ended(self) -> None:
+        """A prepared run inside a user's capture is enqueued whole: this thread's waits get
+        progress words again (see :meth:`stream_capturing`)."""
+
+    def recording_stream(self) -> Any:
+        """This rank's own stream for recording prepared runs into graphs (never a pooled one)."""
+
+    def recording_waits(self) -> ContextManager[dict]:
+        """``with t.recording_waits() as waits:`` the flag waits enqueued meanwhile -- a run
+        being recorded into a graph -- go into ``waits``, not into this rank's pending waits
+        (nothing waits until a replay: :meth:`note_waits`); their progress words are the
+        recording's own (entered before the capture begins: it sets them aside)."""
+
+    def recording_started(self, stream: Any) -> None:
+        """Right after a recording's capture began on ``stream``, before anything else is
+        recorded: the graph's first node writes the recording's progress words to 0, so each
+        replay's waits count as not passed until they do."""
+
+    def launch_graph_exec(self, handle: int, stream: Any) -> None:
+        """Launch an instantiated CUDA graph (its ``cudaGraphExec_t``) on ``stream``."""
+
+    def note_waits(self, waits: dict, stream: Any) -> None:
+        """A replay of a graph holding ``waits`` (:meth:`recording_waits`) was launched on
+        ``stream``: its waits are pending there (what :meth:`synchronize` names when stuck)."""
 
     @property
     def copy_stream(self) -> Any:

@@ -36,7 +36,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ..heap import WIRE_HEADER, round_up, wire_ring_bytes
-from .base import PeerTimeoutError
+from .base import PeerTimeoutError, Transport
 from .rma_protocol import LandingRing
 
 __all__ = ["Iov", "Message", "InterNodeTransport", "HostInterNode", "NcclInterNode", "NcclPutSignalInterNode",
@@ -378,7 +378,7 @@ _fallback_logged = False
 _fallback_lock = threading.Lock()
 
 
-def nccl_hop(t: Any, rank: int, rail: Sequence[int], exchange: Any, stream: Any, *, inter_node: str,
+def nccl_hop(t: Transport, rank: int, rail: Sequence[int], exchange: Any, stream: Any, *, inter_node: str,
              nccl_library: str | None, chunk_bytes: int, inflight_chunks: int) -> NcclInterNode:
     """The communicator over ``rail`` (the ranks on every node with this rank's local rank)
     and the hop over it that ``inter_node`` asks for, running on ``stream`` (the executor's);

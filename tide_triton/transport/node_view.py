@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from .base import Transport
+
 __all__ = ["GlobalRanks"]
 
 
 class GlobalRanks:
-    def __init__(self, inner: Any, first: int) -> None:
+    def __init__(self, inner: Transport, first: int) -> None:
         self.inner = inner
         self.first = first
         self.rank = first + inner.rank

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from .._checks import is_int
 from ._once import log_once
 
-__all__ = ["wrap"]
+__all__ = ["wrap", "heap_view"]
 
 
 class _DLDevice(ctypes.Structure):
@@ -82,3 +83,26 @@ def wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
         raise RuntimeError(f"wrapping heap address {ptr:#x} gave a tensor at {t.data_ptr():#x} "
                            f"of {t.numel()} bytes")
     return t
+
+
+def heap_view(rank: int, offset: int, numel: int, dtype: torch.dtype, device: torch.device, *,
+              heap_size: Callable[[], int], address: Callable[[], int]) -> torch.Tensor:
+    """A 1-D ``dtype`` tensor on ``device`` viewing ``numel`` elements of ``rank``'s heap at byte
+    ``offset`` (``heap_size()``: that heap's bytes; ``address()``: where ``offset`` lies), after
+    checking the arguments and that the view fits the heap."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    item = dtype.itemsize
+    if not is_int(offset) or offset < 0 or offset % item:
+        raise ValueError(f"offset must be a non-negative multiple of {item} (the size of "
+                         f"{dtype}), got {offset!r}")
+    if not is_int(numel) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    nbytes = numel * item
+    size = heap_size()
+    if offset + nbytes > size:
+        raise ValueError(f"offset + numel * {item} = {offset + nbytes} exceeds rank {rank}'s "
+                         f"heap of {size} bytes (call ensure_heap first)")
+    if numel == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    return wrap(address(), nbytes, device).view(dtype)
