@@ -118,14 +118,18 @@ def driver_calls(g, fn) -> int:
     """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call); a
     prepared run replayed from its recording (``tide_triton.run_graph``) counts its graph
     launch once, made through the transport or (older torch) through ``CUDAGraph.replay``."""
-    sig = g.transport(torch.device("cuda", torch.cuda.current_device()))._sig
-    counter = sig._cu = _CountCalls(sig._cu)
+    t = g.transport(torch.device("cuda", torch.cuda.current_device()))
+    parts = [t._streams, t._copies, t._copy_graphs, t._flags, t._waits]  # every part that calls the driver
+    counter = _CountCalls(parts[0]._cu)
+    for part in parts:
+        part._cu = counter
     _count_replays()
     _counting.counter = counter
     try:
         fn()
     finally:
-        sig._cu = counter._cu
+        for part in parts:
+            part._cu = counter._cu
         _counting.counter = None
     return counter.calls
 

@@ -50,7 +50,7 @@ class AddressOnly:
 
 class EngineStandIn(AddressOnly):
     """``AddressOnly`` whose ``prepare_copies`` is the CUDA transport's own
-    (``CopyEngine.prepare_copies``: checks, cuts at allocation ends, driver structs), its
+    (``Copies.prepare_copies``: checks, cuts at allocation ends, driver structs), its
     driver queries answered in Python -- every allocation 1 TiB long, on this rank's GPU --
     so the host cost of preparing copies is measured without a GPU (``--engine``; needs
     cuda-bindings for the structs)."""
@@ -58,7 +58,7 @@ class EngineStandIn(AddressOnly):
     def __init__(self) -> None:
         from cuda.bindings import driver as cu
 
-        from tide_triton.transport.signals import CopyEngine
+        from tide_triton.transport.copies import Copies
 
         class Driver:
             def __getattr__(self, name):
@@ -71,7 +71,7 @@ class EngineStandIn(AddressOnly):
             def cuPointerGetAttribute(self, attr, ptr):
                 return cu.CUresult.CUDA_SUCCESS, 0
 
-        e = object.__new__(CopyEngine)
+        e = object.__new__(Copies)
         e._cu, e._guard, e.device = Driver(), contextlib.nullcontext(), torch.device("cuda", 0)
         e.rank = 0
         self._engine = e
@@ -111,7 +111,7 @@ def main() -> None:
     info = env_info(torch.device("cpu"))
     print(f"{info['gpu']}, {os.cpu_count()} cores | torch {info['torch']} | python {info['python']} | "
           f"git {info['git_sha']} | {info['date']} | {'tensors apart' if args.apart else 'back to back'}"
-          f"{' | CopyEngine.prepare_copies' if args.engine else ''}")
+          f"{' | Copies.prepare_copies' if args.engine else ''}")
     print("| layer | W | prepare_reduce_scatter median / mean (ms) | prepare_all_gather median / mean (ms) |")
     print("|---|---|---|---|")
     for model in args.models:

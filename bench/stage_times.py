@@ -35,7 +35,7 @@ DEFAULT_STAGES: tuple[str, ...] = (
     "tide_triton.programs:_Prepared._launch",
     "tide_triton.programs:PreparedReduceScatter._run",
     "tide_triton.programs:PreparedAllGather._run",
-    "tide_triton.transport.signals:CopyEngine.warm_replays",
+    "tide_triton.transport.copy_graphs:CopyGraphs.warm_replays",
     "tide_triton.transport.cuda:CudaTransport.copy_prepared",
     "tide_triton.transport.cuda:CudaTransport.signal_all",
     "tide_triton.transport.cuda:CudaTransport.wait_all_equal",

@@ -9,7 +9,7 @@ Qwen3 layer's all-gather rows went through ``cuMemcpy2DAsync`` at ~850 GB/s (the
 Per geometry (name, rows, row bytes, destination / source pitch): contiguous (one
 ``cuMemcpyAsync`` of all the bytes), ``2d`` (one ``cuMemcpy2DAsync``), ``3d/<sub>`` (one
 ``cuMemcpy3DAsync``, each row cut into sub-rows of ``sub`` bytes, as the CUDA transport builds
-it: ``tide_triton.transport.signals.memcpy3d_struct``), ``rows`` (a ``cuMemcpyAsync`` per
+it: ``tide_triton.transport.copies.memcpy3d_struct``), ``rows`` (a ``cuMemcpyAsync`` per
 row), ``torch`` (``Tensor.copy_`` of the strided view), ``triton/<tile>`` (one launch of a
 Triton kernel, a CTA per ``tile`` bytes of a row: what a same-GPU copy on SMs could do).  Times are CUDA-event means and
 medians of ``iters`` copies, GB/s counts bytes read + written.
@@ -30,7 +30,7 @@ from cuda.bindings import driver as cu  # noqa: E402
 
 from tide_triton.measure import env_info  # noqa: E402
 from tide_triton.transport.driver import check  # noqa: E402
-from tide_triton.transport.signals import memcpy2d_struct, memcpy3d_struct  # noqa: E402
+from tide_triton.transport.copies import memcpy2d_struct, memcpy3d_struct  # noqa: E402
 
 # (name, rows, row bytes, dst pitch, src pitch): all-gather rows of one rank at W ranks
 GEOMETRIES = [

@@ -37,7 +37,7 @@ Variables of the package
     ``always`` (from the first use, any list: the tests' setting), ``off``.  Where several
     ranks of one process drive the GPU (the single-process mode) ``auto`` is ``off``: an
     instantiation while peers' streams waited deadlocked there (``graphs_in_process``).
-    (:mod:`tide_triton.transport.signals`)
+    (:mod:`tide_triton.transport.copy_graphs`)
 ``TIDE_TRITON_RUN_GRAPHS``
     Which prepared collectives replay an eager-launched run as one recorded graph (a CUDA
     graph on a GPU, a host graph on the host transport), from the second run on a set of
@@ -51,7 +51,7 @@ Variables of the package
     docs/benchmarks.md#recorded-against-op-by-op)
 ``TIDE_TRITON_MEMOP_BATCH``
     Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
-    ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.signals`)
+    ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.flags`)
 ``TIDE_TRITON_LAUNCH``
     Diagnostics: ``jit`` launches kernels through Triton's JIT entry point instead of the
     cached compiled kernel (``direct``, default).  Read once, when the segment engine is

@@ -340,7 +340,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
                              prepare_padding_zeros(g, t, shard_ptrs, snumels, layout.shard_numels(me),
                                                    sdt.itemsize, device)))
     prep, padding = prep
-    # copy graphs captured before any flag wait (CopyEngine.warm_replays)
+    # copy graphs captured before any flag wait (CopyGraphs.warm_replays)
     t.warm_replays([padding[0] if padding else None] + [c for pushes, *_ in prep for c, _n in pushes.values()])
     order = Streams(g, t, device, stream, async_op, whole_on_side=True)
     t = order.t

@@ -2,7 +2,7 @@
 
 A token word's reader resets it to 0 once its wait passed, so from the host a finished token
 wait and a stuck one read alike ("short") until their stream is idle.  Each wait batch of the
-CUDA transport (:class:`~tide_triton.transport.signals.CopyEngine`) is therefore followed, in the
+CUDA transport (:class:`~tide_triton.transport.flags.Flags`) is therefore followed, in the
 same ``cuStreamBatchMemOp`` (one ``cuStreamWriteValue64`` more where batches are refused), by a
 write of the batch's sequence number into a word of its stream: a pending wait of batch ``seq``
 has passed iff that word reads ``>= seq``.  The protocol's words are untouched; the progress
@@ -14,7 +14,7 @@ Whose word:
 * a recording's (:mod:`tide_triton.run_graph`): one per stream of the recording -- the graph's
   branches run concurrently, and sequence numbers only order one stream's batches -- numbered
   1..k in the graph, and written to 0 by the graph's first node
-  (:meth:`~tide_triton.transport.signals.CopyEngine.recording_started`), so every replay starts
+  (:meth:`~tide_triton.transport.flags.Flags.recording_started`), so every replay starts
   from 0 (replays of one graph run one after another);
 * none while the caller's stream is captured by the user (``torch.cuda.graph`` around a prepared
   ``run()``): the graph's writes would land whenever the user replays it, moving an eager
