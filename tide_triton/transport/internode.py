@@ -327,7 +327,7 @@ class NcclPutSignalInterNode(NcclInterNode):
 
     path = "put_signal"
 
-    def __init__(self, rank: int, rail: Sequence[int], comm: object, stream: Any, chunk_bytes: int, t: object,
+    def __init__(self, rank: int, rail: Sequence[int], comm: object, stream: Any, chunk_bytes: int, t: Transport,
                  ring: LandingRing, window_addr: int, window: object) -> None:
         super().__init__(rank, rail, comm, stream, chunk_bytes)
         self.t = t
