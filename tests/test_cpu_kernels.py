@@ -135,7 +135,7 @@ def test_unknown_cpu_kernels_value_is_refused(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_torch_plan_merges_continuing_runs_into_one_op() -> None:
-    from tide_triton.kernels import SegmentProgram, Span
+    from tide_triton.kernels.segments import SegmentProgram, Span
 
     prog = SegmentProgram((Span(0, 0, 0, 4, 3), Span(0, 3, 0, 7, 2), Span(0, 9, 0, 9, 1), Span(1, 0, 0, 0, 0),
                            Span(1, 2, 1, 0, 5)), n_dst=2, n_src=2)
@@ -168,7 +168,7 @@ def test_a_launched_binding_rebound_to_new_addresses_writes_there(monkeypatch: p
     """The torch path keeps views of the bound addresses after a launch; a copy rebound to
     other addresses (a reduce-scatter's chunks on new gradients) reads and writes those."""
     from tide_triton import accumulate_shards_ref, bind_accumulate_shards
-    from tide_triton.kernels import Binding, upload_table_pairs
+    from tide_triton.kernels.segments import Binding, upload_table_pairs
 
     monkeypatch.setenv("TIDE_TRITON_CPU_KERNELS", "torch")
     layout = ShardLayout([(6, 40), (5, 24), (64,)], 2)

@@ -811,7 +811,7 @@ def test_bindings_sharing_one_pointer_upload_match_their_own_tables(offset: int,
     one (``upload_pointer_tables``: the prepared reduce-scatter's chunks on new gradients),
     reduce exactly what each binding with a table of its own does, and assume the same
     alignment -- also for sources one element off 16 bytes (``offset``)."""
-    from tide_triton.kernels import Binding, upload_pointer_tables
+    from tide_triton.kernels.segments import Binding, upload_pointer_tables
 
     layout = ShardLayout([(6, 40), (5, 24), (64,)], 2)
     g = torch.Generator().manual_seed(21)
@@ -846,7 +846,7 @@ def test_a_binding_rebound_to_new_addresses_reduces_like_a_new_one(device: torch
     and shares the first one's compiled kernels and tile table -- unless the alignment its
     kernel is specialised on differs (sources one element off 16 bytes), where it is made anew
     (2-byte alignment assumed, never the first one's 16)."""
-    from tide_triton.kernels import Binding, upload_table_pairs
+    from tide_triton.kernels.segments import Binding, upload_table_pairs
 
     layout = ShardLayout([(6, 40), (5, 24), (64,)], 2)
     g = torch.Generator().manual_seed(22)
@@ -1051,7 +1051,7 @@ def test_a_program_first_bound_on_a_busy_stream_reduces_exactly_when_bound_again
     sources, and one made anew, with their pointer tables uploaded on a second stream and
     launched there at once.  Both reductions exact; without the wait for the tile table they
     read rows not yet uploaded."""
-    from tide_triton.kernels import Binding, SegmentProgram, upload_table_pairs
+    from tide_triton.kernels.segments import Binding, SegmentProgram, upload_table_pairs
 
     dev = torch.device("cuda", torch.cuda.current_device())
     layout = ShardLayout([(96, 40), (5, 24), (640,), (33, 7)], 2)

@@ -853,7 +853,7 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
     ``async_op=True`` and tensors it never ran on raise ValueError naming the cause (a run that
     raises breaks the group: runs are not agreed)."""
     import tide_triton.programs as programs
-    from tide_triton.kernels import Binding
+    from tide_triton.kernels.segments import Binding
     from tide_triton.transport.host import HostTransport
 
     layout = ShardLayout(SHAPES, W)

@@ -317,7 +317,7 @@ def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tup
         for p in (rs, ag):
             assert len(p._graphs) == (p.name in recorded), (p.name, p._graphs)
         # the kernels whose table uploads a recording waits for: the reductions, the cast
-        from tide_triton.kernels import Binding
+        from tide_triton.kernels.segments import Binding
         (rs_binding,), (ag_binding,) = rs._bindings.values(), ag._bindings.values()
         assert len(rs._kernels(rs_binding)) >= 1 and len(ag._kernels(ag_binding)) == 1
         assert all(isinstance(k, Binding) and k.upload_events == () for k in

@@ -54,7 +54,7 @@ from .executor import Streams, Work, prepare_padding_zeros, wait_vacated
 from .group import Group
 from .heap import CrossNode, ag_block_end
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan, _RailRuns
-from .kernels import Binding, SegmentProgram, Span
+from .kernels.segments import Binding, SegmentProgram, Span
 from .layout import ShardLayout
 from .schedule import peer_slot
 from .transport.base import PeerTimeoutError

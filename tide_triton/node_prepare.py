@@ -16,7 +16,7 @@ import torch
 from .executor import ARRAY_PLAN_MIN, Strided, plan_copies, prepare_padding_zeros, prepare_planned
 from .group import Group
 from .heap import Ring
-from .kernels import Binding, SegmentProgram, Span, upload_table_pairs
+from .kernels.segments import Binding, SegmentProgram, Span, upload_table_pairs
 from .layout import ShardLayout
 from .ranges import host_range, in_host_range
 from .schedule import ring_plan

@@ -1,7 +1,8 @@
 """Short-lived Triton kernels: all SM-side work of tide_triton (placement, packing,
-bf16 -> fp32 accumulation).  Each launcher has a plain-torch ``*_ref``.  The segment engine
-(:mod:`tide_triton.kernels.segments`: :class:`Span`, :class:`SegmentProgram`,
-:class:`Binding`) is public: the executors bind it to heap and tensor addresses.
+bf16 -> fp32 accumulation, multicast reduce / store).  Each launcher has a plain-torch
+``*_ref``.  The segment engine the launchers run on (:mod:`tide_triton.kernels.segments`:
+``Span``, ``SegmentProgram``, ``Binding``) is imported from there by the executors, which
+bind it to heap and tensor addresses.
 
 On CPU tensors a launch runs as plain torch by default, equal to the kernel bit for bit
 (``TIDE_TRITON_CPU_KERNELS=torch``; :mod:`tide_triton.kernels.segments`), or through Triton's
@@ -18,14 +19,10 @@ from .accumulate import accumulate_shards, accumulate_shards_ref, bind_accumulat
 from .multimem import multimem_reduce, multimem_reduce_ref, multimem_store, multimem_store_ref  # noqa: E402
 from .pack import bind_pack_shards, pack_shards, pack_shards_ref  # noqa: E402
 from .placement import bind_place_shards, place_shards, place_shards_ref  # noqa: E402
-from .segments import (  # noqa: E402
-    Binding, SegmentProgram, SharedPointers, Span, upload_pointer_tables, upload_table_pairs)
 
 __all__ = [
     "place_shards", "bind_place_shards", "place_shards_ref",
     "accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref",
     "pack_shards", "bind_pack_shards", "pack_shards_ref",
-    "Span", "SegmentProgram", "Binding", "SharedPointers", "upload_pointer_tables",
-    "upload_table_pairs",
     "multimem_reduce", "multimem_reduce_ref", "multimem_store", "multimem_store_ref",
 ]

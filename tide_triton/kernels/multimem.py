@@ -36,9 +36,6 @@ from triton.runtime.jit import JITFunction
 from .. import device_wide
 
 __all__ = [
-    "GROUP",
-    "LD_REDUCE_PTX",
-    "ST_PTX",
     "multimem_reduce_kernel",
     "multimem_store_kernel",
     "multimem_reduce",

@@ -25,7 +25,7 @@ from .._checks import (
 from ..layout import ShardLayout
 from .segments import Binding, SegmentProgram, Span, check_device
 
-__all__ = ["place_shards", "bind_place_shards", "place_shards_ref", "Sources"]
+__all__ = ["place_shards", "bind_place_shards", "place_shards_ref"]
 
 Sources = Sequence[Union[torch.Tensor, Sequence[torch.Tensor]]]
 """Per rank (or per contribution): one flat 1-D buffer holding that rank's padded shards

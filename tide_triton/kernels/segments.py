@@ -18,24 +18,27 @@ Triton's interpreter instead (the kernels' own tests).
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 import triton.language as tl
 from triton import knobs as _knobs
 
 from .. import device_wide, envs, host_capture
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
+from ._tables import SharedPointers, upload_pointer_tables, upload_table_pairs
+from ._tables import alignment as _alignment
+from ._tables import upload as _upload
+from ._torch_path import TorchPlan, cpu_runs_torch, run_torch, torch_plan, torch_views
 
-__all__ = ["Span", "SegmentProgram", "Binding", "TorchPlan", "launch_config", "interpreting", "cpu_runs_torch"]
+__all__ = ["Span", "SegmentProgram", "Binding", "SharedPointers", "upload_pointer_tables", "upload_table_pairs",
+           "TorchPlan", "launch_config", "interpreting", "cpu_runs_torch"]
 
 _TL_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -120,29 +123,9 @@ def tile_numel_for(total_numel: int) -> int:
     return tile
 
 
-def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object, object]:
-    """Copy a small host table to ``device`` without a host sync: pinned memory, a
-    non-blocking copy on the current stream, an event that other streams wait on before
-    their first use, and that stream (the table's memory is its, in torch's caching
-    allocator; see :meth:`Binding.launch`)."""
-    if device.type != "cuda":
-        return host, None, None
-    stream = torch.cuda.current_stream(device)
-    table = host.pin_memory().to(device, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(stream)
-    return table, event, stream
-
-
 NEEDS_INTERPRETER = "(or the CPU under TRITON_INTERPRET=1), got cpu"
 """The tail of :func:`check_device`'s error for CPU tensors bound for the interpreter where
 Triton runs compiled (the test suite turns it into a skip on such machines)."""
-
-
-def cpu_runs_torch(device: torch.device) -> bool:
-    """Whether a launch on ``device`` runs as plain torch: CPU tensors under
-    ``TIDE_TRITON_CPU_KERNELS=torch`` (the default)."""
-    return device.type == "cpu" and envs.cpu_kernels() == "torch"
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -157,82 +140,6 @@ def check_device(name: str, device: torch.device) -> None:
             f"interpreter, which is off here (set TRITON_INTERPRET=1 before tide_triton is imported, or "
             f"unset ${envs.CPU_KERNELS} for plain torch); {name} must be on a CUDA device {NEEDS_INTERPRETER}")
     raise ValueError(f"{name} must be on a CUDA device or the CPU, got {device}")
-
-
-def _host_view(addr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor over ``numel`` elements of host memory at ``addr`` (not owned: the
-    binding's tensors, or the transport's memory the caller bound, keep it alive)."""
-    if numel <= 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer((ctypes.c_char * (numel * dtype.itemsize)).from_address(addr), dtype=dtype)
-
-
-@dataclass(frozen=True)
-class TorchPlan:
-    """A program's runs for the plain-torch path: consecutive runs that continue each other
-    in the same destination and source merged (one op each), and how far each destination
-    and source slot is reached (the views' lengths)."""
-
-    runs: tuple[tuple[int, int, int, int, int], ...]
-    """(dst_idx, dst_off, src_idx, src_off, numel), numel > 0."""
-    dst_extent: tuple[int, ...]
-    src_extent: tuple[int, ...]
-
-
-def _alignment(values: Sequence[int], cap: int = 16) -> int:
-    """Largest power of two <= cap dividing every value (bytes)."""
-    g = math.gcd(*values)
-    if g == 0:
-        return cap
-    a = 1
-    while a < cap and g % (a * 2) == 0:
-        a *= 2
-    return a
-
-
-@dataclass(frozen=True, eq=False)
-class SharedPointers:
-    """One binding's address tables, cut from a table uploaded for several bindings at once
-    (:func:`upload_pointer_tables`), with the gcd of its addresses (0: none) for the
-    alignment the kernel may assume, and the event of the one upload."""
-
-    dst: torch.Tensor
-    src: torch.Tensor
-    dst_gcd: int
-    src_gcd: int
-    event: object
-    stream: object
-    """The stream the upload went on (CUDA; None on the host): the tables' home."""
-
-
-def upload_pointer_tables(device: torch.device, dst_ptrs: Sequence[int],
-                          src_lists: Sequence[Sequence[int]]) -> list[SharedPointers]:
-    """Address tables for bindings that share their destinations (``dst_ptrs``), each with
-    its own sources (``src_lists``), uploaded as one table: one pinned buffer, one
-    non-blocking copy and one event where a table per binding costs one of each per binding
-    (a reduce-scatter's chunks bound on new gradients every call: FSDP2's)."""
-    return upload_table_pairs(device, [(dst_ptrs, s) for s in src_lists])
-
-
-def upload_table_pairs(device: torch.device,
-                       pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[SharedPointers]:
-    """:func:`upload_pointer_tables` for bindings that each have their own ``(dst_ptrs,
-    src_ptrs)``: every distinct sequence (by identity: pass the same object where bindings
-    share one) uploaded once, all in one table, one copy and one event."""
-    if not pairs:
-        return []
-    at: dict[int, int] = {}  # id of a sequence -> its index in parts
-    parts: list[np.ndarray] = []
-    for seq in (x for pair in pairs for x in pair):
-        if id(seq) not in at:
-            at[id(seq)] = len(parts)
-            parts.append(np.asarray(seq, dtype=np.int64))
-    table, event, up = _upload(torch.from_numpy(np.concatenate(parts)), device)
-    starts = np.cumsum([0] + [len(p) for p in parts]).tolist()
-    slices = [table[starts[i]:starts[i + 1]] for i in range(len(parts))]
-    gcds = [int(np.gcd.reduce(p)) if len(p) else 0 for p in parts]
-    return [SharedPointers(slices[at[id(d)]], slices[at[id(x)]], gcds[at[id(d)]], gcds[at[id(x)]], event, up)
-            for d, x in pairs]
 
 
 @dataclass(eq=False)
@@ -280,23 +187,8 @@ class SegmentProgram:
     def torch_plan(self) -> TorchPlan:
         """The runs as the plain-torch path executes them (made once, kept)."""
         plan = self.__dict__.get("_torch_plan")
-        if plan is not None:
-            return plan
-        merged: list[list[int]] = []
-        dst_ext, src_ext = [0] * self.n_dst, [0] * self.n_src
-        for r in self.runs:
-            if r.numel <= 0:
-                continue
-            dst_ext[r.dst_idx] = max(dst_ext[r.dst_idx], r.dst_off + r.numel)
-            src_ext[r.src_idx] = max(src_ext[r.src_idx], r.src_off + r.numel)
-            if merged:
-                d, do, si, so, n = merged[-1]
-                if d == r.dst_idx and si == r.src_idx and do + n == r.dst_off and so + n == r.src_off:
-                    merged[-1][4] = n + r.numel
-                    continue
-            merged.append([r.dst_idx, r.dst_off, r.src_idx, r.src_off, r.numel])
-        plan = TorchPlan(tuple(map(tuple, merged)), tuple(dst_ext), tuple(src_ext))  # type: ignore[arg-type]
-        self.__dict__["_torch_plan"] = plan
+        if plan is None:
+            plan = self.__dict__["_torch_plan"] = torch_plan(self.runs, self.n_dst, self.n_src)
         return plan
 
     def tiles_on(self, device: torch.device) -> tuple[torch.Tensor, object, object]:
@@ -537,29 +429,10 @@ class Binding:
                 "replaced); bind the tensors again"
             )
         key = self._variant(scale, accumulate)
-        has_scale, accumulate, raw = key
-        if self._torch:
-            scale_f = None if scale is None else float(scale)
-
-            def run() -> None:
-                self._run_torch(scale_f, accumulate, raw)
-        elif not self._cuda:
-            args = self._args(scale)
-
-            def run() -> None:
-                # The interpreter keeps global state per launch: one launch at a time (threads
-                # of the single-process multi-rank mode launch concurrently).
-                with _INTERPRETER_LOCK:
-                    segmented_reduce_kernel[self._grid](
-                        *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
-                    )
         if not self._cuda:
-            graph = host_capture.recording() if capturing else None
-            if graph is not None:  # the host's capture (tests): recorded, run at each replay
-                graph.record(run)
-            else:
-                run()
+            self._launch_on_host(scale, key, capturing)
             return
+        has_scale, accumulate, raw = key
         args = self._args(scale)
         if stream is None:
             stream = torch.cuda.current_stream(self.dsts[0].device)
@@ -591,42 +464,33 @@ class Binding:
                    kernel.launch_metadata(self._grid, s, *all_args),
                    _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *all_args)
 
-    def _run_torch(self, scale: float | None, accumulate: bool, raw: bool) -> None:
-        """The launch as plain torch on CPU tensors, over every run at once (torch's
-        ``_foreach`` ops: one call per step, each run's own ``add_`` / ``copy_`` inside): the
-        kernel's ``_block`` -- fp32 sum of the K sources in order from source 0, times
-        ``scale``, plus the old value, one cast at the store (torch's ``copy_`` rounds to
-        nearest even, as the kernel's store does) -- or a plain copy where the kernel moves the
-        bits untouched (``RAW``) or only converts them."""
-        views = self._views
-        if views is None:
-            views = self._views = self._torch_views()
-        dsts, srcs, sizes = views
-        # One source and no arithmetic: copy_ is the kernel's widening (exact) then its one
-        # rounding to nearest even -- torch converts fp16 -> bf16 through fp32 too.
-        if raw or (self.k == 1 and scale is None and not accumulate):
-            torch._foreach_copy_(dsts, srcs[0])
-            return
-        accs = list(torch.empty(sum(sizes), dtype=torch.float32).split(sizes))
-        torch._foreach_copy_(accs, srcs[0])  # from source 0, not from 0.0: -0.0 stays -0.0
-        for k in range(1, self.k):
-            torch._foreach_add_(accs, srcs[k])
-        if scale is not None:
-            torch._foreach_mul_(accs, scale)
-        if accumulate:
-            torch._foreach_add_(accs, dsts)
-        torch._foreach_copy_(dsts, accs)
+    def _launch_on_host(self, scale: float | None, key: tuple[bool, bool, bool], capturing: bool) -> None:
+        """:meth:`launch` on CPU tensors: plain torch, or the kernel through Triton's interpreter;
+        under the host's capture (tests) recorded, to run at each replay."""
+        has_scale, accumulate, raw = key
+        if self._torch:
+            scale_f = None if scale is None else float(scale)
 
-    def _torch_views(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[int]]:
-        """Per run of the program's :meth:`~SegmentProgram.torch_plan`: its destination, its
-        piece of each of the K sources (as lists for the ``_foreach`` ops), and its length."""
-        plan = self.program.torch_plan()
-        ddt, sdt, n_src = self.dsts[0].dtype, self.srcs[0].dtype, self.program.n_src
-        dviews = [_host_view(a, n, ddt) for a, n in zip(self.dst_ptrs, plan.dst_extent)]
-        sviews = [_host_view(a, plan.src_extent[i % n_src], sdt) for i, a in enumerate(self.src_ptrs)]
-        dsts = [dviews[di][do:do + n] for di, do, _, _, n in plan.runs]
-        srcs = [[sviews[k * n_src + si][so:so + n] for _, _, si, so, n in plan.runs] for k in range(self.k)]
-        return dsts, srcs, [r[4] for r in plan.runs]
+            def run() -> None:
+                if self._views is None:
+                    self._views = torch_views(self.program.torch_plan(), self.program.n_src, self.k, self.dst_ptrs,
+                                              self.src_ptrs, self.dsts[0].dtype, self.srcs[0].dtype)
+                run_torch(self._views, self.k, scale_f, accumulate, raw)
+        else:
+            args = self._args(scale)
+
+            def run() -> None:
+                # The interpreter keeps global state per launch: one launch at a time (threads
+                # of the single-process multi-rank mode launch concurrently).
+                with _INTERPRETER_LOCK:
+                    segmented_reduce_kernel[self._grid](
+                        *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static
+                    )
+        graph = host_capture.recording() if capturing else None
+        if graph is not None:
+            graph.record(run)
+        else:
+            run()
 
     def prepare(self, *, scale: float | None = None, accumulate: bool = False) -> None:
         """Compile and load the kernel variant ``launch`` will use, without launching.
