@@ -23,8 +23,8 @@ import torch  # noqa: E402
 
 import tide_triton as tt  # noqa: E402
 from tide_triton.collectives import prepared_all_gather_call, prepared_reduce_scatter_call  # noqa: E402
-from tide_triton.kernels import Binding  # noqa: E402
-from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.kernels.segments import Binding  # noqa: E402
+from tide_triton.bench.measure import env_info  # noqa: E402
 from tide_triton.transport import host  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
 

@@ -47,6 +47,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 
@@ -58,13 +59,17 @@ if "RANK" not in os.environ:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 
-import torch  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # script_tools beside it, also where the tests load this file
+    sys.path.insert(0, _HERE)
 
-import tide_triton as tt
-from tide_triton import envs, run_graph
-from tide_triton.measure import GcPasses, copy_ceiling, env_info
-from tide_triton.report import collective_bytes
-from tide_triton.workloads import layer_shapes
+import torch  # noqa: E402
+from script_tools import collective_bytes  # noqa: E402
+
+import tide_triton as tt  # noqa: E402
+from tide_triton import envs, run_graph  # noqa: E402
+from tide_triton.bench.measure import GcPasses, copy_ceiling, env_info  # noqa: E402
+from tide_triton.workloads import layer_shapes  # noqa: E402
 
 
 def rank_devices(W: int, share_gpu: bool) -> list[torch.device]:
@@ -593,7 +598,7 @@ def _print_floor(row: dict, ceiling_gbps: float) -> None:
 
 
 def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
-    from tide_triton.report import plot_collective_rows
+    from script_tools import plot_collective_rows
 
     try:
         plot_collective_rows(rows, path)
@@ -606,7 +611,7 @@ def main() -> None:
     import faulthandler
     import sys
 
-    from tide_triton._cli import Progress
+    from tide_triton.bench.cli import Progress
 
     faulthandler.dump_traceback_later(float(os.environ.get("TIDE_HANG_DUMP_S", "1e9")), exit=True,
                                       file=sys.stderr)
@@ -658,7 +663,7 @@ def main() -> None:
     if args.unchecked and (not args.prepared or args.captured or args.new_grads):
         ap.error("--unchecked times run(check_addresses=False) of prepared runs: use it with --prepared alone")
     if args.from_rows:
-        from tide_triton._cli import recorded_rows
+        from tide_triton.bench.cli import recorded_rows
 
         _plot(ap, args.plot, recorded_rows(ap, args.from_rows, args.plot))
         return

@@ -230,8 +230,7 @@ def main(argv=None) -> int:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import tide_triton
-    from tide_triton.bench import env_info
-    from tide_triton.measure import GcPasses
+    from tide_triton.bench.measure import GcPasses, env_info
     from train_dit import DiT, DiTConfig
     from train_llama import Llama, LlamaConfig, batch, loss_fn, shard
     from train_moe import MoEConfig, MoEModel
@@ -456,6 +455,6 @@ HEADER = ("| mode | backend | W | layers | step (ms, rank max) | torch peak / ra
           "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
-    from tide_triton.bench import script_main
+    from script_tools import script_main
 
     sys.exit(script_main(main, HEADER))

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
     import tide_triton as tt
     from tide_triton import hier_collectives as hc
-    from tide_triton.bench import copy_ceiling, env_info
+    from tide_triton.bench.measure import copy_ceiling, env_info
     from tide_triton.workloads import layer_shapes
 
     dist.init_process_group("gloo")
@@ -148,6 +148,6 @@ HEADER = ("| model | nodes x local | inter-node hop | collective | ms (rank max)
           "write) per ms, of the copy ceiling (one GPU) |\n|---|---|---|---|---|---|---|---|---|")
 
 if __name__ == "__main__":
-    from tide_triton.bench import script_main
+    from script_tools import script_main
 
     sys.exit(script_main(main, HEADER))

@@ -28,7 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import tide_triton as tt  # noqa: E402
-from tide_triton.measure import GcPasses  # noqa: E402
+from tide_triton.bench.measure import GcPasses  # noqa: E402
 from tide_triton.transport import host  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
 
@@ -118,7 +118,7 @@ def main() -> None:
     a = ap.parse_args()
     host.HostTransport.copy = lambda self, *args, **kw: None  # the transport's data movement out
     if a.no_kernels:
-        from tide_triton.kernels import Binding
+        from tide_triton.kernels.segments import Binding
 
         Binding.launch = lambda self, **kw: None
     print("| layer | op | parameters | Python per call, per rank (us) | GC passes per call | full GC passes (ms) |")

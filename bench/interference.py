@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_ranks(args)
 
     import tide_triton as tt
-    from tide_triton.bench import env_info
+    from tide_triton.bench.measure import env_info
     from tide_triton.workloads import layer_shapes
 
     device = torch.device("cpu" if args.dry_run else "cuda")

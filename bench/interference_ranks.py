@@ -91,7 +91,7 @@ def run_ranks(args: Any) -> int:
     import torch.distributed as dist
 
     import tide_triton as tt
-    from tide_triton.bench import env_info
+    from tide_triton.bench.measure import env_info
     from tide_triton.workloads import layer_shapes
 
     device = _device(args)

@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.world_sizes = [2, 3]
         args.ring_bytes = min(args.ring_bytes, 4096 * 8)
     faulthandler.dump_traceback_later(float(os.environ.get("TIDE_HANG_DUMP_S", 1200)), exit=True, file=sys.stderr)
-    from tide_triton.bench import env_info
+    from tide_triton.bench.measure import env_info
 
     measured = not args.layout_only
     device = torch.device("cpu" if (args.dry_run or args.layout_only) else "cuda")

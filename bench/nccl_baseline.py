@@ -613,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for k, v in FORCED_ENV.items():
         os.environ[k] = v
-    from tide_triton.measure import env_info
+    from tide_triton.bench.measure import env_info
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

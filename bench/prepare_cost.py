@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from tide_triton import node_prepare  # noqa: E402
 from tide_triton.heap import ring as heap_ring  # noqa: E402
 from tide_triton.layout import ShardLayout  # noqa: E402
-from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.bench.measure import env_info  # noqa: E402
 from tide_triton.options import GroupOptions  # noqa: E402
 from tide_triton.schedule import ring_plan  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
-from tide_triton.measure import env_info  # noqa: E402
+from tide_triton.bench.measure import env_info  # noqa: E402
 from tide_triton.transport.driver import check  # noqa: E402
 from tide_triton.transport.copies import memcpy2d_struct, memcpy3d_struct  # noqa: E402
 

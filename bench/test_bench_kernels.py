@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tide_triton import ShardLayout, bind_accumulate_shards, bind_place_shards
-from tide_triton.bench import copy_ceiling, env_info, main
+from tide_triton.bench.__main__ import main
+from tide_triton.bench.measure import copy_ceiling, env_info
 from tide_triton.workloads import MODELS, layer_shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel benchmarks need a GPU")
@@ -75,7 +76,8 @@ def test_cli_plots_recorded_rows(tmp_path, capsys: pytest.CaptureFixture[str]) -
 
 def test_collective_plot_reads_tide_and_nccl_rows(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from tide_triton.report import load_rows, plot_collective_rows
+    from script_tools import plot_collective_rows
+    from tide_triton.bench.report import load_rows
 
     res = RECORDED.parent
     rows = load_rows([res / "2026-11-29-h200-s3-collectives.jsonl", res / "2026-11-29-h200-nccl-2.32.3-baseline.jsonl"])

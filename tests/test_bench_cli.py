@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tide_triton._cli import require_device
+from tide_triton.bench.cli import require_device
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -332,10 +332,10 @@ def test_a_step_of_many_modules_prepares_nothing_the_second_time(monkeypatch: py
 
 # ----------------------------------------------------------------- garbage-collector passes
 def _gc_passes():
-    """Counting from an empty young generation (tide_triton.measure.GcPasses)."""
+    """Counting from an empty young generation (tide_triton.bench.measure.GcPasses)."""
     import gc
 
-    from tide_triton.measure import GcPasses
+    from tide_triton.bench.measure import GcPasses
 
     gc.collect()
     return GcPasses()
@@ -372,7 +372,7 @@ def test_a_prepared_all_gather_of_many_parameters_starts_no_gc_pass() -> None:
     import threading
 
     import tide_triton as tt
-    from tide_triton.measure import GcPasses
+    from tide_triton.bench.measure import GcPasses
 
     W, calls = 2, 10
     shapes = scaled_shapes("synthetic-moe-256e", 64)

@@ -3,7 +3,7 @@
 :mod:`tide_triton.collectives` dispatches here (after every rank has agreed on the
 arguments) when the group's topology has more than one node.  The contract is the node-local
 one, unchanged; the schedules are :class:`~tide_triton.hier_schedule.AllGatherPlan` and
-:class:`~tide_triton.hier_schedule.ReduceScatterPlan` (checked by :mod:`tide_triton.simulate`).
+:class:`~tide_triton.hier_schedule.ReduceScatterPlan` (checked by :mod:`tide_triton.schedule_check`).
 
 All-gather
     1. this rank's shard into its own parameter storage (a copy; a Triton cast when the

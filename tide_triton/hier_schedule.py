@@ -1,5 +1,5 @@
 """Across nodes, in what order: pure-Python schedules for the multi-node all-gather and
-reduce-scatter (no CUDA imports; :mod:`tide_triton.simulate` runs and checks them).
+reduce-scatter (no CUDA imports; :mod:`tide_triton.schedule_check` runs and checks them).
 
 Addressing (see :mod:`tide_triton.layout`): rank ``r``'s shard of parameter ``p`` sits at
 element ``r * S_p`` of ``p``'s padded unsharded storage, and its real part is
@@ -377,7 +377,7 @@ class AllGatherPlan:
 
     def sent_bytes(self) -> dict[str, list[int]]:
         """Bytes each rank sends per round label, from the node-level rounds and the
-        layout alone (no runs expanded): what :func:`tide_triton.simulate.simulate`
+        layout alone (no runs expanded): what :func:`tide_triton.schedule_check.simulate`
         counts, at any size."""
         rr = _RailRuns(self.layout, self.topology)
         L, W, N = self.topology.local_size, self.topology.world_size, self.topology.nodes

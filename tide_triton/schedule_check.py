@@ -19,7 +19,7 @@ final contributor set equal to all ranks means each gradient counted exactly onc
 Counts: bytes each rank sends and receives per round label and link class (inter-node
 network / intra-node), chunks, rounds, staging.  Pure Python; a 1024-rank (128 x 8) run of
 a real Llama-3.1-70B layer takes seconds to a minute.  The command line is
-``python -m tide_triton.simulate``; its tables come from :mod:`tide_triton.report`.
+``python bench/simulate.py``, which prints its tables.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Console helpers for the command-line entry points (``python -m tide_triton.bench``,
-``python -m tide_triton.simulate``, ``bench/*.py``, ``examples/*.py``); library code never
-imports this module.
+"""Console helpers for the command-line entry points (``python -m tide_triton.bench`` and the
+scripts of ``bench/``); library code never imports this module.
 
 Progress goes to stderr, so that stdout holds only the tables: a live bar (``tqdm``, from the
 ``bench`` extra) when stderr is a terminal and tqdm is installed, otherwise one plain line per
@@ -8,10 +7,15 @@ step with the time since the start.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-__all__ = ["Progress", "rank_device", "recorded_rows", "require_device", "with_index"]
+import torch
+
+from .report import load_rows
+
+__all__ = ["Progress", "recorded_rows", "require_device", "with_index"]
 
 
 class Progress:
@@ -64,8 +68,6 @@ def require_device(parser, option: str, value: str | None):
     """``torch.device`` for ``--device`` (``None``: CUDA if present, else CPU), with its index
     (:func:`with_index`); a missing GPU or an unknown name ends in ``parser.error`` naming the
     option and how to fix it."""
-    import torch
-
     if value is None:
         return with_index(torch.device("cuda")) if torch.cuda.is_available() else torch.device("cpu")
     try:
@@ -88,10 +90,6 @@ def with_index(device):
     """``device`` with its index: ``cuda`` without one means this process's GPU --
     ``cuda:LOCAL_RANK`` (modulo the visible GPUs) under torchrun, else the current device --
     because ``torch.cuda.set_device`` and the timing events refuse a device without an index."""
-    import os
-
-    import torch
-
     if device.type != "cuda" or device.index is not None:
         return device
     local = os.environ.get("LOCAL_RANK")
@@ -100,31 +98,11 @@ def with_index(device):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def rank_device(rank: int, *, share_gpu: bool = False):
-    """The torchrun convention: rank ``rank`` on ``cuda:LOCAL_RANK`` (``LOCAL_RANK`` from the
-    environment when set, else ``rank``), modulo the visible GPUs; ``share_gpu`` puts every
-    rank on ``cuda:0`` (several ranks time-slicing one GPU)."""
-    import os
-
-    import torch
-
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise RuntimeError("no CUDA device is visible to torch; run on a machine with a GPU (or with --device cpu "
-                           "where the script has one)")
-    if share_gpu:
-        return torch.device("cuda", 0)
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    return torch.device("cuda", local % n)
-
-
 def recorded_rows(parser, from_rows, plot):
     """The rows of ``--from ROWS.jsonl ...`` (which only goes with ``--plot FILE``), or a
     parser error saying what is wrong."""
     if not plot:
         parser.error("--from needs --plot FILE (it plots recorded rows without running anything)")
-    from .report import load_rows
-
     try:
         return load_rows(from_rows)
     except (OSError, ValueError) as e:

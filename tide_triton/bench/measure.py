@@ -1,5 +1,5 @@
-"""Kernel measurements behind ``python -m tide_triton.bench`` (the CLI lives in
-:mod:`tide_triton.bench`; tables and plots in :mod:`tide_triton.report`).  Nothing here prints.
+"""Kernel measurements behind ``python -m tide_triton.bench`` (the command line is its
+``__main__``; tables and plots in :mod:`tide_triton.bench.report`).  Nothing here prints.
 
 What is compared (bytes counted are the fewest each operation must move):
 
@@ -26,6 +26,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from ..kernels import accumulate_shards, bind_accumulate_shards, bind_place_shards, place_shards
+from ..kernels.segments import cpu_runs_torch
+from ..layout import ShardLayout
 
 __all__ = ["BenchRow", "env_info", "device_label", "copy_ceiling", "bench_placement", "bench_accumulation",
            "bench_host_overhead", "GcPasses"]
@@ -87,8 +93,6 @@ def _git_sha() -> str:
 
 def env_info(device: torch.device) -> dict:
     """GPU, versions, git SHA and date: carried by every result row."""
-    import triton
-
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git_sha": _git_sha(),
@@ -121,8 +125,6 @@ def device_label(device: torch.device) -> str:
 
 def cpu_kernels_label(device: torch.device) -> str:
     """How the kernels run on ``device``'s CPU tensors, in words (``TIDE_TRITON_CPU_KERNELS``)."""
-    from .kernels.segments import cpu_runs_torch
-
     return "as plain torch" if cpu_runs_torch(device) else "through the Triton interpreter"
 
 
@@ -166,9 +168,6 @@ def copy_ceiling(device: torch.device, nbytes: int) -> BenchRow:
 def bench_placement(model: str, shapes: Sequence[tuple[int, ...]], world_size: int,
                     device: torch.device, *, src_dtype: torch.dtype = torch.bfloat16) -> list[BenchRow]:
     """split_with_sizes_copy (FSDP2 copy-out) vs place_shards, same rank blocks."""
-    from .kernels import bind_place_shards
-    from .layout import ShardLayout
-
     layout = ShardLayout(shapes, world_size)
     W, F = world_size, layout.flat_shard_numel
     ag_out = torch.randn(W * F, device=device).to(src_dtype)
@@ -207,9 +206,6 @@ def bench_accumulation(model: str, shapes: Sequence[tuple[int, ...]], world_size
                        device: torch.device, *, k: int = 8) -> list[BenchRow]:
     """chunk_cat into fp32 + sum (FSDP2's reduce-scatter input + the reduction) vs
     accumulate_shards from K bf16 receive slots into fp32 shards."""
-    from .kernels import bind_accumulate_shards
-    from .layout import ShardLayout
-
     layout = ShardLayout(shapes, world_size)
     F = layout.flat_shard_numel
     n = sum(layout.shard_numels(0))
@@ -227,8 +223,6 @@ def bench_accumulation(model: str, shapes: Sequence[tuple[int, ...]], world_size
 
 
 def _count_launches(fn: Callable[[], None]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -239,9 +233,6 @@ def _count_launches(fn: Callable[[], None]) -> int:
 def bench_host_overhead(model: str, shapes: Sequence[tuple[int, ...]], world_size: int,
                         device: torch.device, *, calls: int = 200) -> list[BenchRow]:
     """Host microseconds per call after the first (tables cached), and launches per call."""
-    from .kernels import accumulate_shards, bind_accumulate_shards, bind_place_shards, place_shards
-    from .layout import ShardLayout
-
     layout = ShardLayout(shapes, world_size)
     W, F = world_size, layout.flat_shard_numel
     blocks = list(torch.randn(W * F, device=device).to(torch.bfloat16).view(W, F).unbind(0))
