@@ -382,7 +382,6 @@ def simulate_reduce_scatter(plan: ReduceScatterPlan, *, check: bool = True) -> S
                     rounds=plan.rounds * len(plan.windows), staging_bytes=plan.staging_bytes)
     dec = _Decoder(layout)
     ss = _ScatterState(dec) if check else None
-    ALL = (1 << W) - 1
     c = plan.window_elems
     slot_cap = {"intra": (L - 1) * N * c * plan.grad_bytes,
                 "inter": plan.max_message_shards * c * plan.wire_bytes}
@@ -422,56 +421,69 @@ def simulate_reduce_scatter(plan: ReduceScatterPlan, *, check: bool = True) -> S
                                 rep.error(f"{where}: sends param {p} partial sums [{bounds[k]}, "
                                           f"{bounds[k + 1]}) of rank {o}'s shard, which it does not hold")
                             pending.append((t.dst, p, bounds[k], bounds[k + 1], got, where))
-        for d, p, lo, hi, got, where in pending:
-            s = ss.get(d, p)
-            i, j = ss.split(s, lo), ss.split(s, hi)
-            for k in range(i, j):
-                seg = s[1][k]
-                for x, cm in got.items():
-                    for om2, cm2 in seg:
-                        if x & om2 and cm & cm2:
-                            o, src = _low(x & om2), _low(cm & cm2)
-                            S = dec.S[p]
-                            rep.error(f"{where}: rank {d}'s partial sums of param {p} elements "
-                                      f"[{o * S + s[0][k]}, {o * S + s[0][k + 1]}) (rank {o}'s shard) "
-                                      f"would count rank {src}'s gradient twice")
-                            cm &= ~cm2
-                    if not cm:
-                        continue
-                    for r in seg:
-                        if r[0] == x:
-                            r[1] |= cm
-                            break
-                    else:
-                        for r in seg:
-                            if r[1] == cm:
-                                r[0] |= x
-                                break
-                        else:
-                            seg.append([x, cm])
+        _receive(ss, dec, pending, rep)
     if ss is not None:
-        for d in range(W):
-            for p in range(len(layout)):
-                real = dec.real[d][p]
-                if not real:
-                    continue
-                bounds, rects = ss.get(d, p)
-                bit = 1 << d
-                for k in range(len(bounds) - 1):
-                    if bounds[k] >= real:
-                        break
-                    have = 0
-                    for om, cm in rects[k]:
-                        if om & bit:
-                            have |= cm
-                    if have != ALL:
-                        S = dec.S[p]
-                        miss = ALL & ~have
-                        rep.error(f"rank {d}'s shard of param {p}, elements [{d * S + bounds[k]}, "
-                                  f"{d * S + bounds[k + 1]}), lacks the gradients of "
-                                  f"{bin(miss).count('1')} rank(s): {_ranks(miss)}")
+        _check_complete(ss, dec, W, len(layout), rep)
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _receive(ss: _ScatterState, dec: _Decoder, pending: list, rep: SimReport) -> None:
+    """A round's partial sums arrive: each (dst, param, lo, hi, got, where) of ``pending`` adds
+    the contributions ``got`` (shard ranks -> contributing ranks) to what ``dst`` holds; a
+    contribution it holds already is an error (a gradient counted twice)."""
+    for d, p, lo, hi, got, where in pending:
+        s = ss.get(d, p)
+        i, j = ss.split(s, lo), ss.split(s, hi)
+        for k in range(i, j):
+            seg = s[1][k]
+            for x, cm in got.items():
+                for om2, cm2 in seg:
+                    if x & om2 and cm & cm2:
+                        o, src = _low(x & om2), _low(cm & cm2)
+                        S = dec.S[p]
+                        rep.error(f"{where}: rank {d}'s partial sums of param {p} elements "
+                                  f"[{o * S + s[0][k]}, {o * S + s[0][k + 1]}) (rank {o}'s shard) "
+                                  f"would count rank {src}'s gradient twice")
+                        cm &= ~cm2
+                if not cm:
+                    continue
+                for r in seg:
+                    if r[0] == x:
+                        r[1] |= cm
+                        break
+                else:
+                    for r in seg:
+                        if r[1] == cm:
+                            r[0] |= x
+                            break
+                    else:
+                        seg.append([x, cm])
+
+
+def _check_complete(ss: _ScatterState, dec: _Decoder, W: int, n_params: int, rep: SimReport) -> None:
+    """After the last round: every rank's real shard elements hold every rank's gradient."""
+    ALL = (1 << W) - 1
+    for d in range(W):
+        for p in range(n_params):
+            real = dec.real[d][p]
+            if not real:
+                continue
+            bounds, rects = ss.get(d, p)
+            bit = 1 << d
+            for k in range(len(bounds) - 1):
+                if bounds[k] >= real:
+                    break
+                have = 0
+                for om, cm in rects[k]:
+                    if om & bit:
+                        have |= cm
+                if have != ALL:
+                    S = dec.S[p]
+                    miss = ALL & ~have
+                    rep.error(f"rank {d}'s shard of param {p}, elements [{d * S + bounds[k]}, "
+                              f"{d * S + bounds[k + 1]}), lacks the gradients of "
+                              f"{bin(miss).count('1')} rank(s): {_ranks(miss)}")
 
 
 def simulate(plan: AllGatherPlan | ReduceScatterPlan, *, check: bool = True) -> SimReport:

@@ -302,9 +302,6 @@ def _combine(op: str | float, post: float, W: int) -> float:
 def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: float | None,
                  orig_dtype: torch.dtype | None, ar_op: Any):
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from ..collectives import reduce_scatter
 
     fsdp_params, unsharded_grads = a["fsdp_params"], a["unsharded_grads"]
     rs_group, rs_stream, device = a["reduce_scatter_group"], a["reduce_scatter_stream"], a["device"]
@@ -331,15 +328,7 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         log.info("tide_triton.fsdp: %s reduce_dtype=torch.bfloat16: the gradients are summed in fp32 and the "
                  "sums rounded once to bf16 (stock FSDP2 sums in bf16), held as %s like stock's", st.fqn,
                  out_dtype)
-
-    # Where the sums go: straight into existing .grad when every parameter has one.
-    locals_ = []
-    for fp in fsdp_params:
-        g = fp.sharded_param.grad
-        loc = g._local_tensor if isinstance(g, DTensor) else None
-        ok = (loc is not None and loc.dtype == out_dtype and loc.is_contiguous()
-              and tuple(loc.shape) == tuple(fp.sharded_size) and loc.device == device)
-        locals_.append(loc if ok else None)
+    locals_ = _grad_locals(fsdp_params, out_dtype, device)
     direct = hook is None and ar_group is None and not round_bf16 and all(x is not None for x in locals_)
 
     rs_stream.wait_stream(current)
@@ -348,34 +337,8 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         if direct:
             shards = locals_
         else:
-            sizes = [fp.padded_sharded_param_size for fp in fsdp_params]
-            numels = [s.numel() for s in sizes]
-            flat = torch.empty(sum(numels), dtype=flat_dtype, device=device)
-            shards, off = [], 0
-            for s, n in zip(sizes, numels):
-                shards.append(flat[off:off + n].view(s))
-                off += n
-        staging = None
-        if st.slot is not None and not st.slot.region.released and not st.slot.live_others(None):
-            # Slot-Reuse: every group of the slot is resharded, so backward has vacated it
-            # (on a GPU: once the work the reduce-scatter stream waited for is done).
-            staging = st.slot.region
-            staging.vacate(stream=rs_stream if cuda else None)
-        parts = grads
-        ds = _dim_shards(fsdp_params, grads, W)
-        if ds is not None:  # Shard(dim > 0): each rank's entries read in place, slice by slice
-            parts, shards = _split(grads, ds), _split(shards, ds)
-        with st.group.labelled(st.fqn):
-            if st.use_prepared and staging is None and st.group.nodes == 1:
-                _prepared_reduce_scatter(st, fsdp_params, parts, shards, op, direct, rs_stream if cuda else None)
-            else:
-                reduce_scatter(parts, shards, group=st.group, op=op, accumulate=direct,
-                               stream=rs_stream if cuda else None, staging=staging)
-        st.reduce_scatters += 1
-        if st.slot is not None and st.slot.release:
-            _queue_release()
-        st.staged_reduce_scatters += staging is not None
-        st.direct_accumulations += direct
+            flat, shards = _flat_shards(fsdp_params, flat_dtype, device)
+        _run_reduce_scatter(st, fsdp_params, grads, shards, op, direct, rs_stream if cuda else None, W)
         if round_bf16 and flat.dtype != torch.bfloat16:  # before the event: the hook and the .grad read them
             flat.copy_(flat.to(torch.bfloat16))  # (HSDP's flat is bf16 already: the all-reduce's dtype)
         reduce_scatter_event = rs_stream.record_event()
@@ -408,22 +371,82 @@ def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: 
         if flat is not None:
             if post is not None:
                 flat.div_(post)
-            out = flat if flat.dtype == out_dtype else flat.to(out_dtype)
-            off = 0
-            for fp in fsdp_params:
-                new = torch.as_strided(out, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
-                                       storage_offset=off)
-                if fp.sharded_param.grad is not None:
-                    fp.sharded_param.grad._local_tensor += new
-                else:
-                    fp.sharded_param.grad = fp.to_sharded_dtensor(new)
-                off += fp.padded_sharded_param_size.numel()
+            _add_to_grads(fsdp_params, flat if flat.dtype == out_dtype else flat.to(out_dtype))
         for fp in fsdp_params:
             for h in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
                 h(fp.sharded_param)
         post_reduce_event = post_reduce_stream.record_event()
     return _reduce_result(api.reduce_order, grads, reduce_scatter_event, post_reduce_stream, post_reduce_event,
                           all_reduce_input, all_reduce_event, None)
+
+
+def _run_reduce_scatter(st: GroupState, fsdp_params: list, grads: list, shards: list, op: str | float,
+                        direct: bool, stream: Any, W: int) -> None:
+    """The group's reduce-scatter of ``grads`` into ``shards`` on ``stream`` (None on the host):
+    staged in the group's Slot-Reuse slot when backward has vacated it, prepared where the
+    group asks for it, counted in the group's stats."""
+    from ..collectives import reduce_scatter
+
+    staging = None
+    if st.slot is not None and not st.slot.region.released and not st.slot.live_others(None):
+        # Slot-Reuse: every group of the slot is resharded, so backward has vacated it
+        # (on a GPU: once the work the reduce-scatter stream waited for is done).
+        staging = st.slot.region
+        staging.vacate(stream=stream)
+    parts = grads
+    ds = _dim_shards(fsdp_params, grads, W)
+    if ds is not None:  # Shard(dim > 0): each rank's entries read in place, slice by slice
+        parts, shards = _split(grads, ds), _split(shards, ds)
+    with st.group.labelled(st.fqn):
+        if st.use_prepared and staging is None and st.group.nodes == 1:
+            _prepared_reduce_scatter(st, fsdp_params, parts, shards, op, direct, stream)
+        else:
+            reduce_scatter(parts, shards, group=st.group, op=op, accumulate=direct, stream=stream, staging=staging)
+    st.reduce_scatters += 1
+    if st.slot is not None and st.slot.release:
+        _queue_release()
+    st.staged_reduce_scatters += staging is not None
+    st.direct_accumulations += direct
+
+
+def _grad_locals(fsdp_params: list, out_dtype: torch.dtype, device: torch.device) -> list:
+    """Per parameter, the local tensor of its ``.grad`` where the sums can go straight into it
+    (a DTensor's contiguous local of the shard's shape, dtype and device), else None."""
+    from torch.distributed.tensor import DTensor
+
+    locals_ = []
+    for fp in fsdp_params:
+        g = fp.sharded_param.grad
+        loc = g._local_tensor if isinstance(g, DTensor) else None
+        ok = (loc is not None and loc.dtype == out_dtype and loc.is_contiguous()
+              and tuple(loc.shape) == tuple(fp.sharded_size) and loc.device == device)
+        locals_.append(loc if ok else None)
+    return locals_
+
+
+def _flat_shards(fsdp_params: list, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list]:
+    """One flat buffer of every parameter's padded shard, back to back, and its views per parameter."""
+    sizes = [fp.padded_sharded_param_size for fp in fsdp_params]
+    numels = [s.numel() for s in sizes]
+    flat = torch.empty(sum(numels), dtype=dtype, device=device)
+    shards, off = [], 0
+    for s, n in zip(sizes, numels):
+        shards.append(flat[off:off + n].view(s))
+        off += n
+    return flat, shards
+
+
+def _add_to_grads(fsdp_params: list, out: torch.Tensor) -> None:
+    """Each parameter's shard of ``out`` (padded shards back to back) added to its ``.grad``,
+    or made its ``.grad`` where it has none."""
+    off = 0
+    for fp in fsdp_params:
+        new = torch.as_strided(out, size=fp.sharded_size, stride=fp.contiguous_sharded_stride, storage_offset=off)
+        if fp.sharded_param.grad is not None:
+            fp.sharded_param.grad._local_tensor += new
+        else:
+            fp.sharded_param.grad = fp.to_sharded_dtensor(new)
+        off += fp.padded_sharded_param_size.numel()
 
 
 def _reduce_result(order: Any, grads: list, reduce_scatter_event: Any, post_reduce_stream: Any,
