@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import importlib
 import os
 import pickle
 import queue as queue_mod
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_multiprocess", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU"]
+__all__ = ["run_multiprocess", "set_attrs", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU"]
 
 CHILD_ENV: dict[str, str] = {}
 """Set in every child's environment under the test's own ``env`` (conftest puts
@@ -106,6 +107,7 @@ def _child(
     fn: Callable[..., Any],
     args: tuple,
     env: Mapping[str, str] | None,
+    attrs: Mapping[str, Any] | None,
     num_threads: int | None,
     pg_timeout_s: float,
     results: Any,
@@ -123,6 +125,7 @@ def _child(
         torch.set_num_threads(num_threads)
     try:
         try:
+            set_attrs(attrs)
             store = dist.TCPStore("127.0.0.1", store_port, None, False,
                                   timeout=datetime.timedelta(seconds=pg_timeout_s))
             dist.init_process_group(
@@ -155,6 +158,7 @@ def run_multiprocess(
     *args: Any,
     timeout: float = 120,
     env: Mapping[str, str] | None = None,
+    attrs: Mapping[str, Any] | None = None,
     num_threads: int | None = 1,
     may_die: Collection[int] = (),
 ) -> list[Any]:
@@ -163,6 +167,8 @@ def run_multiprocess(
 
     ``fn`` must be a module-level function and ``args`` and the results picklable.
     ``env`` is set in the children's environment (before they import anything).
+    ``attrs`` are module attributes set in every child before ``fn`` runs (:func:`set_attrs`:
+    the package's test switches, which are not environment variables).
     ``num_threads`` sets ``torch.set_num_threads`` in each child (1 by default: several
     ranks share few cores); ``None`` leaves torch's default.
     ``timeout`` bounds the whole run (seconds): on expiry the survivors are killed and a
@@ -197,7 +203,7 @@ def run_multiprocess(
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_child,
-                    args=(rank, world_size, store.port, fn, args, env, num_threads,
+                    args=(rank, world_size, store.port, fn, args, env, attrs, num_threads,
                           timeout, results_q),
                     name=f"run_multiprocess-rank{rank}",
                     daemon=True,
@@ -271,6 +277,16 @@ def run_multiprocess(
         results_q.close()
         results_q.cancel_join_thread()
         del store
+
+
+def set_attrs(attrs: Mapping[str, Any] | None) -> None:
+    """Set each ``"package.module.NAME": value`` of ``attrs`` (``module.NAME = value``)."""
+    for target, value in (attrs or {}).items():
+        module, _, name = target.rpartition(".")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise AttributeError(f"attrs: {module} has no attribute {name!r} to set (target {target!r})")
+        setattr(mod, name, value)
 
 
 def _format_errors(errors: Mapping[int, str]) -> str:

@@ -45,7 +45,7 @@ def test_a_rail_peers_abort_ends_the_host_hop_wait_at_once(monkeypatch, queue: s
     from tide_triton.errors import PeerAbortedError
     from tide_triton.transport.internode import HostInterNode
 
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", queue)
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", queue)
     W, L, timeout = 2, 1, 12.0
     real = HostInterNode.sendrecv
 

@@ -1,4 +1,4 @@
-"""The host transport with its copy queue behind the caller (``TIDE_TRITON_HOST_COPY_QUEUE=async``):
+"""The host transport with its copy queue behind the caller (``transport.host.COPY_QUEUE = "async"``):
 the ordering a GPU has -- copies, signals and waits of the copy queue run later, in order, on
 a worker thread, while the compute stream's work (kernels, the host) runs at once.  A race
 between the two that the synchronous host transport hides shows here: the prepared
@@ -23,7 +23,8 @@ except ImportError:  # pragma: no cover
 import tide_triton as tt
 from tide_triton.layout import ShardLayout
 
-ASYNC = {"TIDE_TRITON_HOST_COPY_QUEUE": "async"}
+ASYNC = {"tide_triton.transport.host.COPY_QUEUE": "async"}
+"""The copy queue behind the caller, as ``run_multiprocess(attrs=...)`` sets it in its children."""
 SHAPES = [(37, 5), (3,), (53, 2), (64,)]
 RUNS = 4
 
@@ -32,7 +33,7 @@ def test_the_queue_runs_behind_the_caller_and_fences_wait_for_it(monkeypatch) ->
     """A queued copy has not happened when ``copy`` returns (the worker is held), ``fence_to``
     waits until it has; a compute-stream operation (``stream=host_compute``) happens at once;
     a queued wait that times out is raised by the next fence, naming the peer."""
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
     groups = tt.local_groups(2, timeout_s=5)
     try:
         def make(r: int):
@@ -75,7 +76,7 @@ def test_contract_exact_with_the_copy_queue_behind(world_size: int) -> None:
     accumulate, bf16 shards; all-gather: padded / unpadded, casts) with every rank's copy
     queue behind its caller and each queued operation delayed up to 300 us at random."""
     out = run_multiprocess(_scenarios, world_size, 13, timeout=400,
-                           env={**ASYNC, "TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US": "300"})
+                           attrs={**ASYNC, "tide_triton.transport.host.COPY_QUEUE_JITTER_S": 300e-6})
     for r, res in enumerate(out):
         assert all(res[i] == "ok" for i in range(3)), (r, res)
 
@@ -89,7 +90,7 @@ def _back_to_back(monkeypatch, prepared: bool) -> list:
     """Two all-gathers of one block size (fp32 shards -> bf16 params: the cast writes the
     block from the caller's side) run alternately with no synchronization, rank 1's copies
     30 ms late; returns each run's params per rank."""
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
     W = 2
     layout = ShardLayout(SHAPES, W)
     groups = tt.local_groups(W, timeout_s=30, ring_bytes=1024 * W)
@@ -161,8 +162,8 @@ def test_prepared_collectives_with_the_copy_queue_behind(monkeypatch, name: str,
         import test_programs
     except ImportError:  # pragma: no cover
         from tests import test_programs
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE_JITTER_S", 200e-6)
     getattr(test_programs, name)(**kwargs)
 
 
@@ -176,13 +177,14 @@ def test_fsdp_drop_in_with_the_copy_queue_behind(declared_nodes: bool) -> None:
         from test_fsdp import _check, _child
     except ImportError:  # pragma: no cover
         from tests.test_fsdp import _check, _child
-    env = {**ASYNC, "TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US": "200"}
+    attrs = {**ASYNC, "tide_triton.transport.host.COPY_QUEUE_JITTER_S": 200e-6}
+    env = {}
     if declared_nodes:
         world, plan = 4, ("fp32", "slot")
         env["LOCAL_WORLD_SIZE"] = "2"
     else:
         world, plan = 2, ("bf16", "fp32", "slot", "prepared")
-    out = run_multiprocess(_child, world, "cpu", plan, timeout=400, env=env)
+    out = run_multiprocess(_child, world, "cpu", plan, timeout=400, env=env, attrs=attrs)
     _check(out, world)
 
 
@@ -193,7 +195,7 @@ def test_captured_all_gathers_replayed_back_to_back_with_a_slow_peer(monkeypatch
     orders the next cast into the block, within a replay and across replays."""
     from tide_triton.host_capture import HostGraph, capture
 
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
     W = 2
     layout = ShardLayout(SHAPES, W)
     groups = tt.local_groups(W, timeout_s=30, ring_bytes=1024 * W)
@@ -224,3 +226,31 @@ def test_captured_all_gathers_replayed_back_to_back_with_a_slow_peer(monkeypatch
     finally:
         for g in groups:
             g.close()
+
+
+def _copy_queue_of_a_transport(rank: int, world_size: int) -> tuple:
+    group = tt.local_groups(1, timeout_s=30)[0]
+    try:
+        t = group.transport(torch.device("cpu"))
+        return t.host_compute is not None, t.queue_delay is not None
+    finally:
+        group.close()
+
+
+@pytest.mark.multiproc
+def test_run_multiprocess_attrs_put_every_childs_copy_queue_behind_its_caller() -> None:
+    """``run_multiprocess(attrs=...)`` sets the switch in each child before its transports are
+    made: the copy queue runs behind the caller there, with its random delays."""
+    out = run_multiprocess(_copy_queue_of_a_transport, 2, timeout=120,
+                           attrs={**ASYNC, "tide_triton.transport.host.COPY_QUEUE_JITTER_S": 300e-6})
+    assert out == [(True, True), (True, True)], out
+
+
+def test_an_unknown_copy_queue_value_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "later")
+    group = tt.local_groups(1, timeout_s=30)[0]
+    try:
+        with pytest.raises(ValueError, match=r"transport\.host\.COPY_QUEUE must be 'sync' or 'async', got 'later'"):
+            group.transport(torch.device("cpu"))
+    finally:
+        group.close()

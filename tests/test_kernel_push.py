@@ -77,8 +77,8 @@ def test_kernel_pushes_equal_copy_engine_pushes_bit_for_bit(monkeypatch, W: int,
     rows) and the copy engines' bit for bit; the prepared pushes are kernel launches where the
     option says so.  The small ring makes many rounds (slots reused within a call)."""
     if queue == "async":
-        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
-        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "100")
+        monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
+        monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE_JITTER_S", 100e-6)
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(7 + W)
     sets = [[[torch.randint(-8, 9, s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(W)]

@@ -314,12 +314,12 @@ def test_a_close_where_no_thread_may_start_tears_down_here(stubs, monkeypatch) -
 
 
 def test_close_none_releases_the_windows_and_leaves_only_the_communicator(stubs, monkeypatch) -> None:
-    # TIDE_TRITON_NCCL_CLOSE=none (a diagnostic switch): the windows and memory go as always,
+    # nccl.CLOSE = "none" (a diagnostic switch): the windows and memory go as always,
     # only the communicator is left to process exit -- no destroy is called.
     import ctypes
 
     monkeypatch.setenv("STUB_NCCL_VERSION", "23203")
-    monkeypatch.setenv("TIDE_TRITON_NCCL_CLOSE", "none")
+    monkeypatch.setattr(nccl, "CLOSE", "none")
     lib = nccl.NcclLibrary(stubs["destroy_waits"])
     raw = ctypes.CDLL(str(stubs["destroy_waits"]))
     comm = _bare_comm(lib, 11, (0, 1), 0)

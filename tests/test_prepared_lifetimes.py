@@ -61,8 +61,8 @@ def test_recorded_and_captured_runs_sharing_a_block_stay_exact_in_any_order(monk
     from the user's graph -- every result exact, the copy queue behind the caller with random
     delays."""
     monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "all")
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
-    monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
+    monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE_JITTER_S", 200e-6)
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(70 + seed)
     vals = _grads(gen, SHAPES)

@@ -990,8 +990,8 @@ def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str, rs_pu
     from tide_triton.host_capture import HostGraph, capture
 
     if queue == "async":
-        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
-        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+        monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
+        monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE_JITTER_S", 200e-6)
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(41)
     vals = _grads(gen, SHAPES)

@@ -55,8 +55,8 @@ def test_runs_replay_one_recording_from_the_second_run(monkeypatch, queue: str) 
     replayed after that.  ``async``: the copy queue behind the caller, random delays."""
     monkeypatch.setenv("TIDE_TRITON_RUN_GRAPHS", "all")
     if queue == "async":
-        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE", "async")
-        monkeypatch.setenv("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", "200")
+        monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
+        monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE_JITTER_S", 200e-6)
     counts = _count_runs(monkeypatch)
     replays = {"n": 0}
     real_replay = run_graph.RunGraph.replay

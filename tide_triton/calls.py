@@ -248,7 +248,7 @@ class CallIdentity:
             c.moving = True
             return  # a transport without exact waits: the identity is agreed by the exchange only
         # On the host the check runs on the caller's thread (``host_compute``: ahead of a copy
-        # queue that runs behind it, TIDE_TRITON_HOST_COPY_QUEUE=async); on CUDA on the copy stream.
+        # queue that runs behind it, transport.host.COPY_QUEUE = "async"); on CUDA on the copy stream.
         host = None if cuda else getattr(t, "host_compute", None)
         t.signal_all(peers, [slot] * len(peers), [key] * len(peers), stream=host)
         if cuda:

@@ -13,9 +13,6 @@ Variables of the package
     Path of the ``libnccl.so.2`` the inter-node hop loads (after an explicit
     ``GroupOptions.nccl_library``, before the nvidia-nccl wheel and the system loader).  An
     NCCL >= 2.30 is needed for several ranks per GPU.  (:mod:`tide_triton.transport.nccl`)
-``TIDE_TRITON_NCCL_CLOSE``
-    Diagnostics: how a communicator ends -- ``destroy`` (default), ``abort``, ``none``
-    (left to process exit).  (:mod:`tide_triton.transport.nccl`)
 ``TIDE_TRITON_NCCL_CLOSE_DEADLINE_S``
     Seconds a communicator's close (window deregistration and destroy, which wait for the
     other members) may take before an error names the rank and the members and the
@@ -25,10 +22,6 @@ Variables of the package
     or ``kernel`` -- how a reduce-scatter pushes its slices (copy descriptors, or the segment
     kernel on SMs), so a training job can be run both ways without a code change.  An
     explicit option wins.  Read when a group's options are made.  (:mod:`tide_triton.options`)
-``TIDE_TRITON_COPY_MODE``
-    Diagnostics: pins the CUDA transport's copy path when its ``copy_mode`` is ``"auto"``:
-    ``auto`` (default), ``batch`` (``cuMemcpyBatchAsync``) or ``loop`` (one
-    ``cuMemcpyAsync`` per piece).  (:mod:`tide_triton.transport.cuda`)
 ``TIDE_TRITON_COPY_GRAPHS``
     When the CUDA transport replays a prepared copy list as one CUDA graph launch
     (``cuGraphLaunch`` of the list captured once) instead of enqueueing its descriptors:
@@ -49,13 +42,6 @@ Variables of the package
     there (``graphs_in_process``).
     (:mod:`tide_triton.run_graph`; the measurements behind the default:
     docs/benchmarks.md#recorded-against-op-by-op)
-``TIDE_TRITON_MEMOP_BATCH``
-    Diagnostics: ``0`` makes flag waits and signals one driver call each instead of one
-    ``cuStreamBatchMemOp``; default ``1``.  (:mod:`tide_triton.transport.flags`)
-``TIDE_TRITON_LAUNCH``
-    Diagnostics: ``jit`` launches kernels through Triton's JIT entry point instead of the
-    cached compiled kernel (``direct``, default).  Read once, when the segment engine is
-    imported.  (:mod:`tide_triton.kernels.segments`)
 ``TIDE_TRITON_MULTICAST``
     Kill switch of NVSwitch multicast: ``0`` keeps every group on the copy-engine path,
     whatever ``GroupOptions.multicast`` says (``"on"`` then raises, saying so).  Any other
@@ -69,14 +55,12 @@ Variables of the package
     before the kernels are defined -- set for you when no CUDA device exists and this
     variable says ``interpret`` at import.  Read when a kernel binding is made.
     (:mod:`tide_triton.kernels.segments`)
-``TIDE_TRITON_HOST_COPY_QUEUE``
-    Tests: ``async`` runs the host transport's copy queue behind the caller, on a worker
-    thread per rank, as a GPU's copy stream runs behind the caller's stream (default
-    ``sync``: every operation at once).  Read when a host transport is made.
-    (:mod:`tide_triton.transport.host`)
-``TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US``
-    Tests, with ``async``: each queued operation first waits a random time up to this many
-    microseconds (default 0), so runs explore other orders.  (:mod:`tide_triton.transport.host`)
+
+Switches that exist only for the tests and benchmarks are module attributes they set directly
+(``monkeypatch.setattr``), not variables: ``transport.host.COPY_QUEUE`` and
+``COPY_QUEUE_JITTER_S``, ``transport.nccl.CLOSE``, ``transport.cuda.AUTO_COPY_MODE``,
+``transport.flags.MEMOP_BATCH``, ``kernels.segments.JIT_LAUNCH``.  The user's table:
+docs/environment.md.
 
 Variables of other software, as the package reads them
 =======================================================
@@ -116,10 +100,6 @@ from typing import Mapping
 __all__ = [
     "NCCL_LIBRARY",
     "nccl_library",
-    "nccl_close",
-    "copy_mode",
-    "memop_batch",
-    "launch_mode",
     "triton_interpret",
     "CPU_KERNELS",
     "cpu_kernels",
@@ -130,8 +110,6 @@ __all__ = [
     "multicast_enabled",
     "nccl_nvls_enabled",
     "torch_symm_mem_multicast_disabled",
-    "host_copy_queue",
-    "host_copy_queue_jitter_s",
     "RS_PUSH",
     "rs_push",
 ]
@@ -143,11 +121,7 @@ RS_PUSH = "TIDE_TRITON_RS_PUSH"
 MULTICAST = "TIDE_TRITON_MULTICAST"
 CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"
 
-_NCCL_CLOSE = ("destroy", "abort", "none")
-_COPY_MODES = ("auto", "batch", "loop")
-_LAUNCH_MODES = ("direct", "jit")
 _COPY_GRAPHS = ("auto", "always", "off")
-_HOST_COPY_QUEUES = ("sync", "async")
 _RUN_GRAPHS = ("auto", "all", "all-gathers", "off")
 RS_PUSH_CHOICES = ("auto", "copy_engine", "kernel")
 CPU_KERNELS_CHOICES = ("torch", "interpret")
@@ -172,16 +146,6 @@ def nccl_library(env: Mapping[str, str] | None = None) -> str | None:
 def rs_push(env: Mapping[str, str] | None = None) -> str:
     """``$TIDE_TRITON_RS_PUSH``: ``"auto"`` (default), ``"copy_engine"`` or ``"kernel"``."""
     return _choice(RS_PUSH, "auto", RS_PUSH_CHOICES, env)
-
-
-def nccl_close(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_NCCL_CLOSE``: ``"destroy"`` (default), ``"abort"`` or ``"none"``."""
-    return _choice("TIDE_TRITON_NCCL_CLOSE", "destroy", _NCCL_CLOSE, env)
-
-
-def copy_mode(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_COPY_MODE``: ``"auto"`` (default), ``"batch"`` or ``"loop"``."""
-    return _choice("TIDE_TRITON_COPY_MODE", "auto", _COPY_MODES, env)
 
 
 def copy_graphs(env: Mapping[str, str] | None = None, *, ranks_in_process: int = 1) -> str:
@@ -225,16 +189,6 @@ def graphs_in_process(name: str, value: str, ranks_in_process: int) -> str:
     return value
 
 
-def host_copy_queue(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_HOST_COPY_QUEUE``: ``"sync"`` (default) or ``"async"``."""
-    return _choice("TIDE_TRITON_HOST_COPY_QUEUE", "sync", _HOST_COPY_QUEUES, env)
-
-
-def host_copy_queue_jitter_s(env: Mapping[str, str] | None = None) -> float:
-    """``$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US`` in seconds (default 0)."""
-    return _non_negative("TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US", 0.0, "microseconds", env) * 1e-6
-
-
 def nccl_close_deadline_s(env: Mapping[str, str] | None = None) -> float:
     """``$TIDE_TRITON_NCCL_CLOSE_DEADLINE_S`` (default 60)."""
     return _non_negative("TIDE_TRITON_NCCL_CLOSE_DEADLINE_S", 60.0, "seconds", env)
@@ -249,18 +203,6 @@ def _non_negative(name: str, default: float, unit: str, env: Mapping[str, str] |
     if value < 0:
         raise ValueError(f"${name} must be >= 0, got {raw!r}")
     return value
-
-
-def memop_batch(env: Mapping[str, str] | None = None) -> bool:
-    """``$TIDE_TRITON_MEMOP_BATCH``: False only when it is ``0`` (default True)."""
-    return (os.environ if env is None else env).get("TIDE_TRITON_MEMOP_BATCH", "1").strip() != "0"
-
-
-def launch_mode(env: Mapping[str, str] | None = None) -> str:
-    """``$TIDE_TRITON_LAUNCH``: ``"direct"`` (default) or ``"jit"``.  An unknown value is
-    treated as ``"direct"`` (it is read at import, where raising would break the package)."""
-    raw = (os.environ if env is None else env).get("TIDE_TRITON_LAUNCH", "direct").strip()
-    return raw if raw in _LAUNCH_MODES else "direct"
 
 
 def triton_interpret(env: Mapping[str, str] | None = None) -> bool:

@@ -131,7 +131,7 @@ class Streams:
         self.t = t
         self.user = None
         # the host transport's compute stream: the calling thread (None unless its copy queue
-        # runs behind it, $TIDE_TRITON_HOST_COPY_QUEUE=async)
+        # runs behind it, transport.host.COPY_QUEUE = "async")
         self.compute = getattr(t, "host_compute", None)
         if self.cuda:
             self.user = stream if stream is not None else torch.cuda.current_stream(device)

@@ -50,8 +50,8 @@ _TL_DTYPES: dict[torch.dtype, str] = {
 # buffering and a handful of parameter groups sharing a layout.
 _POINTER_CACHE_SIZE = 16
 _INTERPRETER_LOCK = threading.Lock()
-_JIT_LAUNCH = envs.launch_mode() == "jit"
-"""Diagnostics: ``TIDE_TRITON_LAUNCH=jit`` launches through Triton's JIT entry point."""
+JIT_LAUNCH = False
+"""Diagnostics: True launches through Triton's JIT entry point instead of the cached compiled kernel."""
 _COMPILED: dict = {}  # specialisation -> loaded CompiledKernel (see Binding.prepare)
 _COMPILED_LOCK = threading.Lock()
 
@@ -445,7 +445,7 @@ class Binding:
             if record:
                 self._record_tables(stream)
             self._streams_seen.add(stream)
-        if _JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
+        if JIT_LAUNCH:  # diagnostics: Triton's own launch path instead of the direct call
             with torch.cuda.stream(stream):
                 segmented_reduce_kernel[self._grid](
                     *args, HAS_SCALE=has_scale, ACCUMULATE=accumulate, RAW=raw, **self._static)

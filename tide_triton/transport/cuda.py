@@ -36,7 +36,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from .. import device_wide, envs
+from .. import device_wide
 from ..errors import PeerTimeoutError
 from . import driver
 from ._once import describe, round_up
@@ -59,6 +59,9 @@ __all__ = ["CudaTransport", "CudaOptions", "PreparedCopies", "local_devices"]
 log = logging.getLogger("tide_triton")
 
 _DRAIN_TIMEOUT_S = 30.0
+AUTO_COPY_MODE = "auto"
+"""Diagnostics: what ``copy_mode="auto"`` resolves to (``"batch"`` or ``"loop"`` pin the copy
+path of every transport made without an explicit ``copy_mode``)."""
 _RELEASE_DRAIN_S = 5.0
 """How long a close waits for streams released from their stuck flag waits (see
 :meth:`~tide_triton.transport.waits.WaitLedger.release_at_close`)."""
@@ -78,7 +81,7 @@ class CudaOptions:
     """``"auto"`` (probe at creation), ``"direct"`` (stream writes into peers' flags) or
     ``"copy"`` (a scratch word + an 8-byte copy-engine copy)."""
     copy_mode: str = "auto"
-    """``"auto"`` (``$TIDE_TRITON_COPY_MODE``, else probe), ``"batch"``
+    """``"auto"`` (:data:`AUTO_COPY_MODE`, else probe), ``"batch"``
     (``cuMemcpyBatchAsync``) or ``"loop"`` (``cuMemcpyAsync`` per piece)."""
     fd_passing: str = "auto"
     """``"auto"`` (Unix socket, then ``pidfd_getfd`` for what did not arrive), ``"socket"``
@@ -100,10 +103,13 @@ class CudaOptions:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
 
     def resolved(self) -> "CudaOptions":
-        """With ``copy_mode="auto"`` replaced by ``$TIDE_TRITON_COPY_MODE`` where set."""
+        """With ``copy_mode="auto"`` replaced by :data:`AUTO_COPY_MODE`."""
         if self.copy_mode != "auto":
             return self
-        return dataclasses.replace(self, copy_mode=envs.copy_mode())
+        if AUTO_COPY_MODE not in COPY_MODES:
+            raise ValueError(f"tide_triton.transport.cuda.AUTO_COPY_MODE must be one of {COPY_MODES}, "
+                             f"got {AUTO_COPY_MODE!r}")
+        return dataclasses.replace(self, copy_mode=AUTO_COPY_MODE)
 
 
 def _options(options: CudaOptions | None, **given: Any) -> CudaOptions:

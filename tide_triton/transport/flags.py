@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .. import envs
 from .._checks import is_int
 from ..errors import PeerTimeoutError
 from ..ranges import in_host_range
@@ -36,6 +35,9 @@ SIGNAL_MODES = ("auto", "direct", "copy")
 PROBE_MAGIC = 0x7469_6465_0000_0000  # "tide" in the high half, the writer's rank below
 _DATA_ALIGN = 4096
 _MEMOPS_PER_CALL = 255
+MEMOP_BATCH = True
+"""Diagnostics: False makes flag waits and signals one driver call each instead of one
+``cuStreamBatchMemOp``.  Read when a transport chooses its memop path."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class Flags:
         this rank's own scratch word); fall back to one call per flag if refused."""
         cu = self._cu
         self.memop_batch = False
-        if not hasattr(cu, "cuStreamBatchMemOp") or not envs.memop_batch():
+        if not hasattr(cu, "cuStreamBatchMemOp") or not MEMOP_BATCH:
             return
         word = self.own_va + self.words.scratch_off
         try:

@@ -9,9 +9,9 @@ left in ``/dev/shm`` even if a process dies.  Copies are ``memmove``; flags are 
 words at the start of every heap, written after the copies they announce (x86 stores are
 ordered, and every copy here completes before the call returns).
 
-The copy queue as a stream (tests): with ``$TIDE_TRITON_HOST_COPY_QUEUE=async`` the copies,
+The copy queue as a stream (tests): with :data:`COPY_QUEUE` ``= "async"`` the copies,
 signals and waits a collective puts on the copy queue (``stream=None``) run later, in order,
-on a worker thread of this rank (``$TIDE_TRITON_HOST_COPY_QUEUE_JITTER_US``: each waits a random
+on a worker thread of this rank (:data:`COPY_QUEUE_JITTER_S`: each waits a random
 time up to that first), while the compute stream's work (``stream=``
 :data:`HOST_COMPUTE`, the kernels, the host itself) runs at once -- the ordering a GPU has,
 where the copy queue lags the caller's stream.  :meth:`fence_to` blocks until the queue has
@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import envs, host_capture
+from .. import host_capture
 from ..heap import round_up
 from .base import PeerTimeoutError
 
@@ -52,6 +52,24 @@ class _HostCompute:
 
 
 HOST_COMPUTE = _HostCompute()
+
+COPY_QUEUE = "sync"
+"""Tests: ``"async"`` runs a host transport's copy queue behind the caller, on a worker thread
+per rank, as a GPU's copy stream runs behind the caller's stream (``"sync"``: every operation
+at once).  Read when a host transport is made."""
+COPY_QUEUE_JITTER_S = 0.0
+"""Tests, with ``"async"``: each queued operation first waits a random time up to this many
+seconds, so runs explore other orders."""
+
+
+def _copy_queue() -> str:
+    """:data:`COPY_QUEUE`, checked."""
+    if COPY_QUEUE not in ("sync", "async"):
+        raise ValueError(f"tide_triton.transport.host.COPY_QUEUE must be 'sync' or 'async', got {COPY_QUEUE!r}")
+    if not COPY_QUEUE_JITTER_S >= 0:
+        raise ValueError(f"tide_triton.transport.host.COPY_QUEUE_JITTER_S must be >= 0 seconds, "
+                         f"got {COPY_QUEUE_JITTER_S!r}")
+    return COPY_QUEUE
 """``stream=`` value for work on a host collective's compute stream (runs at once, in the
 caller's order) -- as opposed to ``None``, the copy queue."""
 
@@ -64,7 +82,7 @@ class _CopyQueue:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.delay: Callable[[int, str], None] | None = None
-        jitter = envs.host_copy_queue_jitter_s()
+        jitter = COPY_QUEUE_JITTER_S
         if jitter > 0:  # each queued operation waits up to this long first (orders shaken)
             rng = random.Random(rank * 7919 + os.getpid())
             self.delay = lambda _rank, _name: time.sleep(rng.random() * jitter)
@@ -199,7 +217,7 @@ class HostTransport:
         self.watch: Callable[[int], None] | None = None
         """Called with the peer's rank while a wait on it polls (the group's abort check: it
         raises when the peer has abandoned the call)."""
-        self._queue = _CopyQueue(rank) if envs.host_copy_queue() == "async" else None
+        self._queue = _CopyQueue(rank) if _copy_queue() == "async" else None
         self.host_compute = HOST_COMPUTE if self._queue is not None else None
         """The compute stream a collective passes with its compute-stream work: None when the
         copy queue is synchronous (every operation runs at once anyway)."""
@@ -298,7 +316,7 @@ class HostTransport:
     @queue_delay.setter
     def queue_delay(self, fn: Callable[[int, str], None] | None) -> None:
         if self._queue is None:
-            raise RuntimeError("queue_delay needs TIDE_TRITON_HOST_COPY_QUEUE=async")
+            raise RuntimeError("queue_delay needs tide_triton.transport.host.COPY_QUEUE = 'async'")
         self._queue.delay = fn
 
     def _on(self, stream: object, name: str, fn: Callable[..., None], *args: Any, **kw: Any) -> None:

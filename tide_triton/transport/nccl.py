@@ -51,6 +51,11 @@ log = logging.getLogger("tide_triton")
 ENV_LIBRARY = envs.NCCL_LIBRARY
 _SONAME = "libnccl.so.2"
 
+CLOSE = "destroy"
+"""Diagnostics: how a communicator ends -- ``"destroy"``, ``"abort"`` or ``"none"`` (left to
+process exit)."""
+_CLOSE_CHOICES = ("destroy", "abort", "none")
+
 _P = C.c_void_p
 _NCCL_UINT8 = 1
 _WIN_COLL_SYMMETRIC = 0x01
@@ -406,9 +411,11 @@ class NcclComm:
             code = self.lib.fn("ncclMemFree")(self._memory.pop())
             if code:
                 log.warning("ncclMemFree failed (ncclResult %d)", code)
-        how = envs.nccl_close()  # diagnostic switch: destroy | abort | none
+        how = CLOSE
+        if how not in _CLOSE_CHOICES:
+            raise ValueError(f"tide_triton.transport.nccl.CLOSE must be one of {_CLOSE_CHOICES}, got {how!r}")
         if how == "none":
-            log.warning("TIDE_TRITON_NCCL_CLOSE=none: the NCCL communicator is left to process exit")
+            log.warning("tide_triton.transport.nccl.CLOSE = 'none': the NCCL communicator is left to process exit")
             return
         code = self.lib.fn("ncclCommAbort" if how == "abort" else "ncclCommDestroy")(self._comm)
         if code and how != "abort":
