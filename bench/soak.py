@@ -12,8 +12,8 @@ Modes (each in fresh processes, one after the other; ``--parallel``: all at once
 Llama (``--dim``, ``--layers``; attention biases, a (1, heads, head_dim) query gain and a tied
 output: the parameters that break naive layouts), ``fully_shard`` per block and at the root,
 bf16 parameters / fp32 reduce, AdamW; every rank draws its own batch per step
-(``train_llama.batch``).  The script spawns the W ranks itself (multiprocessing ``spawn``; the
-parent serves the rendezvous ``TCPStore`` on a port the OS picks, gloo process group); on the
+(``train_llama.batch``).  The W ranks are spawned by the tests' launcher (``tests/_dist.py``:
+multiprocessing ``spawn``, the rendezvous ``TCPStore`` in this process, a gloo group); on the
 CPU the drop-in moves data through its host transport (``/dev/shm``), on CUDA through its VMM
 heaps, every rank on cuda:0 (``--gpu-per-rank``: rank r on ``cuda:r % n``).
 
@@ -52,20 +52,20 @@ import hashlib
 import json
 import math
 import os
-import queue as queue_mod
 import re
 import sys
 import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-for _p in (_ROOT, os.path.join(_ROOT, "examples")):
-    if _p not in sys.path:
+for _p in (_ROOT, os.path.join(_ROOT, "examples"), os.path.join(_ROOT, "tests")):
+    if _p not in sys.path:  # this tree's tide_triton, the examples' model, the tests' launcher
         sys.path.insert(0, _p)
+
+from _dist import report, run_multiprocess  # noqa: E402
 
 MODES = ("stock", "eager", "prepared", "slot_reuse")
 """What ``enable`` is called with in each mode (stock: not called)."""
@@ -257,8 +257,7 @@ def train(rank: int, world: int, mode: str, cfg: SoakConfig, emit: Callable[[dic
     each under ``"mode": label`` (default: ``mode``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from train_llama import Llama, batch, loss_fn, shard
+    from train_llama import Llama, batch, bf16_policy, loss_fn, shard
 
     import tide_triton
 
@@ -270,8 +269,7 @@ def train(rank: int, world: int, mode: str, cfg: SoakConfig, emit: Callable[[dic
     llama = cfg.llama()
     torch.manual_seed(0)
     model = Llama(llama).to(device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    shard(model, init_device_mesh(device.type, (world,)), mp)
+    shard(model, init_device_mesh(device.type, (world,)), bf16_policy())
     tide = mode != "stock"
     if tide:  # the drop-in's own group, as a user gets it
         report = tide_triton.fsdp.enable(model, **ENABLE_KW[mode])
@@ -320,101 +318,27 @@ def _group(model: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- launcher
-def _rank_main(rank: int, world: int, port: int, mode: str, cfg: SoakConfig, q: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    try:
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        try:
-            train(rank, world, mode, cfg, q.put)
-        finally:
-            dist.destroy_process_group()
-        q.put({"kind": "done", "mode": mode, "rank": rank})
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        q.put({"kind": "error", "mode": mode, "rank": rank, "error": traceback.format_exc()})
-    finally:
-        q.close()
-        q.join_thread()
+def _rank(rank: int, world: int, mode: str, cfg: SoakConfig) -> None:
+    """One rank of ``run_mode`` (a child of the tests' ``run_multiprocess``): its records go
+    to the parent as they are made."""
+    train(rank, world, mode, cfg, report)
 
 
 def run_mode(mode: str, world: int, cfg: SoakConfig, on_record: Callable[[dict], None],
              wall_s: float = 86400.0) -> list[dict]:
-    """Spawn ``world`` ranks training ``mode``; ``on_record`` sees every record as it comes.
+    """Spawn ``world`` ranks training ``mode`` (``run_multiprocess``: a gloo group, the
+    store in this process, ``cfg.env`` in theirs); ``on_record`` sees every record as it comes.
     Returns the records; raises ``RuntimeError`` naming the ranks that failed, died or did not
     finish within ``wall_s`` (their survivors killed)."""
-    import datetime as dt
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=cfg.timeout_s))
-    saved = {k: os.environ.get(k) for k in cfg.env}
-    os.environ.update({k: str(v) for k, v in cfg.env.items()})
-    try:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, mode, cfg, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     records: list[dict] = []
-    done: set[int] = set()
-    errors: list[str] = []
-    deadline = time.monotonic() + wall_s
-    try:
-        while len(done) < world:
-            try:
-                m = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    late = sorted(set(range(world)) - done)
-                    errors.append(f"{mode}: ranks {late} did not finish within {wall_s:.0f} s")
-                    break
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in done]
-                if dead:
-                    time.sleep(2.0)  # their last messages may still be in flight
-                    while True:
-                        try:
-                            m = q.get_nowait()
-                        except queue_mod.Empty:
-                            break
-                        _take(m, records, done, errors, on_record)
-                    dead = [r for r in dead if r not in done]
-                    if dead:
-                        errors.append(f"{mode}: rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
-                        break
-                continue
-            _take(m, records, done, errors, on_record)
-    finally:
-        for p in procs:
-            p.join(30 if not errors else 5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    if errors:
-        raise RuntimeError("\n".join(errors))
+
+    def take(_rank: int, record: dict) -> None:
+        records.append(record)
+        on_record(record)
+
+    run_multiprocess(_rank, world, mode, cfg, timeout=wall_s, pg_timeout=cfg.timeout_s, env=cfg.env,
+                     on_message=take)
     return records
-
-
-def _take(m: dict, records: list, done: set, errors: list, on_record: Callable[[dict], None]) -> None:
-    if m["kind"] in ("done", "error"):
-        done.add(m["rank"])
-        if m["kind"] == "error":
-            errors.append(f"{m['mode']}: rank {m['rank']} raised:\n{m['error']}")
-        return
-    records.append(m)
-    on_record(m)
 
 
 # --------------------------------------------------------------------------- summary

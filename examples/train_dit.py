@@ -22,7 +22,6 @@ import argparse
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_llama import RMSNorm, _rope  # noqa: E402 - the Llama example's pieces
+from train_llama import (  # noqa: E402 - the Llama example's pieces
+    RMSNorm, _rope, bf16_policy, enable_tide, rank_device, shard, train)
 
 
 @dataclass(frozen=True)
@@ -163,54 +163,20 @@ def main() -> None:
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import tide_triton
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.device == "cuda":  # the torchrun convention: local rank r on cuda:r (modulo the GPUs)
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        device = torch.device("cuda", 0 if args.share_gpu else local % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.device, rank, args.share_gpu)
     torch.manual_seed(0)
     model = DiT(cfg).to(device)
     n_params = sum(1 for _ in model.layers[0].parameters())
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    shard(model, init_device_mesh(device.type, (world,)), bf16_policy())
     if rank == 0:
         print(f"{world} ranks on {device}: {cfg.n_layers} DiT block(s), {n_params} parameters per block, "
               f"dim {cfg.dim}; {'stock FSDP2' if args.no_tide else 'tide_triton'}", flush=True)
     if not args.no_tide:
-        report = tide_triton.fsdp.enable(model)
-        stock = {k: v for k, v in report.items() if v is not None}
-        if rank == 0:
-            print(f"tide_triton on {len(report) - len(stock)}/{len(report)} FSDP modules"
-                  + (f"; stock: {stock}" if stock else ""), flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for step in range(args.steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-        sync()
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sync()
-        if rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {loss.item():.4f}  {(time.perf_counter() - t0) * 1e3:8.1f} ms",
-                  flush=True)
-    if device.type == "cuda":
-        tide_triton.synchronize()
-    dist.destroy_process_group()
+        enable_tide(model, rank)
+    train(model, cfg, args.steps, rank, args.batch, args.seq, device)
 
 
 if __name__ == "__main__":

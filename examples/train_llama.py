@@ -159,7 +159,7 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 
 
-def shard(model: Llama, mesh, mp_policy=None, **kw) -> None:
+def shard(model: nn.Module, mesh, mp_policy=None, **kw) -> None:
     """torchtitan's wrapping: every block, then the root (embedding, final norm, output)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -174,6 +174,62 @@ def batch(cfg: LlamaConfig, step: int, rank: int, batch_size: int, seq: int, dev
     single-process reference can rebuild the concatenated global batch."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, cfg.vocab, (batch_size, seq + 1), generator=g).to(device)
+
+
+def rank_device(kind: str, rank: int, share_gpu: bool = False) -> torch.device:
+    """The CPU, or on CUDA the torchrun convention: local rank r on cuda:r (modulo the GPUs),
+    every rank on cuda:0 with ``share_gpu``; made the current device."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", 0 if share_gpu else local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def bf16_policy():
+    """FSDP2's mixed precision the drop-in targets: bf16 parameters, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def enable_tide(model: nn.Module, rank: int, group=None) -> None:
+    """``tide_triton.fsdp.enable(model)``; rank 0 prints how many FSDP modules it serves and why
+    any stays on stock FSDP2."""
+    import tide_triton
+
+    report = tide_triton.fsdp.enable(model, group=group)
+    stock = {k: v for k, v in report.items() if v is not None}
+    if rank == 0:
+        print(f"tide_triton on {len(report) - len(stock)}/{len(report)} FSDP modules"
+              + (f"; stock: {stock}" if stock else ""), flush=True)
+
+
+def train(model: nn.Module, cfg, steps: int, rank: int, batch_size: int, seq: int, device: torch.device) -> None:
+    """``steps`` AdamW steps on rank ``rank``'s batches (:func:`batch`, :func:`loss_fn`); rank 0
+    prints each step's loss and time.  Then waits for tide_triton's work and ends the process group."""
+    import torch.distributed as dist
+
+    import tide_triton
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for step in range(steps):
+        tokens = batch(cfg, step, rank, batch_size, seq, device)
+        sync()
+        t0 = time.perf_counter()
+        loss = loss_fn(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync()
+        if rank == 0:
+            print(f"step {step + 1}/{steps}  loss {loss.item():.4f}  {(time.perf_counter() - t0) * 1e3:8.1f} ms",
+                  flush=True)
+    if device.type == "cuda":
+        tide_triton.synchronize()
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -207,12 +263,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.device == "cuda":  # the torchrun convention: local rank r on cuda:r (modulo the GPUs)
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        device = torch.device("cuda", 0 if args.share_gpu else local % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.device, rank, args.share_gpu)
     if rank == 0:
         print(f"{world} ranks on {device if args.device == 'cpu' else f'cuda (rank 0 on {device})'}: "
               f"dim {args.dim}, {args.layers} layer(s), {args.batch} x {args.seq} tokens per rank, "
@@ -221,32 +272,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = Llama(cfg).to(device)
     mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy() if args.fp32 else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                        reduce_dtype=torch.float32)
-    shard(model, mesh, mp)
+    shard(model, mesh, MixedPrecisionPolicy() if args.fp32 else bf16_policy())
     if not args.no_tide:
-        group = tide_triton.init(agree="always") if args.agree_always else None
-        report = tide_triton.fsdp.enable(model, group=group)
-        stock = {k: v for k, v in report.items() if v is not None}
-        if rank == 0:
-            print(f"tide_triton on {len(report) - len(stock)}/{len(report)} FSDP modules"
-                  + (f"; stock: {stock}" if stock else ""), flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for step in range(args.steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = loss_fn(model, batch(cfg, step, rank, args.batch, args.seq, device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sync()
-        dt = time.perf_counter() - t0
-        if rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {loss.item():.4f}  {dt * 1e3:8.1f} ms", flush=True)
-    if device.type == "cuda":
-        tide_triton.synchronize()
-    dist.destroy_process_group()
+        enable_tide(model, rank, tide_triton.init(agree="always") if args.agree_always else None)
+    train(model, cfg, args.steps, rank, args.batch, args.seq, device)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,21 @@ import contextlib
 import datetime
 import faulthandler
 import importlib
+import logging
 import os
 import pickle
 import queue as queue_mod
 import signal
 import time
 import traceback
-from typing import Any, Callable, Collection, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_multiprocess", "set_attrs", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU"]
+__all__ = ["run_multiprocess", "report", "set_attrs", "rank_device", "nccl_problem", "CHILD_ENV", "SHARE_GPU",
+           "train_step", "train", "assert_same", "LogLines"]
 
 CHILD_ENV: dict[str, str] = {}
 """Set in every child's environment under the test's own ``env`` (conftest puts
@@ -77,6 +79,18 @@ def rank_device(rank: int, *, share: bool | None = None) -> "torch.device":
 _GRACE_S = 2.0
 """Seconds to wait for a dead child's last message, and for peers of a failed rank."""
 
+_to_parent: Callable[[Any], None] | None = None
+"""In a child of :func:`run_multiprocess`: sends a message to the parent (:func:`report`)."""
+
+
+def report(obj: Any) -> None:
+    """From a child of :func:`run_multiprocess`: hand ``obj`` (picklable) to the parent's
+    ``on_message`` now, while ``fn`` still runs (a long run's records as they come)."""
+    if _to_parent is None:
+        raise RuntimeError("report() is for the children of run_multiprocess")
+    _to_parent(obj)
+
+
 # Results are pickled to bytes in the child (tensors by value, not as shared-memory handles
 # that die with the child), so a child may exit as soon as its message is flushed.
 
@@ -115,6 +129,8 @@ def _child(
     # The parent asks for every thread's stack (SIGUSR1) before it kills a rank that did not
     # report in time: the test's output then shows where each stuck rank waited.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    global _to_parent
+    _to_parent = lambda obj: results.put(("msg", rank, pickle.dumps(obj)))  # noqa: E731
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -161,6 +177,8 @@ def run_multiprocess(
     attrs: Mapping[str, Any] | None = None,
     num_threads: int | None = 1,
     may_die: Collection[int] = (),
+    pg_timeout: float | None = None,
+    on_message: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes, each inside an
     initialised gloo process group, and return their results as a list indexed by rank.
@@ -169,6 +187,8 @@ def run_multiprocess(
     ``env`` is set in the children's environment (before they import anything).
     ``attrs`` are module attributes set in every child before ``fn`` runs (:func:`set_attrs`:
     the package's test switches, which are not environment variables).
+    ``pg_timeout``: the process group's and store's deadline in the children (default ``timeout``).
+    ``on_message(rank, obj)`` sees each :func:`report` of a child as it arrives.
     ``num_threads`` sets ``torch.set_num_threads`` in each child (1 by default: several
     ranks share few cores); ``None`` leaves torch's default.
     ``timeout`` bounds the whole run (seconds): on expiry the survivors are killed and a
@@ -204,7 +224,7 @@ def run_multiprocess(
                 p = ctx.Process(
                     target=_child,
                     args=(rank, world_size, store.port, fn, args, env, attrs, num_threads,
-                          timeout, results_q),
+                          pg_timeout or timeout, results_q),
                     name=f"run_multiprocess-rank{rank}",
                     daemon=True,
                 )
@@ -235,7 +255,10 @@ def run_multiprocess(
             except queue_mod.Empty:
                 pass
             else:
-                if status == "ok":
+                if status == "msg":
+                    if on_message is not None:
+                        on_message(rank, pickle.loads(data))
+                elif status == "ok":
                     outputs[rank] = pickle.loads(data)
                 else:
                     errors[rank] = data
@@ -328,3 +351,70 @@ def run_threads(fn: Callable[[int], Any], world_size: int, *, timeout: float = 1
             for r in late if threads[r].ident in frames)
         raise RuntimeError(f"rank(s) {late} did not finish within {timeout} s{stacks}")
     return [out[r] for r in range(world_size)]
+
+
+# ---- the stock-vs-tide FSDP2 harness (tests/test_fsdp*.py, test_shard_dims.py) ----------------
+def train_step(model, opt, loss_of: Callable[[int], Any], *, sync: Callable[[bool], None],
+               micro: Sequence[bool] = (True,), full: Callable[[Any], Any] | None = None) -> tuple[list[float], Any]:
+    """One optimizer step as the stock-vs-tide tests run it: per micro-batch ``i``,
+    ``sync(micro[i])`` (the gradient sync that micro-batch runs), ``loss_of(i)`` and its
+    backward; with ``full``, every parameter's full gradient (``full(p.grad)``) before the
+    update (AdamW hides a wrong scale); then the optimizer step.  Returns the micro-batches'
+    losses and those gradients (None without ``full``)."""
+    losses = []
+    for i, flag in enumerate(micro):
+        sync(flag)
+        loss = loss_of(i)
+        loss.backward()
+        losses.append(loss.item())
+    grads = None if full is None else {n: full(p.grad) for n, p in model.named_parameters()}
+    opt.step()
+    opt.zero_grad()
+    return losses, grads
+
+
+def train(model, opt, steps: int, loss_of: Callable[[int, int], Any], *, sync: Callable[[bool], None],
+          full: Callable[[Any], Any], micro: Sequence[bool] = (True,)) -> tuple[list[float], dict]:
+    """``steps`` of :func:`train_step` (``loss_of(step, i)``): every micro-batch's loss in order,
+    and the last step's full gradients before its update."""
+    losses: list[float] = []
+    grads: dict = {}
+    for s in range(steps):
+        got, g = train_step(model, opt, lambda i, s=s: loss_of(s, i), sync=sync, micro=micro,
+                            full=full if s == steps - 1 else None)
+        losses += got
+        grads = g if g is not None else grads
+    return losses, grads
+
+
+def assert_same(a, b, what: str, tol: float = 0.0) -> None:
+    """``a`` equals ``b`` (nested dicts of tensors or numbers): bit for bit when ``tol`` is 0,
+    else within ``tol`` (relative and absolute); the message names the entry and the difference."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            assert_same(a[k], b[k], f"{what}[{k}]", tol)
+        return
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if tol == 0.0:
+        assert torch.equal(a, b), f"{what}: max diff {(a - b).abs().max().item():.3g}"
+    else:
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+class LogLines(logging.Handler):
+    """The messages tide_triton logs at ``level`` or above while attached (:meth:`attach`)."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def attach(self) -> "LogLines":
+        logging.getLogger("tide_triton").addHandler(self)
+        return self
+
+    def detach(self) -> None:
+        logging.getLogger("tide_triton").removeHandler(self)

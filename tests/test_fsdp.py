@@ -11,11 +11,10 @@ One spawn per world size runs several scenarios (a spawn costs seconds, a scenar
 the comparisons run in the parent.  Tolerances: W=2 sums two numbers (exact in any order),
 so TIDE and stock agree bit for bit; at W=3/4 the summation order and x*(1/W) vs x/W differ
 by fp32 rounding, and bf16 compute can turn a last-bit difference of a master weight into
-one bf16 ulp of the next forward -- hence ``_close``'s small tolerances.
+one bf16 ulp of the next forward -- hence the comparisons' small tolerances.
 """
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -25,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 try:
-    from _dist import run_multiprocess
+    from _dist import LogLines, assert_same, run_multiprocess, train_step
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import LogLines, assert_same, run_multiprocess, train_step
 
 from train_llama import Llama, LlamaConfig, batch, loss_fn, shard  # noqa: E402
 
@@ -39,19 +38,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 
 # --------------------------------------------------------------------------- child side
-class _Log(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def _capture() -> _Log:
-    h = _Log()
-    logging.getLogger("tide_triton").addHandler(h)
-    return h
+def _capture() -> LogLines:
+    return LogLines().attach()
 
 
 def _mp(kind: str):
@@ -80,18 +68,14 @@ def _build(W: int, device: str, mp: str, tide: bool, cfg: LlamaConfig = CFG, mes
 def _step(model, opt, rank: int, step: int, device: str, micro: tuple[bool, ...] = (True,),
           grads: dict | None = None) -> float:
     """One optimizer step over len(micro) micro-batches; micro[i]: gradient sync on that one.
-    ``grads`` receives the full gradients before the update (AdamW hides a wrong scale)."""
-    total = 0.0
-    for i, sync in enumerate(micro):
-        model.set_requires_gradient_sync(sync)
-        loss = loss_fn(model, batch(CFG, 10 * step + i, rank, BS, SEQ, device))
-        loss.backward()
-        total += loss.item()
+    ``grads`` receives the full gradients before the update (AdamW hides a wrong scale).
+    Returns the step's summed loss."""
+    losses, full = train_step(model, opt, lambda i: loss_fn(model, batch(CFG, 10 * step + i, rank, BS, SEQ, device)),
+                              sync=model.set_requires_gradient_sync, micro=micro,
+                              full=_full_cpu if grads is not None else None)
     if grads is not None:
-        grads.update({n: _full_cpu(p.grad) for n, p in model.named_parameters()})
-    opt.step()
-    opt.zero_grad()
-    return total
+        grads.update(full)
+    return sum(losses)
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -452,19 +436,6 @@ def _base_tol(W: int, device: str) -> float:
     return 0.0 if W == 2 else 2e-5
 
 
-def _close(a, b, what: str, tol: float) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for k in a:
-            _close(a[k], b[k], f"{what}[{k}]", tol)
-        return
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    if tol == 0.0:
-        assert torch.equal(a, b), f"{what}: max diff {(a - b).abs().max().item():.3g}"
-    else:
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
-
-
 def _reference(steps: int, W: int) -> dict:
     """Single process, unsharded, fp32, the concatenated global batch of every step."""
     torch.manual_seed(0)
@@ -495,7 +466,7 @@ def _check(out: list[dict], W: int, device: str = "cpu") -> None:
     base = _base_tol(W, device)
 
     def close(a, b, what, tol=0.0):  # never tighter than the base tolerance
-        _close(a, b, what, max(base, tol))
+        assert_same(a, b, what, max(base, tol))
 
     r0 = out[0]
     if "bf16" in r0:

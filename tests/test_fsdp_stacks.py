@@ -34,9 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 try:
-    from _dist import run_multiprocess
+    from _dist import LogLines, assert_same, run_multiprocess, train
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess
+    from tests._dist import LogLines, assert_same, run_multiprocess, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -332,38 +332,19 @@ def _train(config: str, W: int, tide: bool) -> dict:
 
     model, batch_mesh, dp_rank, report = _build(config, W, tide)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
     # HSDP: two micro-batches a step, the first without the all-reduce across replicas
     # (FSDP2 keeps the reduce-scattered partial sum and adds it before the second's all-reduce)
     micro = (False, True) if config in ("hsdp", "dtensor_hsdp") else (True,)
-    for s in range(STEPS):
-        for i, all_reduce in enumerate(micro):
-            model.set_requires_all_reduce(all_reduce)
-            loss = _loss(model, _tokens(10 * s + i, dp_rank), batch_mesh)
-            loss.backward()
-            losses.append(loss.item())
-        if s == STEPS - 1:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
+    losses, grads = train(model, opt, STEPS, lambda s, i: _loss(model, _tokens(10 * s + i, dp_rank), batch_mesh),
+                          sync=model.set_requires_all_reduce, full=_full, micro=micro)
     return {"losses": losses, "grads": grads, "params": {n: _full(p) for n, p in model.named_parameters()},
             "report": report, "stats": tt.fsdp.stats(model) if tide else None}
-
-
-class _Log(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _child(rank: int, W: int, configs: tuple[str, ...]) -> dict:
     import time
 
-    h = _Log()
-    logging.getLogger("tide_triton").addHandler(h)
+    h = LogLines().attach()
     # _full's full_tensor() of TP/EP DTensors warns of its sequential all-gathers: not under test
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out: dict = {"_times": {}}
@@ -374,16 +355,6 @@ def _child(rank: int, W: int, configs: tuple[str, ...]) -> dict:
         out[c]["logged"] = list(h.lines)
         out[c]["_time"] = round(time.perf_counter() - t0, 2)
     return out
-
-
-def _equal(a, b, what: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for k in a:
-            _equal(a[k], b[k], f"{what}[{k}]")
-        return
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    assert torch.equal(a, b), f"{what}: max diff {(a - b).abs().max().item():.3g}"
 
 
 def _check(out: list[dict], config: str, one_rank: tuple[str, ...] = ()) -> None:
@@ -403,9 +374,9 @@ def _check(out: list[dict], config: str, one_rank: tuple[str, ...] = ()) -> None
                 assert st is None, (rank, name, st)
                 continue
             assert st is not None and st["all_gathers"] > 0 and st["reduce_scatters"] > 0, (rank, name, st)
-        _equal(tide["losses"], stock["losses"], f"{config} losses rank {rank}")
-        _equal(tide["grads"], stock["grads"], f"{config} last-step grads rank {rank}")
-        _equal(tide["params"], stock["params"], f"{config} params rank {rank}")
+        assert_same(tide["losses"], stock["losses"], f"{config} losses rank {rank}")
+        assert_same(tide["grads"], stock["grads"], f"{config} last-step grads rank {rank}")
+        assert_same(tide["params"], stock["params"], f"{config} params rank {rank}")
 
 
 @pytest.mark.parametrize("world_size, config", [(2, "dtensor1d"), (4, "dtensor_hsdp"), (4, "hsdp"), (4, "tp"),

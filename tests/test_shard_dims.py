@@ -15,9 +15,9 @@ import pytest
 import torch
 
 try:
-    from _dist import run_multiprocess, run_threads
+    from _dist import LogLines, assert_same, run_multiprocess, run_threads, train
 except ImportError:  # pragma: no cover
-    from tests._dist import run_multiprocess, run_threads
+    from tests._dist import LogLines, assert_same, run_multiprocess, run_threads, train
 
 from tide_triton.layout import DimShards, ShardLayout
 
@@ -299,31 +299,22 @@ def _moe_train(rank: int, W: int, n_experts: int, device: str, mp_kind: str, tid
     _moe_shard(model, W, mp, device, always_shard1)
     placements = {n: str(p.placements[0]) for n, p in model.named_parameters()}
     assert placements["layers.0.experts.w1"] == str(Shard(1)) and placements["layers.0.router.weight"] == str(Shard(0))
-    log: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: log.append(rec.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("tide_triton").addHandler(handler)
+    handler = LogLines(logging.NOTSET).attach()
     if slot_reuse:  # block 1, its experts' group and the next block are unsharded at once
         tt.fsdp.SLOT_POOL = 3
     report = tt.fsdp.enable(model, prepared=prepared, slot_reuse=slot_reuse) if tide else None
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(steps):
-        for i, sync in enumerate(micro):
-            model.set_requires_gradient_sync(sync)
-            g = torch.Generator().manual_seed(1000 * (10 * step + i) + rank)
-            tokens = torch.randint(0, VOCAB, (BS, SEQ + 1), generator=g).to(device)
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            loss.backward()
-            losses.append(loss.item())
-        if step == steps - 1:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    logging.getLogger("tide_triton").removeHandler(handler)
+
+    def loss_of(step: int, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * (10 * step + i) + rank)
+        tokens = torch.randint(0, VOCAB, (BS, SEQ + 1), generator=g).to(device)
+        logits = model(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    losses, grads = train(model, opt, steps, loss_of, sync=model.set_requires_gradient_sync, full=_full, micro=micro)
+    handler.detach()
     out = {"losses": losses, "grads": grads, "params": {n: _full(p.detach()) for n, p in model.named_parameters()},
-           "report": report, "log": log, "stats": tt.fsdp.stats(model) if tide else None}
+           "report": report, "log": handler.lines, "stats": tt.fsdp.stats(model) if tide else None}
     if tide:
         tt.fsdp.disable(model)
     return out
@@ -343,19 +334,6 @@ def _moe_child(rank: int, W: int, n_experts: int, scenarios: tuple[str, ...], de
         out[s] = {"stock": _moe_train(rank, W, n_experts, device, tide=False, **kw),
                   "tide": _moe_train(rank, W, n_experts, device, tide=True, **kw)}
     return out
-
-
-def _equal(a, b, what: str, tol: float = 0.0) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for k in a:
-            _equal(a[k], b[k], f"{what}[{k}]", tol)
-        return
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    if tol == 0.0:
-        assert torch.equal(a, b), f"{what}: max diff {(a - b).abs().max().item():.3g}"
-    else:
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
 # W=2: one expert (W > E), every scenario bit for bit; W=4: three experts, Shard(1) over 4 ranks,
@@ -404,9 +382,9 @@ def _check_moe(out: list[dict], scenarios: tuple[str, ...], W: int, base: float)
                     assert st["direct_accumulations"] > 0, (s, name, st)
                 if s == "slot":
                     assert st["staged_reduce_scatters"] == st["reduce_scatters"], (s, name, st)
-            _equal(tide["losses"], stock["losses"], f"{s} losses rank {rank}", tol)
-        _equal(out[0][s]["tide"]["grads"], out[0][s]["stock"]["grads"], f"{s} last-step grads", tol)
-        _equal(out[0][s]["tide"]["params"], out[0][s]["stock"]["params"], f"{s} params", tol)
+            assert_same(tide["losses"], stock["losses"], f"{s} losses rank {rank}", tol)
+        assert_same(out[0][s]["tide"]["grads"], out[0][s]["stock"]["grads"], f"{s} last-step grads", tol)
+        assert_same(out[0][s]["tide"]["params"], out[0][s]["stock"]["params"], f"{s} params", tol)
 
 
 def test_shard1_pulls_are_one_strided_copy_per_rank_and_parameter() -> None:

@@ -22,6 +22,25 @@ from typing import Any, Callable, Iterable, Sequence
 __all__ = ["DimShards", "ShardLayout"]
 
 
+def _rows_per_rank(sizes: Iterable[int], world_size: int) -> tuple[int, ...]:
+    """FSDP2's rule for the sharded dim of each size: ``c = ceil(size / W)`` entries per rank, padded."""
+    return tuple(-(-d // world_size) for d in sizes)
+
+
+def _shard_rows(sizes: Iterable[int], rows_per_rank: Iterable[int], rank: int) -> tuple[int, ...]:
+    """Real entries rank ``rank`` holds of each sharded dim: ``clamp(size - rank * c, 0, c)``."""
+    return tuple(max(0, min(d - rank * c, c)) for d, c in zip(sizes, rows_per_rank))
+
+
+def _check_rank(rank: int, world_size: int) -> int:
+    if isinstance(rank, bool) or not hasattr(rank, "__index__"):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    rank = rank.__index__()
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return rank
+
+
 def _as_shape(shape: object, index: int) -> tuple[int, ...]:
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
         raise TypeError(f"shapes[{index}] must be a sequence of ints, got {type(shape).__name__}")
@@ -84,8 +103,7 @@ class ShardLayout:
     @cached_property
     def rows_per_rank(self) -> tuple[int, ...]:
         """``ceil(dim0 / world_size)``: the padded number of rows every rank holds."""
-        w = self.world_size
-        return tuple(-(-s[0] // w) for s in self.shapes)
+        return _rows_per_rank((s[0] for s in self.shapes), self.world_size)
 
     @cached_property
     def padded_shard_numels(self) -> tuple[int, ...]:
@@ -120,12 +138,7 @@ class ShardLayout:
 
     # ---- per-rank views ------------------------------------------------------------
     def _check_rank(self, rank: int) -> int:
-        if isinstance(rank, bool) or not hasattr(rank, "__index__"):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-        rank = rank.__index__()
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
-        return rank
+        return _check_rank(rank, self.world_size)
 
     def derived(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, made once per ``key`` for this layout and kept as long as the layout:
@@ -144,9 +157,7 @@ class ShardLayout:
         key = ("rows", self._check_rank(rank))
         hit = self._derived.get(key)
         if hit is None:
-            hit = tuple(
-                max(0, min(s[0] - rank * c, c)) for s, c in zip(self.shapes, self.rows_per_rank)
-            )
+            hit = _shard_rows((s[0] for s in self.shapes), self.rows_per_rank, rank)
             self._derived[key] = hit
         return hit
 
@@ -296,13 +307,12 @@ class DimShards:
     @cached_property
     def rows_per_rank(self) -> tuple[int, ...]:
         """``ceil(shape[dim] / W)``: entries of the sharded dim every rank holds, padded."""
-        w = self.world_size
-        return tuple(-(-s[k] // w) for s, k in zip(self.shapes, self.dims))
+        return _rows_per_rank((s[k] for s, k in zip(self.shapes, self.dims)), self.world_size)
 
     def shard_rows(self, rank: int) -> tuple[int, ...]:
         """Real entries of the sharded dim rank ``rank`` holds of each parameter."""
-        rank = ShardLayout(self.shapes[:1], self.world_size)._check_rank(rank)
-        return tuple(max(0, min(s[k] - rank * c, c)) for s, k, c in zip(self.shapes, self.dims, self.rows_per_rank))
+        rank = _check_rank(rank, self.world_size)
+        return _shard_rows((s[k] for s, k in zip(self.shapes, self.dims)), self.rows_per_rank, rank)
 
     def shard_shapes(self, rank: int, *, padded: bool = False) -> tuple[tuple[int, ...], ...]:
         """Shape of rank ``rank``'s shard of each parameter: the sharded dim holds its real
