@@ -600,11 +600,9 @@ def _print_floor(row: dict, ceiling_gbps: float) -> None:
 def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
     from script_tools import plot_collective_rows
 
-    try:
-        plot_collective_rows(rows, path)
-    except (RuntimeError, ValueError) as e:
-        ap.exit(2, f"{ap.prog}: error: --plot {path}: {e}\n")
-    print(f"plot written to {path}")
+    from tide_triton.bench.cli import plot_or_exit
+
+    plot_or_exit(ap, path, plot_collective_rows, rows)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run from a checkout: this tree's tide_triton
     sys.path.insert(0, _ROOT)
 
-from tide_triton.bench.report import COLORS, curve, finish_plot, pyplot  # noqa: E402
+from tide_triton.bench.report import curves, finish_plot, pyplot  # noqa: E402
 from tide_triton.layout import ShardLayout  # noqa: E402
 from tide_triton.schedule import ring_plan  # noqa: E402
 from tide_triton.workloads import layer_shapes  # noqa: E402
@@ -89,13 +89,8 @@ def plot_collective_rows(rows: Sequence[dict], path: str, *, title: str | None =
     for j, kind in enumerate(("rs", "ag")):
         at, ab = axes[0][j], axes[1][j]
         at.set_title(titles[kind], fontsize=10)
-        for mi, model in enumerate(models):
-            for impl in impls:
-                pts = sorted((p[3], p[4], p[5]) for p in points if p[0] == kind and p[1] == impl and p[2] == model)
-                if not pts:
-                    continue
-                curve(at, ab, pts, baseline=impl.startswith("NCCL"), color=COLORS[mi % len(COLORS)],
-                       label=f"{model}: {impl}")
+        curves(at, ab, models, impls, "NCCL", lambda model, impl, kind=kind: sorted(
+            (p[3], p[4], p[5]) for p in points if p[0] == kind and p[1] == impl and p[2] == model))
         at.set_ylabel("time per collective (ms)")
         ab.set_ylabel("GB/s (bytes the collective must move / time)")
         ceils = sorted({round(r["ceiling_gbps"]) for r in rows if r.get("ceiling_gbps")})

@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.segments import cpu_runs_torch
 from ..workloads import MODELS, layer_shapes, scaled_shapes
-from .cli import Progress, recorded_rows, require_device
+from .cli import Progress, plot_or_exit, recorded_rows, require_device
 from .measure import (
     BenchRow,
     bench_accumulation,
@@ -57,14 +57,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--from", dest="from_rows", nargs="+", default=None, metavar="ROWS.jsonl",
                     help="with --plot: plot these recorded JSON rows instead of running the benchmarks")
     return ap
-
-
-def _plot(ap: argparse.ArgumentParser, path: str, rows: list[dict]) -> None:
-    try:
-        plot_kernel_rows(rows, path)
-    except (RuntimeError, ValueError) as e:
-        ap.exit(2, f"{ap.prog}: error: --plot {path}: {e}\n")
-    print(f"plot written to {path}")
 
 
 def _device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
@@ -123,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.from_rows:
-        _plot(ap, args.plot, recorded_rows(ap, args.from_rows, args.plot))
+        plot_or_exit(ap, args.plot, plot_kernel_rows, recorded_rows(ap, args.from_rows, args.plot))
         return 0
     if any(w < 1 for w in args.world_sizes or []):
         ap.error(f"--world-sizes must be >= 1, got {args.world_sizes}")
@@ -147,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write(json.dumps(d) + "\n")
         print(f"rows appended to {args.json}")
     if args.plot:
-        _plot(ap, args.plot, json_rows)
+        plot_or_exit(ap, args.plot, plot_kernel_rows, json_rows)
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .report import load_rows
 
-__all__ = ["Progress", "recorded_rows", "require_device", "with_index"]
+__all__ = ["Progress", "plot_or_exit", "recorded_rows", "require_device", "with_index"]
 
 
 class Progress:
@@ -32,7 +32,7 @@ class Progress:
         self._bar = None
         if not force_plain and getattr(self.stream, "isatty", lambda: False)():
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # the optional bench extra
             except ImportError:
                 tqdm = None
             if tqdm is not None:
@@ -107,3 +107,13 @@ def recorded_rows(parser, from_rows, plot):
         return load_rows(from_rows)
     except (OSError, ValueError) as e:
         parser.error(f"--from: {e}")
+
+
+def plot_or_exit(parser, path: str, plot, rows: list[dict]) -> None:
+    """``plot(rows, path)`` for ``--plot PATH``, saying where it went; a plot that cannot be
+    made (no matplotlib, no rows to plot) ends in the parser's exit status 2 naming why."""
+    try:
+        plot(rows, path)
+    except (RuntimeError, ValueError) as e:
+        parser.exit(2, f"{parser.prog}: error: --plot {path}: {e}\n")
+    print(f"plot written to {path}")

@@ -132,7 +132,7 @@ def cpu_kernels_label(device: torch.device) -> str:
 def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
     """Median milliseconds per call (device events on GPU, a host clock on CPU)."""
     if device.type == "cuda":
-        import triton.testing
+        import triton.testing  # GPU only: the CPU path times with a host clock
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
     fn()  # warm-up (the interpreter is slow: one timed run)

@@ -11,12 +11,14 @@ import json
 import math
 import os
 from dataclasses import asdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..layout import ShardLayout
+from ..schedule import ring_plan
+from ..workloads import layer_shapes
 
 __all__ = ["kernel_table", "staging_table", "kernel_json_rows", "load_rows", "plot_kernel_rows",
-           "pyplot", "finish_plot", "curve", "COLORS"]
+           "pyplot", "finish_plot", "curve", "curves", "COLORS"]
 
 MIB = 2 ** 20
 
@@ -77,9 +79,6 @@ def kernel_json_rows(rows: Sequence, ceiling, device: str, info: dict) -> list[d
 def staging_table(models: Sequence[str], world_sizes: Sequence[int], ring_bytes: int = 256 << 20) -> str:
     """Reduce-scatter buffer bytes per rank, from the layout: FSDP2's fp32 input (the whole
     layer, W padded shards) vs tide_triton's receive ring of ``ring_bytes`` -- no GPU needed."""
-    from ..schedule import ring_plan
-    from ..workloads import layer_shapes
-
     lines = ["| model | W | FSDP2 fp32 RS input / rank | tide RS staging / rank | chunks per RS |",
              "|---|---|---|---|---|"]
     for model in models:
@@ -111,6 +110,8 @@ def load_rows(paths: Iterable[str]) -> list[dict]:
 
 
 def pyplot():
+    """matplotlib's pyplot on the Agg backend; matplotlib is the optional ``bench`` extra,
+    imported only when a plot is asked for."""
     try:
         import matplotlib
     except ImportError:
@@ -178,6 +179,19 @@ def curve(at, ab, pts, *, baseline: bool, color: str, label: str) -> None:
     at.plot(xs, [p[1] for p in pts], style, marker=marker, color=color, label=label)
     ab.plot(xs, [p[2] / (p[1] * 1e-3) / 1e9 for p in pts], style, marker=marker, color=color, label=label)
 
+def curves(at, ab, models: Sequence[str], impls: Iterable[str], baseline: str,
+           points: Callable[[str, str], list]) -> None:
+    """:func:`curve` of every (model, implementation) with points (``points(model, impl)``):
+    one colour per model, the implementations whose names start with ``baseline`` dashed."""
+    impls = list(impls)
+    for mi, model in enumerate(models):
+        for impl in impls:
+            pts = points(model, impl)
+            if pts:
+                curve(at, ab, pts, baseline=impl.startswith(baseline), color=COLORS[mi % len(COLORS)],
+                      label=f"{model}: {impl}")
+
+
 def plot_kernel_rows(rows: Sequence[dict], path: str, *, title: str | None = None) -> str:
     """Time and bandwidth against world size of ``python -m tide_triton.bench``'s JSON rows:
     one column per operation (placement, cast, accumulation), FSDP2's kernels dashed and
@@ -196,14 +210,10 @@ def plot_kernel_rows(rows: Sequence[dict], path: str, *, title: str | None = Non
     for j, op in enumerate(ops):
         at, ab = axes[0][j], axes[1][j]
         at.set_title(op, fontsize=10)
-        for mi, model in enumerate(models):
-            for impl in dict.fromkeys(r["impl"] for r in data if r["op"] == op):
-                pts = sorted((r["world_size"], r["time_ms"], r["bytes"]) for r in data
-                             if r["op"] == op and r["impl"] == impl and r["model"].split(" (")[0] == model)
-                if not pts:
-                    continue
-                curve(at, ab, pts, baseline=impl.startswith("FSDP2"), color=COLORS[mi % len(COLORS)],
-                       label=f"{model}: {impl}")
+        curves(at, ab, models, dict.fromkeys(r["impl"] for r in data if r["op"] == op), "FSDP2",
+               lambda model, impl, op=op: sorted(
+                   (r["world_size"], r["time_ms"], r["bytes"]) for r in data
+                   if r["op"] == op and r["impl"] == impl and r["model"].split(" (")[0] == model))
         at.set_ylabel("time per call (ms)")
         ab.set_ylabel("GB/s (bytes read + written / time)")
         for c in ceilings:
