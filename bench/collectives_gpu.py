@@ -52,7 +52,7 @@ import threading
 import time
 
 # The threads mode's ranks' streams must not share hardware queues (see
-# tide_triton.group._enough_hardware_queues); a process per rank (torchrun) keeps the default:
+# tide_triton.single_process.hardware_queues); a process per rank (torchrun) keeps the default:
 # more queues cost the GPU's capacity for contexts
 # (docs/constraints.md#contexts-per-gpu-and-hardware-queues).
 if "RANK" not in os.environ:

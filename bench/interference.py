@@ -55,7 +55,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 # One process drives every rank (local_groups): their streams must not share hardware queues
-# (tide_triton.group._enough_hardware_queues); read when CUDA initialises, before any GEMM.
+# (tide_triton.single_process.hardware_queues); read when CUDA initialises, before any GEMM.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 

@@ -42,7 +42,7 @@ for _p in (_ROOT, _HERE):
         sys.path.insert(0, _p)
 
 # One process drives every rank (local_groups): their streams must not share hardware queues
-# (tide_triton.group._enough_hardware_queues); read when CUDA initialises, before any GEMM.
+# (tide_triton.single_process.hardware_queues); read when CUDA initialises, before any GEMM.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 

@@ -41,8 +41,8 @@ DEFAULT_STAGES: tuple[str, ...] = (
     "tide_triton.transport.cuda:CudaTransport.wait_all_equal",
     "tide_triton.kernels.segments:Binding.launch",
     "tide_triton.executor:Streams.finish",
-    "tide_triton.group:_Pacer.before",
-    "tide_triton.group:_Pacer.after",
+    "tide_triton.parts:Pacer.before",
+    "tide_triton.parts:Pacer.after",
     "tide_triton.transport.cuda:CudaTransport.host_wait_event",
     "torch.cuda:current_stream",
 )

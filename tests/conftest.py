@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 # The single-process multi-rank tests drive several ranks' streams from one process: they
-# must not share hardware queues (tide_triton.group._enough_hardware_queues; 2W+2 for W <= 7).
+# must not share hardware queues (tide_triton.single_process.hardware_queues; 2W+2 for W <= 7).
 # Read when CUDA initialises, so set before torch is imported.  Not 32: each queue costs the
 # GPU's context capacity (H200: 62 contexts at 8, 9 at 32; docs/constraints.md), and the
 # tests' spawned ranks (one each, _dist.run_multiprocess: 8) share the GPU with the workers.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16")
 # Eager module loading for the same tests: a kernel's first lazy load synchronizes the context,
-# which deadlocks ranks of one process waiting on each other's streams (tide_triton.group.
-# _lazy_loading_problem; docs/constraints.md#lazy-module-loading).  The tests' spawned ranks
+# which deadlocks ranks of one process waiting on each other's streams (tide_triton.
+# single_process._lazy_loading_problem; docs/constraints.md#lazy-module-loading).  The tests' spawned ranks
 # keep lazy loading (one rank per process: cheaper contexts; _dist.run_multiprocess).
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 

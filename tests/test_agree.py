@@ -128,24 +128,24 @@ def test_thousands_of_signatures_stay_fingerprinted_and_calls_describe_none() ->
     stay cached (a second pass over 5,000 costs no fingerprint again), and a call's identity
     keeps its signature, described only for an error message -- ``describe`` of a 771-parameter
     signature is a ``repr`` of every shape (~0.2 ms) and its cache is small."""
-    from tide_triton import calls
+    from tide_triton import calls, signatures
 
     sigs = [("reduce_scatter", ("FSDP2 group", f"layers.{i}"), ("shapes", ((512, 1024),) * 3)) for i in range(5000)]
     for s in sigs:
-        calls.fingerprint(s)
-    before = calls.fingerprint.cache_info()
+        signatures.fingerprint(s)
+    before = signatures.fingerprint.cache_info()
     for s in sigs:
-        calls.fingerprint(s)
-    after = calls.fingerprint.cache_info()
+        signatures.fingerprint(s)
+    after = signatures.fingerprint.cache_info()
     assert after.misses == before.misses and after.hits - before.hits == len(sigs), (before, after)
 
     class G:
         _keys: dict = {}
     c = calls.Call(G(), "reduce_scatter")
     c.seq = 7
-    described = calls.describe.cache_info()
+    described = signatures.describe.cache_info()
     c.set_signature(("reduce_scatter", ("shapes", ((3, 5),) * 771), ("new", 1)))
-    assert calls.describe.cache_info() == described and G._keys[7][1][0] == "reduce_scatter"
+    assert signatures.describe.cache_info() == described and G._keys[7][1][0] == "reduce_scatter"
 
 
 def test_an_agreement_nested_in_a_call_keeps_the_calls_identity() -> None:

@@ -170,16 +170,11 @@ def test_a_failing_store_raises_peer_lost_naming_its_host() -> None:
 
 def _identity(rank: int, kv, world_size: int = 4):
     """A group's call-identity side alone (no transport), in call #5, over the store ``kv``."""
-    from types import SimpleNamespace
-
     from tide_triton.bootstrap import Exchange
     from tide_triton.calls import CallIdentity
 
-    g = object.__new__(CallIdentity)
-    g.rank, g.world_size, g._seq, g._keys, g._transports, g._call = rank, world_size, 5, {}, {}, None
-    g._failed_calls, g._broken = (), None
-    g.options = SimpleNamespace(timeout_s=2.0)
-    g._exchange = Exchange(kv, "g/", rank, world_size)
+    g = CallIdentity(rank, world_size, Exchange(kv, "g/", rank, world_size), flags=None, timeout_s=2.0)
+    g.seq = 5
     return g
 
 

@@ -554,12 +554,11 @@ def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() ->
             a = self.by.get(r)
             return a if a is not None and a.call >= since else None
 
-    g = object.__new__(CallIdentity)
-    g.rank = 0
-    g._exchange = Aborts({1: Abort((7, "failed", "RuntimeError: injected")), 3: Abort((2, "broken", "x"))})
-    assert g._all_aborted({1}) and g._all_aborted({1, 3})
-    assert not g._all_aborted({1, 2})  # rank 2 published nothing: maybe only slow
-    assert not g._all_aborted({0})     # never "released" on this rank's own account
+    aborts = Aborts({1: Abort((7, "failed", "RuntimeError: injected")), 3: Abort((2, "broken", "x"))})
+    g = CallIdentity(0, 4, aborts, flags=None, timeout_s=1.0)  # type: ignore[arg-type]
+    assert g.all_aborted({1}) and g.all_aborted({1, 3})
+    assert not g.all_aborted({1, 2})  # rank 2 published nothing: maybe only slow
+    assert not g.all_aborted({0})     # never "released" on this rank's own account
 
 
 # ---- 9b. a peer's abort names the call it abandoned, and ends a wait on that call at once -
@@ -586,9 +585,8 @@ def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals()
     # synchronize()'s poll: raises for a peer's abort of a call this rank did not fail (its
     # GPU work waits for that peer), never for one this rank refused too (nothing enqueued) --
     # and an earlier such refusal does not hide a later abort
-    g = object.__new__(CallIdentity)
-    g.rank, g.world_size, g._seq, g._failed_calls, g._keys, g._broken = 0, 2, 300, (), {}, None
-    g._exchange = Exchange(kv, "h/", 0, 2)
+    g = CallIdentity(0, 2, Exchange(kv, "h/", 0, 2), flags=None, timeout_s=1.0)
+    g.seq = 300
     peer = Exchange(kv, "h/", 1, 2)
     g._note_failed(6)
     peer.publish_abort(6, "argument", "ValueError: refused on both ranks")

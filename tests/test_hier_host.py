@@ -318,11 +318,11 @@ def test_single_process_mode_refuses_lazy_module_loading(monkeypatch) -> None:
     other): a CUDA transport of several ranks in one process refuses it, with an error that
     says how to fix it (the driver reads the variable once, at cuInit: the library cannot)."""
     import tide_triton as tt
-    from tide_triton import group as group_mod
+    from tide_triton import single_process
     from tide_triton.transport import driver
 
-    assert group_mod._lazy_loading_problem(1, True) is None  # one rank waits on no one
-    assert group_mod._lazy_loading_problem(2, False) is None
+    assert single_process._lazy_loading_problem(1, True) is None  # one rank waits on no one
+    assert single_process._lazy_loading_problem(2, False) is None
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     monkeypatch.setattr(driver, "module_loading_is_lazy", lambda: True)
     groups = tt.local_groups(2, timeout_s=10)

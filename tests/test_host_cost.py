@@ -265,7 +265,7 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str) -> Non
     On an H200 under lazy loading the rank threads stopped in ``Tensor.to``
     (a kernel's first launch loads its module, which synchronizes the context while the
     ranks' streams wait on each other) -- 3 of 3 runs under load; 3 of 3 passed with
-    ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.group._lazy_loading_problem)."""
+    ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.single_process._lazy_loading_problem)."""
     if device == "cuda":
         out = run_multiprocess(_planned_and_unplanned, 1, W, device, timeout=240,
                                env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"})[0]
@@ -464,20 +464,20 @@ def test_single_process_mode_beyond_the_hardware_queues_is_warned_about(monkeypa
     variable is already at 32 here, as the benches set it).  Without CUDA nothing is said."""
     import logging
 
-    import tide_triton.group as group
+    from tide_triton.single_process import hardware_queues
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with caplog.at_level(logging.WARNING, logger="tide_triton"):
-        group._enough_hardware_queues(2 * 15 + 2)
+        hardware_queues(2 * 15 + 2)
         assert not caplog.messages
-        group._enough_hardware_queues(2 * 16 + 2)
+        hardware_queues(2 * 16 + 2)
     assert len(caplog.messages) == 1 and "34 streams" in caplog.messages[0], caplog.messages
     assert "beyond 15 ranks run one process per rank" in caplog.messages[0], caplog.messages
     caplog.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="tide_triton"):
-        group._enough_hardware_queues(2 * 16 + 2)
+        hardware_queues(2 * 16 + 2)
     assert not caplog.messages
 
 

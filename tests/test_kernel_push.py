@@ -185,7 +185,7 @@ def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
     group keeps their tables (``node_prepare.keep_after_failure``) so their memory is never
     reused under a late launch -- past the group's close where that leaked the heap (its streams
     still busy), else until it."""
-    from tide_triton import group as group_mod
+    from tide_triton import parts
     from tide_triton.errors import PeerTimeoutError
 
     W = 2
@@ -216,7 +216,7 @@ def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
         groups[0].close()
         groups[1].close()
         assert groups[0].kept_until_idle == () == groups[1].kept_until_idle
-        left = group_mod._KEPT_PAST_LEAKED_HEAPS
+        left = parts.PAST_LEAKED_HEAPS
         for x in (kept[0], small, big):
             assert any(y is x for y in left)
         assert not any(x is marker for x in left)

@@ -336,6 +336,7 @@ def test_groups_close_newest_first() -> None:
 
     import tide_triton as tt
     from tide_triton import group as group_mod
+    from tide_triton import process_groups
 
     first = tt.local_groups(2, timeout_s=30)
     second = tt.local_groups(2, timeout_s=30)
@@ -350,8 +351,9 @@ def test_groups_close_newest_first() -> None:
     try:
         import unittest.mock as mock
 
-        with mock.patch.object(group_mod, "_ALL", ours), mock.patch.object(group_mod.Group, "close", recording_close):
-            group_mod._close_all()
+        with mock.patch.object(process_groups, "_ALL", ours), \
+                mock.patch.object(group_mod.Group, "close", recording_close):
+            process_groups._close_all()
     finally:
         for g in first + second:
             g.close()

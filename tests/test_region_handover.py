@@ -191,7 +191,7 @@ def _enable_fails_at_a_later_slot(rank: int, W: int) -> dict:
     from train_llama import Llama, LlamaConfig, shard
 
     import tide_triton as tt
-    from tide_triton import group as group_mod
+    from tide_triton import process_groups
     from tide_triton.transport import host
 
     cfg = LlamaConfig(vocab=13, dim=8, n_layers=3, n_heads=2, hidden=12, tied=True, bias=True, head_gain=True)
@@ -207,7 +207,7 @@ def _enable_fails_at_a_later_slot(rank: int, W: int) -> dict:
         err = "no error"
     except ValueError as e:
         err = str(e)
-    regions = [r for g in list(group_mod._ALL) if not g.closed for r in g._heap_regions.values()]
+    regions = [r for g in process_groups.open_groups() if not g.closed for r in g.regions]
     return {"error": err, "regions": [(r.key, r.released) for r in regions],
             "enabled": tt.fsdp.is_enabled(model)}
 

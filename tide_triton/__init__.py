@@ -16,7 +16,7 @@ from .errors import (
     PeerTimeoutError,
     TideTritonError,
 )
-from .group import Group, GroupOptions, init, local_groups
+from .group import Group, GroupOptions, init
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan
 from .kernels import (
     accumulate_shards,
@@ -30,6 +30,7 @@ from .kernels import (
     place_shards_ref,
 )
 from .layout import DimShards, ShardLayout
+from .single_process import local_groups
 from .topology import Topology
 
 __version__ = "0.1.0"

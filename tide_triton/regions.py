@@ -33,6 +33,7 @@ Create regions before the first all-gather (a block that moved leaves its old by
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,7 +41,35 @@ import torch
 from ._checks import is_int
 from .heap import region_end, regions_floor, round_up
 
-__all__ = ["HeapRegion", "heap_region"]
+__all__ = ["HeapRegion", "RegionTable", "heap_region"]
+
+
+class RegionTable:
+    """A group's named heap regions by (device type, key): at most ``most`` (its flag map
+    has their hand-over words); ``end``: heap bytes below which they lie (0: none)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.end = 0
+        self._by_key: dict[tuple[str, str], HeapRegion] = {}
+
+    def get(self, device_type: str, key: str) -> "HeapRegion | None":
+        return self._by_key.get((device_type, key))
+
+    def add(self, region: "HeapRegion") -> "HeapRegion":
+        self._by_key[(region.device.type, region.key)] = region
+        self.end = max(self.end, region.end)
+        return region
+
+    def room(self) -> int:
+        """How many more regions the group can hold."""
+        return self.most - len(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __iter__(self) -> Iterator["HeapRegion"]:
+        return iter(list(self._by_key.values()))
 
 
 class HeapRegion:
@@ -247,17 +276,17 @@ def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
-        have = g._heap_regions.get((dev.type, key))
+        have = g.regions.get(dev.type, key)
         if have is not None and have.nbytes < nbytes:
             raise ValueError(f"heap region {key!r} exists with {have.nbytes} bytes, fewer than "
                              f"nbytes={nbytes}")
-        if have is None and len(g._heap_regions) >= g.flags.regions:
-            raise ValueError(f"this group holds {g.flags.regions} heap regions already (the most it can)")
+        if have is None and g.regions.room() <= 0:
+            raise ValueError(f"this group holds {g.regions.most} heap regions already (the most it can)")
         sig = ("heap_region", key, nbytes, dev.type)
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
-    have = g._heap_regions.get((dev.type, key))
+    have = g.regions.get(dev.type, key)
     if have is not None:
         return have
     t = g.transport(dev)
@@ -277,7 +306,4 @@ def heap_region(g: Any, key: str, nbytes: int, device: object) -> HeapRegion:
     t.ensure_heap(offset + nbytes)
     g.heap_barrier()
     end = region_end(offset + nbytes, t.heap_nbytes())
-    r = HeapRegion(g, dev, key, len(g._heap_regions), offset, nbytes, end)
-    g._heap_regions[(dev.type, key)] = r
-    g.heap_regions_end = max(g.heap_regions_end, end)
-    return r
+    return g.regions.add(HeapRegion(g, dev, key, len(g.regions), offset, nbytes, end))

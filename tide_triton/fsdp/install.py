@@ -261,8 +261,8 @@ def _agree_decisions(plan: list, options: list, group: Any = None) -> None:
     bootstrap store, with the deadline of the group the collectives will run on), together
     with ``options`` (:func:`_protocol_options`) and how the group comes about: a difference
     raises on every rank, naming the group or option, the ranks and their values."""
-    from ..calls import check_same
-    from ..group import exchange_once
+    from ..process_groups import exchange_once
+    from ..signatures import check_same
 
     by_pg: dict[Any, list] = {}
     for _name, label, pg, why in plan:

@@ -183,7 +183,7 @@ def assign_slots(mods: list[tuple[str, nn.Module]], pool: int, release: bool = T
     for members in pools.values():
         need.setdefault(id(members[0][1].group), [members[0][1].group, 0, 0])[2] += min(pool, len(members))
     for g, n_private, n_pool in need.values():
-        room = g.flags.regions - len(g._heap_regions)
+        room = g.regions.room()
         if n_private + n_pool > room:
             raise ValueError(
                 f"enable(slot_reuse=True) needs {n_private + n_pool} heap regions in one tide_triton group -- "
