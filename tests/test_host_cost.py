@@ -481,6 +481,31 @@ def test_single_process_mode_beyond_the_hardware_queues_is_warned_about(monkeypa
     assert not caplog.messages
 
 
+def test_only_local_groups_sets_the_hardware_queues_and_only_where_unset(monkeypatch) -> None:
+    """``local_groups`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` to 2W+2 (at least 8, at most 32)
+    where it is unset and CUDA not initialised; a value the user set stays, and deciding
+    (``hardware_queues``) or making a group writes nothing."""
+    import os
+
+    import tide_triton as tt
+    from tide_triton.single_process import hardware_queues
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert hardware_queues(2 * 5 + 2) == 12 and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    for W, want in ((5, "12"), (2, "12")):  # raised once, never lowered
+        groups = tt.local_groups(W, timeout_s=30)
+        for g in groups:
+            g.close()
+        assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == want, W
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "9")  # the user's: too few, kept (warned)
+    groups = tt.local_groups(5, timeout_s=30)
+    for g in groups:
+        g.close()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "9"
+
+
 # ------------------------------------------------------------------------------ 3-D sub-rows
 def test_sub_row_bytes_rule() -> None:
     """Same-GPU strided runs of wide rows are cut into the largest power-of-two sub-rows (64 to
