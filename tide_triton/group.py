@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -118,7 +118,7 @@ class Group:
         self._check_open()
         return Call(self.calls, name)
 
-    def check_in(self, t: Any, peers: Any) -> None:
+    def check_in(self, t: Any, peers: Sequence[int]) -> None:
         """:meth:`CallIdentity.check_in`: the call's identity, exchanged with ``peers`` before data moves."""
         self.calls.check_in(t, peers)
 
@@ -126,7 +126,7 @@ class Group:
         """:meth:`CallIdentity.check_in_exchange`."""
         self.calls.check_in_exchange()
 
-    def check_in_posted(self, peers: Any) -> None:
+    def check_in_posted(self, peers: Sequence[int]) -> None:
         """:meth:`CallIdentity.check_in_posted`."""
         self.calls.check_in_posted(peers)
 
