@@ -40,7 +40,7 @@ DEFAULT_STAGES: tuple[str, ...] = (
     "tide_triton.transport.cuda:CudaTransport.signal_all",
     "tide_triton.transport.cuda:CudaTransport.wait_all_equal",
     "tide_triton.kernels.segments:Binding.launch",
-    "tide_triton.executor:Streams.finish",
+    "tide_triton.work:Streams.finish",
     "tide_triton.parts:Pacer.before",
     "tide_triton.parts:Pacer.after",
     "tide_triton.transport.cuda:CudaTransport.host_wait_event",

@@ -19,6 +19,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
+from tide_triton import exec_state
 from tide_triton.layout import ShardLayout
 from tide_triton.schedule import ring_plan
 
@@ -119,7 +120,7 @@ def _scenarios(rank: int, W: int, seed: int, device: str = "cpu") -> dict:
         results[si] = "ok"
     if dev.type == "cuda":
         tt.synchronize(timeout_s=60)
-    results["rounds"] = g.rs_count
+    results["rounds"] = exec_state.of(g).rs_count
     g.close()
     shm = [n for n in os.listdir("/dev/shm") if n.startswith("tide_triton.")]
     results["shm_left"] = shm

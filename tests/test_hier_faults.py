@@ -313,6 +313,7 @@ def test_a_broken_group_closes_its_nccl_hop_with_the_short_drain(broken: bool) -
     forever on peers), the cross-node hop included -- not its default 30 s."""
     import tide_triton as tt
     from tide_triton.group import _BROKEN_DRAIN_S
+    from tide_triton import exec_state
     from tide_triton.hier_collectives import _State
 
     drains: list = []
@@ -322,7 +323,7 @@ def test_a_broken_group_closes_its_nccl_hop_with_the_short_drain(broken: bool) -
             drains.append(drain_timeout_s)
 
     g = tt.local_groups(1, timeout_s=10)[0]
-    g.state(("hier", "test"), lambda: _State(_Net()))
+    exec_state.of(g).across_nodes[0] = _State(_Net())
     if broken:
         g._break("a test")
     g.close()

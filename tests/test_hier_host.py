@@ -22,6 +22,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
+from tide_triton import exec_state
 from tide_triton.hier_schedule import AllGatherPlan, ReduceScatterPlan
 from tide_triton.layout import ShardLayout
 from tide_triton.topology import Topology
@@ -166,7 +167,7 @@ def _hier(pg, rank: int, W: int, L: int, seed: int, device: str = "cpu", **optio
     assert (st["reduce_scatter"], st["all_gather"]) == (calls, ag_calls), st
     assert st["bytes_sent"] > 0 and st["chunks_sent"] > 0
     out.update(bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"], chunks=st["chunks_sent"],
-               rs_count=g.rs_count, inter_node=st["inter_node"])
+               rs_count=exec_state.of(g).rs_count, inter_node=st["inter_node"])
     g.close()
     out["shm_left"] = [n for n in os.listdir("/dev/shm") if n.startswith("tide_triton.")]
     return out

@@ -1,5 +1,5 @@
 """Host cost of a collective independent of the parameter count: copy plans
-(:func:`tide_triton.executor.plan_copies`) merge back-to-back copies and make runs of equal
+(:func:`tide_triton.copy_plan.plan_copies`) merge back-to-back copies and make runs of equal
 copies one strided copy, exactly.
 
 * The plan moves every byte from the same source as the list it replaces (random lists on a
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover
 
 import tide_triton.collectives as coll
 import tide_triton.node_prepare as node_prepare
-from tide_triton.executor import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies, prepare_planned
+from tide_triton.copy_plan import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies, prepare_planned
 from tide_triton.heap import ring as heap_ring
 from tide_triton.layout import ShardLayout
 from tide_triton.schedule import ring_plan
@@ -407,7 +407,7 @@ def test_prepared_padding_zero_fill_runs_every_call() -> None:
     """Padded shards' padding becomes zero on every call, also when a prepared (cached)
     reduce-scatter is replayed after the caller wrote into the padding; with ``accumulate``
     the padding is left as it is.  (The zero-fill is a copy list from the group's zero buffer,
-    prepared once per set of addresses: executor.prepare_padding_zeros.)"""
+    prepared once per set of addresses: work.prepare_padding_zeros.)"""
     import tide_triton as tt
 
     W, shapes = 3, [(7, 3), (5,), (4, 2, 2)]
@@ -572,7 +572,7 @@ def test_array_planner_equals_the_element_planner(seed: int) -> None:
     the element-by-element planner (merges, strided runs, runs cut short, empty copies)."""
     import numpy as np
 
-    from tide_triton.executor import _plan_lists, plan_copy_arrays
+    from tide_triton.copy_plan import _plan_lists, plan_copy_arrays
 
     def _plan(d, x, b):
         return plan_copy_arrays(*(np.asarray(v, dtype=np.int64) for v in (d, x, b)), 4)

@@ -38,5 +38,5 @@ def test_contracts_forbid_the_former_cycle() -> None:
     def layer(m: str) -> int:  # the index of the layer line holding module m ("a | b" lines too)
         return next(i for i, ln in enumerate(lines) if m in re.split(r"\s*\|\s*", ln.strip()))
 
-    order = [layer(m) for m in ("collectives", "hier_collectives", "executor", "group", "regions")]
+    order = [layer(m) for m in ("collectives", "hier_collectives", "work", "group", "regions")]
     assert order == sorted(order) and len(set(order)) == len(order), order

@@ -391,14 +391,14 @@ def test_the_multicast_branches_check_their_tensors_like_the_copy_engine_path(co
     an error, a shard over parameter bytes sends rows another chunk overwrote.  Every rank
     raises, naming the argument, before anything moves."""
     import tide_triton as tt
-    from tide_triton import collectives
+    from tide_triton import multicast_exec
 
     W = 2
     shapes = [(6, 4), (6, 4)]
     layout = ShardLayout(shapes, W)
     bar = threading.Barrier(W, timeout=20)
     bufs = [torch.zeros(256, dtype=torch.bfloat16) for _ in range(W)]
-    monkeypatch.setattr(collectives.multicast_exec, "path",
+    monkeypatch.setattr(multicast_exec, "path",
                         lambda g, device, t: _SharedBuffers(bufs, g.rank, bar))
     groups = tt.local_groups(W, timeout_s=10, multicast="on")
 

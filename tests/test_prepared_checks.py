@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
 import tide_triton as tt
+from tide_triton import prepared_held
 from tide_triton.errors import PeerAbortedError
 from tide_triton.layout import ShardLayout
 
@@ -78,12 +79,11 @@ CASES += [("t_", "ag", "full", 1, "python"), ("set_", "rs", "shards", 3, "python
 
 
 def _checked_by(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tide_triton.programs as programs
 
     if how == "python":
-        monkeypatch.setattr(programs, "_guards_work", lambda: False)
+        monkeypatch.setattr(prepared_held, "_guards_work", lambda: False)
     else:
-        assert programs._guards_work(), "torch's TensorGuards is not usable with this torch"
+        assert prepared_held._guards_work(), "torch's TensorGuards is not usable with this torch"
 
 
 @pytest.mark.parametrize("how,kind,which,runs_before,checker", CASES)
@@ -125,12 +125,11 @@ def test_what_leaves_the_layout_as_prepared_is_not_refused(checker: str, monkeyp
     """Changes that keep every tensor's address, shape, contiguity and dtype -- ``requires_grad``
     set on a shard, a ``t_()`` undone, a run under ``torch.inference_mode`` (other dispatch
     keys: torch's guard refuses those, the run checks again and goes on) -- run exactly."""
-    import tide_triton.programs as programs
 
     _checked_by(checker, monkeypatch)
     made = []
-    real = programs._layout_guard
-    monkeypatch.setattr(programs, "_layout_guard", lambda ts: made.append(len(ts)) or real(ts))
+    real = prepared_held._layout_guard
+    monkeypatch.setattr(prepared_held, "_layout_guard", lambda ts: made.append(len(ts)) or real(ts))
     layout = ShardLayout(SHAPES, W)
     groups = tt.local_groups(W, timeout_s=TIMEOUT_S, ring_bytes=128 * W)
 

@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
     from tests.test_programs import SHAPES, W, _close, _grads, _groups, _want
 
 import tide_triton as tt
-import tide_triton.programs as programs
+from tide_triton import exec_state
 from tide_triton.host_capture import HostGraph, capture
 from tide_triton.layout import ShardLayout
 
@@ -40,7 +40,7 @@ def test_a_closed_group_lets_go_of_its_captured_collectives() -> None:
         with capture(graph):
             rs.run()
         graph.replay()
-        assert any(p is rs for p in groups[r].state(programs._CAPTURED_KEY))
+        assert any(p is rs for p in exec_state.of(groups[r]).captured)
         return weakref.ref(rs)
 
     try:
@@ -48,7 +48,7 @@ def test_a_closed_group_lets_go_of_its_captured_collectives() -> None:
     finally:
         _close(groups)
     gc.collect()
-    assert all(not g.state(programs._CAPTURED_KEY) for g in groups), [g.state(programs._CAPTURED_KEY) for g in groups]
+    assert all(not exec_state.of(g).captured for g in groups), [exec_state.of(g).captured for g in groups]
     assert all(ref() is None for ref in refs), "a closed group still holds its captured prepared collectives"
 
 

@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_threads
 
 import tide_triton as tt
+from tide_triton import exec_state
 from tide_triton.errors import GroupBrokenError, PeerAbortedError, PeerTimeoutError
 from tide_triton.layout import ShardLayout
 
@@ -344,7 +345,8 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
     its own bytes (same address, same element count, not contiguous), and it is refused naming
     it (its peers' step names rank 0); every step before is exact, and with good gradients
     every step is."""
-    from tide_triton.collectives import _CHECKED_SHARDS, prepared_reduce_scatter_call
+    from tide_triton import exec_state
+    from tide_triton.collectives import prepared_reduce_scatter_call
 
     layout = ShardLayout(SHAPES, W)
     groups = _groups(timeout_s=3)
@@ -374,7 +376,7 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
                 got.append((step, "ok", [x.clone() for x in shards]))
             except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
                 got.append((step, type(e).__name__, str(e)[:300]))
-        return got, len(rs._checked_second if entry == "prepared" else groups[r].state(_CHECKED_SHARDS, dict))
+        return got, len(rs._checked_second if entry == "prepared" else exec_state.of(groups[r]).checked_shards)
 
     try:
         out = run_threads(body, W, timeout=90)
@@ -943,7 +945,7 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
         assert all(flag for _, n, flag in log if n in ("copy_prepared", "launch")), log
         assert ends_joined([e for e in log if e[0] == 0]), log
         for r in range(W):
-            kept = groups[r].state(programs._CAPTURED_KEY)
+            kept = exec_state.of(groups[r]).captured
             assert {id(p) for p in kept} == {id(state[r]["rs"]), id(state[r]["ag"])}
             assert all(len(state[r][k]._captured) == 1 for k in ("rs", "ag"))
 

@@ -359,7 +359,7 @@ def test_fsdp_serves_shard1_experts_on_one_gpu(W: int) -> None:
     Shard(1) (more than STRIDED_MIN_ROWS) that each rank's slices of an expert weight move as one
     strided copy (cuMemcpy2DAsync).  A GPU's stock run is not bit-reproducible (atomics in some
     backward kernels): test_fsdp's GPU tolerance."""
-    from tide_triton.executor import STRIDED_MIN_ROWS
+    from tide_triton.copy_plan import STRIDED_MIN_ROWS
 
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     scenarios = ("bf16", "fp32", "accum", "prepared", "slot") if W == 2 else ("bf16", "fp32")
@@ -391,7 +391,7 @@ def test_shard1_pulls_are_one_strided_copy_per_rank_and_parameter() -> None:
     """The all-gather's copy plan for experts [E, d, h] on Shard(1): each rank's E slices of
     c*h elements land at the parameter's pitch d*h from its block (back to back, pitch c*h) --
     one strided copy (cuMemcpy2DAsync on CUDA) per rank, the same bytes as the parts' copies."""
-    from tide_triton.executor import STRIDED_MIN_ROWS, expand_copies, plan_copies
+    from tide_triton.copy_plan import STRIDED_MIN_ROWS, expand_copies, plan_copies
     from tide_triton.node_prepare import _Addresses, _gather_template
 
     W, es, (E, d, h) = 4, 2, (STRIDED_MIN_ROWS + 2, 12, 5)
@@ -417,7 +417,7 @@ def test_shard1_pushes_are_one_strided_copy_per_peer_and_parameter() -> None:
     """The reduce-scatter's pushes of experts [E, d, h] on Shard(1): each peer's E slices of
     c*h elements are read at the gradient's pitch d*h into its slot (back to back) -- one
     strided copy per peer and round, nothing staged or transposed on the sender."""
-    from tide_triton.executor import STRIDED_MIN_ROWS, plan_copies
+    from tide_triton.copy_plan import STRIDED_MIN_ROWS, plan_copies
     from tide_triton.node_prepare import _Addresses, _push_template
     from tide_triton.schedule import ring_plan
 

@@ -123,7 +123,7 @@ def test_on_stream_wrapper_puts_every_wait_and_signal_on_its_stream() -> None:
     """The cross-node executor wraps its transport so that every operation lands on one
     stream: a method the wrapper does not pin would silently go to the transport's own copy
     stream (the call-identity wait did, and would not have ordered the data after it)."""
-    from tide_triton.executor import _OnStream
+    from tide_triton.work import bound
 
     seen: list = []
 
@@ -131,7 +131,7 @@ def test_on_stream_wrapper_puts_every_wait_and_signal_on_its_stream() -> None:
         def __getattr__(self, name):
             return lambda *a, **k: seen.append((name, k.get("stream")))
 
-    w = _OnStream(Recorder(), "side")
+    w = bound(Recorder(), "side")
     for name in ("copy", "copy_prepared", "signal", "signal_all", "wait", "wait_all", "wait_all_equal"):
         getattr(w, name)()
     assert seen == [(n, "side") for n in ("copy", "copy_prepared", "signal", "signal_all", "wait", "wait_all",

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from . import exec_state
 from .group import Group
 
 __all__ = ["release_all_gather_block", "released_block_bytes", "restore_block"]
-
-_BLOCK_RELEASED = "all-gather block released"
-"""Group state key (with the device type): ``{"offset", "nbytes"}`` of a released block."""
-
 
 def release_all_gather_block(group: Group, device: object) -> int:
     """Collective over ``group``: give the physical memory of its all-gather block on
@@ -34,7 +31,7 @@ def release_all_gather_block(group: Group, device: object) -> int:
         raise TypeError(f"group must be a tide_triton Group, got {type(group).__name__}")
     dev = torch.device(device)
     t = group.existing_transport(dev.type)
-    released = group.state((_BLOCK_RELEASED, dev.type), dict)
+    released = exec_state.of(group).released_blocks.setdefault(dev.type, {})
     start = group.ring_layout().ag_off
     end = t.heap_nbytes() if t is not None else 0
     ok = (t is not None and group.nodes == 1 and not released and group.heap_regions_end > 0
@@ -52,13 +49,14 @@ def release_all_gather_block(group: Group, device: object) -> int:
 def released_block_bytes(group: Group, device_type: str) -> int:
     """Heap bytes of ``group``'s all-gather block on ``device_type`` released now
     (:func:`release_all_gather_block`), mapped nowhere until the next all-gather."""
-    released = group.state((_BLOCK_RELEASED, device_type))
+    st = exec_state.existing(group)
+    released = st.released_blocks.get(device_type) if st is not None else None
     return released.get("nbytes", 0) if released else 0
 
 
 def restore_block(g: Group, t, device: torch.device) -> None:
     """New memory behind a released all-gather block (collective: inside the all-gather)."""
-    released = g.state((_BLOCK_RELEASED, device.type))
+    released = exec_state.of(g).released_blocks.get(device.type)
     if released:
         t.restore_range(released["offset"], released["nbytes"])
         g.heap_barrier()  # single process: nobody addresses a peer's block before it is mapped

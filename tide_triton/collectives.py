@@ -1,14 +1,14 @@
-"""Public collectives: ``reduce_scatter`` (bf16 grads in, fp32 shards out) and
-``all_gather`` (shards straight into per-parameter storage).
+"""Public collectives: ``reduce_scatter`` (bf16 grads in, fp32 shards out), ``all_gather``
+(shards straight into per-parameter storage), their prepared forms and ``synchronize``.
 
-Layers: validate (this rank) -> agree (all ranks: same signature, no errors) -> plan
-(layout, ring schedule, flag map) -> run over the group's transport (heap slots, copies,
-flags) with the Triton kernels doing the SM work (accumulation, casts).
+What this module does: validate the arguments (this rank), agree on them (all ranks: same
+signature, no errors), then call an executor -- node-local (:mod:`tide_triton.node_collectives`,
+the ring of :mod:`tide_triton.ring`), across nodes (:mod:`tide_triton.hier_collectives`) or
+prepared (:mod:`tide_triton.programs`).
 
 Heap layout of every rank: ``[flags | reduce-scatter ring | named regions | all-gather block]``
 (:mod:`tide_triton.heap`; regions: :meth:`Group.heap_region`, the staging of
-``reduce_scatter(..., staging=...)``).  What both executors share (:class:`Work`, the stream
-policy, padding rows, the staging hand-over) is :mod:`tide_triton.executor`.
+``reduce_scatter(..., staging=...)``).
 """
 from __future__ import annotations
 
@@ -19,24 +19,20 @@ from typing import Any, Sequence
 
 import torch
 
-from . import hier_collectives, multicast_exec, node_prepare, programs, stall_watch
-from .ag_block import release_all_gather_block, released_block_bytes, restore_block
-from ._checks import (FLOAT_DTYPES, RS_APART, CheckedLists, check_bound, check_gather_shards, check_shapes,
-                      check_tensor_list, check_uniform, dtype_name, spans_at)
+from . import exec_state, hier_collectives, node_collectives, programs, stall_watch
+from ._checks import (FLOAT_DTYPES, RS_APART, check_bound, check_gather_shards, check_shapes, check_tensor_list,
+                      check_uniform, dtype_name)
+from .ag_block import release_all_gather_block, released_block_bytes
 from .errors import PeerAbortedError, PeerArgumentError
-from .executor import Streams, Work, copy_batches_paced, wait_vacated
-from .executor import capturing as _capturing  # the name the capture tests patch
 from .group import Group, resolve
-from .heap import ag_block_end, staging_ring
 from .hier_schedule import ReduceScatterPlan
 from .layout import DimShards, ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
+from .work import Work
+from .work import capturing as _capturing  # the name the capture tests patch
 
 _PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
-
-_CHECKED_SHARDS = ("collectives", "checked-rs-shards")
-"""Group state: the reduce-scatter shard lists whose own checks passed (:class:`CheckedLists`)."""
 
 __all__ = ["reduce_scatter", "all_gather", "prepare_reduce_scatter", "prepare_all_gather", "Work", "synchronize",
            "release_all_gather_block", "released_block_bytes", "split_parts"]
@@ -169,10 +165,6 @@ def _by_dims(g: Group, name: str, full: object, shards: object, shard_dims: obje
     return split_parts(full_l, ds), split_parts(shards_l, ds), ds
 
 
-_CHECKED_SPLITS = ("collectives", "checked-split-lists")
-"""Group state: the caller's lists of ``shard_dims`` calls whose storage and overlaps passed."""
-
-
 _REGION_APART = ("with params_region each rank copies its own entries into the parameters slice by slice, and "
                   "a slice written over shard bytes not yet read would be read back instead of the shard")
 """Why a ``shard_dims`` all-gather into a params region may not take shards inside the parameters."""
@@ -185,7 +177,7 @@ def _check_split_bound(g: Group, name: str, full: list[torch.Tensor], shards: li
     parts lie inside these tensors, so their own later checks pass."""
     key = (name, tuple(map(_PTR, full)), tuple(map(_NUMEL, full)), tuple(map(_PTR, shards)),
            tuple(map(_NUMEL, shards)), full[0].element_size(), shards[0].element_size(), in_region)
-    seen = g.state(_CHECKED_SPLITS, dict)
+    seen = exec_state.of(g).checked_splits
     if key in seen:
         return
     if gather:
@@ -272,7 +264,6 @@ def _rs_arguments(g: Group, name: str, grads, shards, op, accumulate, shard_dims
 
 
 def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, staging, shard_dims=None) -> Work:
-    W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
     try:
@@ -293,96 +284,8 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
         return hier_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
                                                bool(accumulate), stream, async_op, staging)
-
-    t = g.transport(device)
-    if g.options.multicast != "off" and multicast_exec.eligible_rs(gdt, sdt, staging):  # docs/multicast.md
-        if (mc := multicast_exec.path(g, device, t)) is not None:
-            # the checks of the copy-engine path, every call (this path caches nothing by address)
-            check_bound("grads", grads_l, "shards", shards_l, apart=RS_APART)
-            g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
-            st = Streams(g, t, device, stream, async_op)
-            with st.kernels():
-                multicast_exec.reduce_scatter_node(mc, grads_l, shards_l, layout, me, scale=scale,
-                                                   accumulate=bool(accumulate))
-            return st.finish()
-    es = gdt.itemsize
-    S, ring_bytes = g.options.stages, g.options.ring_bytes
-    reg = g.ring_layout()
-    if staging is not None:  # Slot-Reuse: the caller's region is the ring
-        ring_bytes = staging.nbytes
-        reg = staging_ring(staging.offset, staging.nbytes, W, S, reg.ag_off)
-    plan = ring_plan(layout, ring_bytes, es, S)
-    if plan.chunk_elems * es > reg.slot_bytes:
-        raise RuntimeError("internal error: ring plan and heap regions disagree")
-    t.ensure_heap(reg.ag_off)
-    st = Streams(g, t, device, stream, async_op)
-    cs = st.compute
-    fm, timeout = g.flags, g.options.timeout_s
-    gptrs = tuple(map(_PTR, grads_l))
-    peers = [c for c in range(W) if c != me]
-    acc = bool(accumulate)
-    shard_ptrs, snumels = tuple(map(_PTR, shards_l)), tuple(map(_NUMEL, shards_l))
-    # Prepare (tables, kernels, copy lists) before any flag wait is enqueued (see
-    # Binding.prepare); cached by address, so a call on the same tensors prepares nothing.
-    key = ("rs", layout, gdt, sdt, device, gptrs, shard_ptrs, snumels, S, ring_bytes, reg.ring_off, scale, acc)
-    prep = g.cached(key)
-    if prep is None:
-        # the shards recur beside new gradients (FSDP2 on MoE layers): their own checks are remembered
-        g.state(_CHECKED_SHARDS, CheckedLists).check_bound(
-            "grads", grads_l, "shards", shards_l, (sdt, shard_ptrs, snumels), (gdt.itemsize, sdt.itemsize),
-            apart=RS_APART, in_spans=spans_at(gptrs, layout, gdt.itemsize))
-        with st.kernels():
-            prep = g.cache(key, node_prepare.prepare_reduce_scatter(g, t, reg, plan, layout, gptrs, shard_ptrs,
-                                                                    snumels, gdt, sdt, device, scale, acc,
-                                                                    ring_bytes))
-    reducers, pushes, padding = prep
-    t.warm_replays(node_prepare.copy_lists([p for p, _n in pushes]) + [padding[0] if padding else None])
-    g.heap_barrier()
-    pace = g.pacer(device)
-    pace.start(max((n for _, n in pushes), default=0) + 4 * W)
-    base = g.rs_count
-    with t.session(), st.kernels():
-        t.fence_from(cs)  # grads are complete before the copy queue reads them
-        # The peers this rank exchanges data with learn this call's identity (and check it)
-        # before any of its data moves.
-        g.check_in(t, [d for d in peers if plan.chunks[d] or plan.chunks[me]])
-        if staging is not None:  # nobody writes into a peer's region before the peer vacated it
-            wait_vacated(t, fm, staging, [d for d in peers if plan.chunks[d]], timeout)
-        try:
-            for j in range(plan.rounds):
-                s = j % S
-                v = base + j + 1
-                pace.before(j, t, timeout)
-                # Push: for every peer with a chunk j, its slices of my gradients into its slot for
-                # me -- once the peer has consumed what the previous use of that slot held.
-                dests = [d for d in peers if j < len(plan.chunks[d])]
-                frees = [d for d in dests if (d, s) in g.rs_last]
-                t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
-                           timeout_s=timeout, what=f"rank {{peer}} to free reduce-scatter slot (stage {s})")
-                node_prepare.enqueue_push(t, pushes[j][0], cs if st.cuda else None)
-                t.signal_all(dests, [fm.rs_ready(s, me)] * len(dests), [v] * len(dests))
-                for d in dests:
-                    g.rs_last[(d, s)] = v
-                # Reduce: my chunk j from my gradients and the peers' slots, in rank order.
-                if j < len(reducers):
-                    t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers,
-                               timeout_s=timeout, stream=cs,
-                               what=f"rank {{peer}}'s reduce-scatter contribution (chunk {j})")
-                    reducers[j].launch(scale=scale, accumulate=acc, check_addresses=False,
-                                       stream=cs if st.cuda else None)
-                    t.signal_all(peers, [fm.rs_free(s, me)] * len(peers), [v] * len(peers), stream=cs)
-                if st.cuda:  # my reduction's progress, or my copies' when I have no chunk j
-                    pace.after(j, cs if j < len(reducers) else t.copy_stream)
-            g.rs_count = base + plan.rounds
-            if staging is not None:
-                staging._staged(cs)
-            if padding is not None:  # padding rows of padded shards become zero: after the pushes, on
-                t.copy_prepared(padding[0])  # the copy queue (disjoint from the reductions' rows)
-            t.fence_to(cs)  # my grads may be reused once the copy queue has read them
-        except BaseException:  # queued kernel pushes may still read their tables (to the run's end:
-            node_prepare.keep_after_failure(g, [p for p, _n in pushes])  # until cs waits for them)
-            raise
-    return st.finish()
+    return node_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale, bool(accumulate),
+                                           stream, async_op, staging)
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -441,7 +344,6 @@ def _ag_arguments(g: Group, name: str, shards, params, shard_dims=None, region: 
 
 
 def _all_gather(g: Group, shards, params, stream, async_op, region, shard_dims=None) -> Work:
-    W, me = g.world_size, g.rank
     err: BaseException | None = None
     sig: object = None
     source = None
@@ -464,79 +366,8 @@ def _all_gather(g: Group, shards, params, stream, async_op, region, shard_dims=N
     g.agree(sig, err)
     if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
         return hier_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op)
-    # Ranks may pass full or padded params: the flat block (padded shards) is the same.
-    # The block holds the parameters' dtype: a cast (fp32 shards -> bf16 parameters) happens
-    # once, at the sender, on its own shard (1/W of the layer, on SMs), and every rank then
-    # pulls the cast bytes on copy engines -- half the bytes of pulling fp32, no SMs at the
-    # receivers.  With a params region there is no block: the cast (or copy) writes my rows
-    # in place and the peers pull them from there.
-    t = g.transport(device)
-    if source is None and g.options.multicast != "off" and multicast_exec.eligible_ag(pdt):  # docs/multicast.md
-        if (mc := multicast_exec.path(g, device, t)) is not None:
-            check_bound("shards", shards_l, "params", params_l, apart=multicast_exec.AG_APART)
-            g.check_in_exchange()  # the call's identity, agreed before the barriers pair anything
-            st = Streams(g, t, device, stream, async_op)
-            with st.kernels():
-                multicast_exec.all_gather_node(mc, shards_l, params_l, layout, me)
-            return st.finish()
-    es = pdt.itemsize
-    reg = g.ring_layout()
-    if source is None:
-        restore_block(g, t, device)
-        t.ensure_heap(ag_block_end(reg.ag_off, layout.flat_shard_numel * es))
-    st = Streams(g, t, device, stream, async_op)
-    cs = st.compute
-    # Prepare (zeros, tables, kernels, copy lists) before any flag wait is enqueued (see
-    # Binding.prepare); cached by addresses, so repeats on the same storage prepare nothing.
-    where = reg.ag_off if source is None else ("region", source[0])  # the block moves when regions are added
-    key = ("ag", layout, pdt, device, pptrs, where)
-    pulls = g.cached(key)
-    skey = ("ag-stage", layout, sdt, pdt, device, sptrs, snumels, where, pptrs if source is not None else None)
-    stage = g.cached(skey)
-    if pulls is None or stage is None:
-        check_bound("shards", shards_l, "params", params_l)
-    if pulls is None:
-        pulls = g.cache(key, node_prepare.prepare_all_gather(g, t, layout, pptrs, es, source, reg.ag_off))
-    if stage is None:
-        if source is None:  # my place in my block
-            block = t.address(me, reg.ag_off)
-            dsts = tuple(block + o * es for o in layout.flat_offsets)
-        else:  # my rows of each parameter
-            dsts = tuple(pptrs[p] + me * n * es for p, n in enumerate(layout.padded_shard_numels))
-        with st.kernels():
-            stage = g.cache(skey, node_prepare.prepare_stage(g, t, layout, shards_l, sptrs, dsts, sdt, pdt,
-                                                             device, into_block=source is None))
-    caster, stage_copies, pad_copies, _zeros = stage
-    t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
-    g.heap_barrier()
-    t.fence_from(cs)  # shards are complete before the copy queue reads them
-    g.check_in(t, [r for r in range(W) if r != me])  # every peer reads my block, I read theirs
-    fm, timeout = g.flags, g.options.timeout_s
-    g.ag_epoch += 1
-    e = g.ag_epoch
-    ranks = list(range(W))
-    if e > 1:  # my block (my rows) may be written once every reader has finished the previous epoch
-        t.wait_all([fm.ag_done(r) for r in ranks], [e - 1] * W, peers=ranks, timeout_s=timeout,
-                   stream=cs if caster else None, what="rank {peer} to finish reading my all-gather block")
-    # Stage my shards into my block or my rows (padded positions of an unpadded shard in the
-    # block become zero).
-    if caster is not None:  # cast on SMs, then the copy queue goes on from there
-        with st.kernels():
-            caster.launch(check_addresses=False)
-        t.fence_from(cs)
-    else:
-        t.copy_prepared(stage_copies)
-    t.copy_prepared(pad_copies)  # zeros from a buffer, on the copy queue
-    t.signal_all(ranks, [fm.ag_ready(me)] * W, [e] * W)
-    t.wait_all([fm.ag_ready(r) for r in ranks], [e] * W, peers=ranks, timeout_s=timeout,
-               what="rank {peer}'s all-gather block")
-    # Every rank's real rows into every parameter, on copy engines, in paced batches.
-    copy_batches_paced(g, t, device, pulls, node_prepare.AG_BATCH, timeout)
-    t.signal_all(ranks, [fm.ag_done(me)] * W, [e] * W)
-    if source is not None:
-        region._read(e)  # its vacate() waits for every peer's ag_done of epoch e
-    t.fence_to(cs)  # the parameters are complete for later work on the stream
-    return st.finish()
+    return node_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op, region,
+                                       source)
 
 
 # --------------------------------------------------------------------------- prepared collectives

@@ -96,9 +96,8 @@ class Group:
         self.regions = RegionTable(self.flags.regions)
         """The named heap regions (:meth:`heap_region`)."""
         self._lock = threading.Lock()
-        self.ag_epoch = 0
-        self.rs_last: dict[tuple[int, int], int] = {}
-        self.rs_count = 0
+        self.executor_state: Any = None
+        """The executor layer's typed state of this group (made there: ``exec_state.of``); closed by close()."""
         self._closed = False
         self._opened = process_groups.opened(self)
 
@@ -275,18 +274,6 @@ class Group:
             self.exchange(None)
 
     # ---- what the executors keep here ---------------------------------------------------
-    def state(self, key: tuple, make: Any = None) -> Any:
-        """Per-group state an executor keeps under ``key`` (made by ``make()`` if missing and
-        ``make`` is given; else None).  A value with a ``close_extra()`` method is closed by
-        :meth:`close`."""
-        with self._lock:
-            v = self._extras.get(key)
-        if v is None and make is not None:
-            v = make()
-            with self._lock:
-                v = self._extras.setdefault(key, v)
-        return v
-
     def cached(self, key: tuple) -> Any:
         """A prepared collective (bindings, copy lists) for ``key``, or None."""
         return self.prepared.get(key)
@@ -378,7 +365,7 @@ class Group:
             return
         self._closed = True
         failed: BaseException | None = None
-        for x in list(self._extras.values()):  # e.g. the cross-node path's NCCL communicator
+        for x in (self.executor_state, *self._extras.values()):  # e.g. the cross-node path's NCCL communicator
             close = getattr(x, "close_extra", None)
             if close is not None:
                 try:

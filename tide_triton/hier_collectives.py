@@ -49,8 +49,9 @@ from functools import lru_cache
 
 import torch
 
+from . import exec_state, ring
 from ._checks import RS_APART, check_bound
-from .executor import Streams, Work, prepare_padding_zeros, wait_vacated
+from .work import Streams, Work, prepare_padding_zeros
 from .group import Group
 from .heap import CrossNode, ag_block_end
 from .hier_schedule import AllGatherPlan, ReduceScatterPlan, _RailRuns
@@ -85,23 +86,30 @@ class _State:
 def _existing_state(g: Group, device_type: str) -> "tuple[object, _State] | tuple[None, None]":
     """The transport and cross-node state of ``device_type``, if a collective made them."""
     t = g.existing_transport(device_type)
-    st = g.state(("hier", id(t))) if t is not None else None
+    ex = exec_state.existing(g)
+    st = ex.across_nodes.get(id(t)) if t is not None and ex is not None else None
     return (t, st) if st is not None else (None, None)
 
 
 def _state(g: Group, t: object) -> _State:
-    def make() -> _State:
-        o = g.options
-        if getattr(t, "device", torch.device("cpu")).type == "cuda":
-            side = g.side_stream(t.device)  # the stream the executor runs on (executor.Streams)
-            rail = g.topology.rail(g.topology.local_rank(g.rank))
-            return _State(nccl_hop(t, g.rank, rail, g.exchange, side, inter_node=o.inter_node,
-                                   nccl_library=o.nccl_library, chunk_bytes=o.chunk_bytes,
-                                   inflight_chunks=o.inflight_chunks))
-        return _State(HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags,
-                                    g.cross_node_layout().net_off, o.chunk_bytes, o.inflight_chunks))
+    """The across-nodes state of transport ``t``, made on first use (closed with the group)."""
+    made = exec_state.of(g).across_nodes
+    st = made.get(id(t))
+    if st is None:
+        st = made[id(t)] = _make_state(g, t)
+    return st
 
-    return g.state(("hier", id(t)), make)
+
+def _make_state(g: Group, t: object) -> _State:
+    o = g.options
+    if getattr(t, "device", torch.device("cpu")).type == "cuda":
+        side = g.side_stream(t.device)  # the stream the executor runs on (work.Streams)
+        rail = g.topology.rail(g.topology.local_rank(g.rank))
+        return _State(nccl_hop(t, g.rank, rail, g.exchange, side, inter_node=o.inter_node,
+                               nccl_library=o.nccl_library, chunk_bytes=o.chunk_bytes,
+                               inflight_chunks=o.inflight_chunks))
+    return _State(HostInterNode(t, g.rank, g.world_size, g.local_size, g.flags.n_flags,
+                                g.cross_node_layout().net_off, o.chunk_bytes, o.inflight_chunks))
 
 
 def stats(group: Group, device: object = "cpu") -> dict:
@@ -220,93 +228,121 @@ def _pieces(runs) -> list[tuple[int, int, int]]:
 
 
 # --------------------------------------------------------------------------- reduce-scatter
+class _RsWindows:
+    """Where a cross-node reduce-scatter's window ``[lo, hi)`` lies for this rank: its stage's
+    staging (the node peers' grad slots, then the partial sums P and the receive slot R, fp32)
+    and each element's place in it."""
+
+    def __init__(self, g: Group, t: object, reg: CrossNode, plan: ReduceScatterPlan, layout: ShardLayout,
+                 gb: int) -> None:
+        topo = plan.topology
+        self.g, self.t, self.reg, self.plan, self.layout = g, t, reg, plan, layout
+        self.L, self.N, self.me = topo.local_size, topo.nodes, g.rank
+        self.n, self.l = divmod(self.me, self.L)
+        self.win = plan.window_elems
+        self.rr = _RailRuns(layout, topo)
+        self.mx = g.options.max_ctas
+        self.slot_b = self.N * self.win * gb  # one contributor's slot (gb-byte grads): the rail's N shards
+        self.p_rel = (self.L - 1) * self.slot_b  # partial sums P, fp32, after the grad slots
+        self.r_rel = self.p_rel + self.N * self.win * 4  # receive slot R, fp32
+        self.stage_b = self.r_rel + plan.max_message_shards * self.win * 4
+        if plan.stages * self.stage_b > plan.ring_bytes:
+            raise RuntimeError("internal error: cross-node staging exceeds ring_bytes")
+        self.peers = [self.n * self.L + c for c in range(self.L) if c != self.l]
+
+    def where(self, e: int, p: int) -> tuple[int, int, int]:
+        """Element ``e`` of parameter ``p``'s padded storage: (node, flat position, a)."""
+        r, a = divmod(e, self.layout.padded_shard_numels[p])
+        return r // self.L, self.layout.flat_offsets[p] + a, a
+
+    def stage_base(self, w: int) -> int:
+        return self.reg.rs_off + (w % self.plan.stages) * self.stage_b
+
+    def pieces(self, lo: int, hi: int, lr: int, nodes) -> list[tuple[int, int, int]]:
+        return _pieces(self.rr.window_runs(lo, hi, lr, nodes))
+
+
+def _rs_pushes_and_sum(ws: _RsWindows, w: int, lo: int, hi: int, gptrs: tuple[int, ...], gdt: torch.dtype,
+                       device: torch.device) -> tuple[dict, Binding]:
+    """Window ``w``'s node-local step: my gradient slices of node peer d's rail into d's slot for
+    me (per peer ``(prepared copies, bytes)``), and the sum of the ``L`` contributions in local
+    order 0..L-1 (mine read in place) into P."""
+    t, gb, sb, win = ws.t, gdt.itemsize, ws.stage_base(w), ws.win
+    pushes = {}
+    for d in ws.peers:
+        base = t.address(d, sb + peer_slot(ws.l, d % ws.L) * ws.slot_b)
+        dsts, srcs, sizes = [], [], []
+        for p, e, k in ws.pieces(lo, hi, d % ws.L, range(ws.N)):
+            m, x, _ = ws.where(e, p)
+            dsts.append(base + (m * win + x - lo) * gb)
+            srcs.append(gptrs[p] + e * gb)
+            sizes.append(k * gb)
+        pushes[d] = (t.prepare_copies(dsts, srcs, sizes), sum(sizes))
+    P = t.address(ws.me, sb + ws.p_rel)
+    pcs = []
+    for p, e, k in ws.pieces(lo, hi, ws.l, range(ws.N)):
+        m, x, _ = ws.where(e, p)
+        pos = m * win + x - lo
+        srcs = tuple(gptrs[p] + e * gb if c == ws.l else
+                     t.address(ws.me, sb + peer_slot(c, ws.l) * ws.slot_b) + pos * gb for c in range(ws.L))
+        pcs.append((0, pos, srcs, k))
+    return pushes, _binding(torch.float32, gdt, (P,), pcs, ws.L, ws.mx, device)
+
+
+def _rs_rounds(ws: _RsWindows, w: int, lo: int, hi: int, device: torch.device) -> tuple[list, dict]:
+    """Window ``w``'s rounds along the rail: per round the partial sums sent for its
+    destinations, the receives and the addition of what arrives; and ``fuse`` -- what the last
+    round receives for this rank's own window (added in the final kernel), by P position."""
+    t, sb, win, n, l = ws.t, ws.stage_base(w), ws.win, ws.n, ws.l
+    P, R = t.address(ws.me, sb + ws.p_rel), t.address(ws.me, sb + ws.r_rel)
+    rounds = []
+    fuse: dict = {}
+    for k, rnd in enumerate(ws.plan.node_rounds):
+        last_round = k == len(ws.plan.node_rounds) - 1
+        sends, recvs, adds = [], [], []
+        for sn, dn, dests in rnd:
+            if sn == n:
+                iov = []
+                for m in dests:
+                    for p, e, c in ws.pieces(lo, hi, l, [m]):
+                        _, x, _ = ws.where(e, p)
+                        iov.append((P + (m * win + x - lo) * 4, c * 4))
+                sends.append((dn * ws.L + l, iov))
+            if dn == n:
+                iov = []
+                for j, m in enumerate(dests):
+                    for p, e, c in ws.pieces(lo, hi, l, [m]):
+                        _, x, _ = ws.where(e, p)
+                        rpos, ppos = j * win + x - lo, m * win + x - lo
+                        iov.append((R + rpos * 4, c * 4))
+                        if last_round and m == n:
+                            fuse[ppos] = R + rpos * 4
+                        else:
+                            adds.append((0, ppos, (P + ppos * 4, R + rpos * 4), c))
+                recvs.append((sn * ws.L + l, iov))
+        rounds.append((sends, recvs, _binding(torch.float32, torch.float32, (P,), adds, 2, ws.mx, device)))
+    return rounds, fuse
+
+
 def _prepare_rs(g: Group, t: object, reg: CrossNode, plan: ReduceScatterPlan, layout: ShardLayout,
                 gptrs: tuple[int, ...], shard_ptrs: tuple[int, ...], gdt: torch.dtype, sdt: torch.dtype,
                 device: torch.device) -> list:
     """Per window: node-local pushes, the node-local reduction, each round's messages and
     addition, and the final reduction into the shards -- everything that depends only on
     addresses (cached by the caller)."""
-    topo = plan.topology
-    L, N, me = topo.local_size, topo.nodes, g.rank
-    n, l = divmod(me, L)
-    gb = gdt.itemsize
-    win = plan.window_elems
-    S, offs = layout.padded_shard_numels, layout.flat_offsets
-    rr = _RailRuns(layout, topo)
-    mx = g.options.max_ctas
-    slot_b = N * win * gb  # one contributor's slot: the rail's N shards of the window
-    p_rel = (L - 1) * slot_b  # partial sums P, fp32, after the grad slots
-    r_rel = p_rel + N * win * 4  # receive slot R, fp32
-    stage_b = r_rel + plan.max_message_shards * win * 4
-    if plan.stages * stage_b > plan.ring_bytes:
-        raise RuntimeError("internal error: cross-node staging exceeds ring_bytes")
-
-    def where(e: int, p: int) -> tuple[int, int, int]:
-        """Element ``e`` of parameter ``p``'s padded storage: (node, flat position, a)."""
-        r, a = divmod(e, S[p])
-        return r // L, offs[p] + a, a
-
+    ws = _RsWindows(g, t, reg, plan, layout, gdt.itemsize)
     windows = []
-    peers = [n * L + c for c in range(L) if c != l]
     for w, (lo, hi) in enumerate(plan.windows):
-        sb = reg.rs_off + (w % plan.stages) * stage_b
-        # 1. pushes: my gradient slices of node peer d's rail into d's slot for me
-        pushes = {}
-        for d in peers:
-            ld = d % L
-            base = t.address(d, sb + peer_slot(l, ld) * slot_b)
-            dsts, srcs, sizes = [], [], []
-            for p, e, k in _pieces(rr.window_runs(lo, hi, ld, range(N))):
-                m, x, _ = where(e, p)
-                dsts.append(base + (m * win + x - lo) * gb)
-                srcs.append(gptrs[p] + e * gb)
-                sizes.append(k * gb)
-            pushes[d] = (t.prepare_copies(dsts, srcs, sizes), sum(sizes))
-        # 1'. node-local sum, contributors in local order 0..L-1 (mine read in place)
-        P = t.address(me, sb + p_rel)
-        R = t.address(me, sb + r_rel)
-        pcs = []
-        for p, e, k in _pieces(rr.window_runs(lo, hi, l, range(N))):
-            m, x, _ = where(e, p)
-            pos = m * win + x - lo
-            srcs = tuple(gptrs[p] + e * gb if c == l else
-                         t.address(me, sb + peer_slot(c, l) * slot_b) + pos * gb for c in range(L))
-            pcs.append((0, pos, srcs, k))
-        local = _binding(torch.float32, gdt, (P,), pcs, L, mx, device)
-        # 2. rounds along the rail: send partial sums for `dests`, add what arrives
-        rounds = []
-        fuse: dict = {}  # last round: what arrives is this rank's own window; added in `final`
-        for k, rnd in enumerate(plan.node_rounds):
-            last_round = k == len(plan.node_rounds) - 1
-            sends, recvs, adds = [], [], []
-            for sn, dn, dests in rnd:
-                if sn == n:
-                    iov = []
-                    for m in dests:
-                        for p, e, k in _pieces(rr.window_runs(lo, hi, l, [m])):
-                            _, x, _ = where(e, p)
-                            iov.append((P + (m * win + x - lo) * 4, k * 4))
-                    sends.append((dn * L + l, iov))
-                if dn == n:
-                    iov = []
-                    for j, m in enumerate(dests):
-                        for p, e, k in _pieces(rr.window_runs(lo, hi, l, [m])):
-                            _, x, _ = where(e, p)
-                            rpos, ppos = j * win + x - lo, m * win + x - lo
-                            iov.append((R + rpos * 4, k * 4))
-                            if last_round and m == n:
-                                fuse[ppos] = R + rpos * 4
-                            else:
-                                adds.append((0, ppos, (P + ppos * 4, R + rpos * 4), k))
-                    recvs.append((sn * L + l, iov))
-            rounds.append((sends, recvs, _binding(torch.float32, torch.float32, (P,), adds, 2, mx, device)))
-        # 3. my window's full sums into my shards: held + received (the last round), scaled
+        pushes, local = _rs_pushes_and_sum(ws, w, lo, hi, gptrs, gdt, device)
+        rounds, fuse = _rs_rounds(ws, w, lo, hi, device)
+        # my window's full sums into my shards: held + received (the last round), scaled
+        P = t.address(ws.me, ws.stage_base(w) + ws.p_rel)
         fin = []
-        for p, e, k in _pieces(rr.window_runs(lo, hi, l, [n])):
-            _, x, a = where(e, p)
-            ppos = n * win + x - lo
+        for p, e, k in ws.pieces(lo, hi, ws.l, [ws.n]):
+            _, x, a = ws.where(e, p)
+            ppos = ws.n * ws.win + x - lo
             fin.append((p, a, (P + ppos * 4, fuse[ppos]) if fuse else (P + ppos * 4,), k))
-        final = _binding(sdt, torch.float32, shard_ptrs, fin, 2 if fuse else 1, mx, device)
+        final = _binding(sdt, torch.float32, shard_ptrs, fin, 2 if fuse else 1, ws.mx, device)
         windows.append((pushes, local, rounds, final))
     return windows
 
@@ -351,22 +387,19 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
         peers = [n * L + c for c in range(L) if c != me % L]
         net = st.net
         last = {"rs intra": 0, **{f"rs inter {k}": 0 for k in range(len(plan.node_rounds))}}
-        base = g.rs_count
+        flags = ring.Counters(g, staging=staging)
         _check_in(g, t, order.cuda)  # this call's identity, before any of its data moves
-        if staging is not None:  # nobody writes into a node peer's region before it vacated it
-            wait_vacated(t, fm, staging, peers, timeout)
+        flags.begin_staging(t, peers)  # nobody writes into a node peer's region before it vacated it
         for w, (pushes, local, rounds, final) in enumerate(prep):
-            s, v = w % S, base + w + 1
+            s, v = w % S, flags.value(w)
             if peers:
-                frees = [d for d in peers if (d, s) in g.rs_last]
-                t.wait_all([fm.rs_free(s, d) for d in frees], [g.rs_last[(d, s)] for d in frees], peers=frees,
-                           timeout_s=timeout, what=f"rank {{peer}} to free cross-node reduce-scatter slot (stage {s})")
+                flags.wait_free(t, s, peers, f"rank {{peer}} to free cross-node reduce-scatter slot (stage {s})")
                 for d in peers:
                     copies, nbytes = pushes[d]
                     t.copy_prepared(copies)
                     last["rs intra"] += nbytes
                     t.signal(d, fm.rs_ready(s, me), v)
-                    g.rs_last[(d, s)] = v
+                    flags.pushed_to(d, s, v)
                 t.wait_all([fm.rs_ready(s, c) for c in peers], [v] * len(peers), peers=peers, timeout_s=timeout,
                            what=f"rank {{peer}}'s node-local reduce-scatter contribution (window {w})")
             local.launch(check_addresses=False)
@@ -378,9 +411,7 @@ def reduce_scatter(g: Group, grads_l: list[torch.Tensor], shards_l: list[torch.T
                 last[f"rs inter {k}"] += net.bytes_sent - before
                 add.launch(check_addresses=False)
             final.launch(scale=scale, accumulate=accumulate, check_addresses=False)
-        g.rs_count = base + len(prep)
-        if staging is not None:
-            staging._staged(order.compute)
+        flags.rounds_done(len(prep), order.compute)
         st.calls["reduce_scatter"] += 1
         st.last = last
     return order.finish()
@@ -496,8 +527,7 @@ def all_gather(g: Group, shards_l: list[torch.Tensor], params_l: list[torch.Tens
         # 3. node-local pickup of the peers' rails
         if L > 1:
             peers = [r for r, _, _ in prep.pickups]
-            g.ag_epoch += 1
-            e = g.ag_epoch
+            e = ring.Counters(g).next_epoch()
             if e > 1:  # my rail block is free once my node peers finished the previous epoch
                 t.wait_all([fm.ag_done(r) for r in peers], [e - 1] * len(peers), peers=peers, timeout_s=timeout,
                            what="rank {peer} to finish reading my all-gather rail")

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
+from . import exec_state
 from .heap import round_up
 from .kernels.multimem import GROUP, multimem_reduce, multimem_store
 from .layout import ShardLayout
@@ -205,10 +206,6 @@ class GpuMulticast:
             self.release = None
 
 
-_DECIDED = ("multicast", "decided")
-"""Group state key: ``{device type: MulticastBuffers or None}``, the path each resolution chose.
-Kept by the group (a module-level map keyed weakly by the group never let it go: the buffers
-hold the group's exchange)."""
 _BOUND_BYTES = 64 << 20
 """Bytes bound per rank (chunks of the collectives).  Not measured: no multicast hardware."""
 
@@ -220,7 +217,7 @@ def path(g: Any, device: torch.device, t: Any) -> MulticastBuffers | None:
     mode = g.options.multicast
     if mode == "off":
         return None
-    per_group = g.state(_DECIDED, dict)
+    per_group = exec_state.of(g).multicast  # closed with the group
     if device.type in per_group:
         return per_group[device.type]
     if device.type != "cuda":
@@ -281,7 +278,6 @@ def _create(g: Any, device: torch.device, t: Any, cu: Any) -> GpuMulticast:
         obj.close()
         cu.cuDevicePrimaryCtxRelease(cudev)
         raise
-    g.state(("multicast", device.type), lambda: buf)  # closed with the group
     log_once("mc-created", logging.INFO, "multicast object of %d bytes bound on %d ranks", obj.size, g.world_size)
     return buf
 

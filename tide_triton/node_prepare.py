@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .executor import ARRAY_PLAN_MIN, Strided, plan_copies, prepare_padding_zeros, prepare_planned
+from .copy_plan import ARRAY_PLAN_MIN, Strided, plan_copies, prepare_planned
+from .work import prepare_padding_zeros
 from .group import Group
 from .heap import Ring
 from .kernels.segments import Binding, SegmentProgram, Span, upload_table_pairs
@@ -301,7 +302,7 @@ def prepare_all_gather(g: Group, t, layout: ShardLayout, pptrs: tuple[int, ...],
     block at ``block_off``, or (``source = (region offset, byte offset of each parameter in
     it)``, :func:`all_gather`'s ``params_region``) from the peers' copies of the region,
     where each rank wrote its own rows in place -- planned
-    (:func:`~tide_triton.executor.plan_copies`: a run of equal-shaped parameters allocated
+    (:func:`~tide_triton.copy_plan.plan_copies`: a run of equal-shaped parameters allocated
     back to back is one strided copy per rank) and prepared for the transport in batches of
     :data:`AG_BATCH` descriptors."""
     ranks, (rank_of, param, dst_off, src_off, size) = _gather_template(  # from blocks: every rank's is the same

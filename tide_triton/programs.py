@@ -33,46 +33,29 @@ prepares without holding tensors (``hold=False``) and runs on the tensors of the
 """
 from __future__ import annotations
 
-import functools
-import logging
-import operator
 from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 
-from . import envs, host_capture, node_prepare, run_graph
+from . import envs, exec_state, host_capture, node_prepare, ring, run_graph
 from ._checks import (RS_APART, CheckedLists, check_gather_shards, check_shapes, check_uniform, same_shapes,
                       spans_at)
-from .executor import Streams, Work, capturing, copy_batches_paced
 from .group import Group
 from .heap import Ring, staging_ring
 from .layout import ShardLayout
 from .regions import HeapRegion
 from .schedule import ring_plan
-from .transport._once import log_once
+from .prepared_held import HeldList
+from .work import Streams, Work, capturing
 
 __all__ = ["PreparedReduceScatter", "PreparedAllGather", "prepared_reduce_scatter", "prepared_all_gather",
            "RING_KEY", "block_key"]
 
-_PTR, _NUMEL, _SIZE = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.size
-_CONTIGUOUS, _DTYPE = torch.Tensor.is_contiguous, operator.attrgetter("dtype")
+_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 
 RING_KEY = "tide_triton/prepared-rs-ring"
 """The heap region every prepared reduce-scatter of a group stages in (``ring_bytes``)."""
-
-_CAPTURED_KEY = ("prepared-captured",)
-"""Group state: the prepared collectives a CUDA graph has recorded (kept alive until close)."""
-
-
-class _Captured(list):
-    """The group state under :data:`_CAPTURED_KEY`: let go at :meth:`Group.close` (which
-    closes state values with a ``close_extra``), not kept while the closed group lives on --
-    its prepared collectives hold the tensors and their bindings' tables."""
-
-    def close_extra(self) -> None:
-        self.clear()
-
 
 _BINDINGS_KEPT = 32
 """Sets of addresses a prepared collective keeps bound (:meth:`_Prepared._run_on`).  FSDP2's
@@ -89,96 +72,6 @@ _LISTS_KEPT = 8
 
 _UNRECORDED = object()
 """``_Prepared._graphs``' answer for a binding not recorded yet (None: recording refused)."""
-
-
-class _HeldList:
-    """One list of tensors a prepared collective holds, as it was prepared: the tensors and
-    what its layout depends on -- their addresses (storage and storage offset), shapes and
-    dtypes, all contiguous (the preparation's checks refuse anything else)."""
-
-    __slots__ = ("tensors", "ptrs", "shapes", "dtypes", "_guard")
-
-    def __init__(self, tensors: Sequence[torch.Tensor], ptrs: tuple[int, ...]) -> None:
-        self.tensors = ts = tuple(tensors)
-        self.ptrs = ptrs
-        self.shapes: tuple[torch.Size, ...] = tuple(map(_SIZE, ts))
-        self.dtypes: tuple[torch.dtype, ...] = tuple(map(_DTYPE, ts))
-        self._guard = _layout_guard(ts)
-
-    def unchanged(self) -> bool:
-        """Whether every tensor is as prepared.  The addresses in one C-level pass; shapes,
-        strides and dtypes in one call of torch's C++ tensor guard where it works here
-        (:func:`_layout_guard`), else in a pass per attribute (each streamed: no per-tensor
-        object outlives its comparison).  A guard that refuses tensors the passes accept (its
-        dispatch keys or ``requires_grad`` differ, e.g. under ``torch.inference_mode``) is
-        made again from them."""
-        ts = self.tensors
-        if tuple(map(_PTR, ts)) != self.ptrs:
-            return False
-        guard = self._guard
-        if guard is not None and guard.check(*ts):
-            return True
-        same = (all(map(operator.eq, map(_SIZE, ts), self.shapes)) and all(map(_CONTIGUOUS, ts))
-                and all(map(operator.is_, map(_DTYPE, ts), self.dtypes)))
-        if same and guard is not None:
-            self._guard = _layout_guard(ts)
-        return same
-
-    def first_change(self, name: str) -> str:
-        """What changed in the first tensor that is not as prepared (:meth:`unchanged` False)."""
-        for i, (t, ptr, shape, dtype) in enumerate(zip(self.tensors, self.ptrs, self.shapes, self.dtypes)):
-            if t.data_ptr() != ptr:
-                return (f"{name}[{i}] moved (data_ptr {hex(ptr)} when prepared, {hex(t.data_ptr())} now; e.g. its "
-                        "storage was resized or swapped)")
-            was, now = [], []
-            if t.shape != shape:
-                was.append(f"shape {tuple(shape)}")
-                now.append(f"shape {tuple(t.shape)}")
-            if t.dtype is not dtype:
-                was.append(f"dtype {dtype}")
-                now.append(f"dtype {t.dtype}")
-            if not t.is_contiguous():
-                was.append("contiguous")
-                now.append(f"strides {tuple(t.stride())}")
-            if was:
-                return (f"{name}[{i}] changed in place at its address (prepared: {', '.join(was)}; now: "
-                        f"{', '.join(now)}; e.g. t_(), resize_(), set_() or an assignment to .data)")
-        raise RuntimeError(f"internal error: {name} changed, yet every tensor is as prepared")
-
-
-def _layout_guard(tensors: Sequence[torch.Tensor]) -> Any:
-    """torch's C++ check of these tensors' shapes, strides, dtypes and devices (dynamo's
-    ``TensorGuards``; ``.check(*tensors)``), or None where it is missing or fails
-    :func:`_guards_work`.  One call for a whole list: ~0.15 us a tensor, where Python
-    passes per attribute cost ~0.5 us (the 256-expert layer's 1,542 held tensors on a loaded
-    2-core x86, torch 2.13; docs/benchmarks.md, "Python per call on the CPU")."""
-    if not _guards_work():
-        return None
-    from torch._C._dynamo.guards import TensorGuards
-
-    return TensorGuards(*tensors, dynamic_dims_sizes=[list(map(int, t.size())) for t in tensors],
-                        dynamic_dims_strides=[list(map(int, t.stride())) for t in tensors])
-
-
-@functools.lru_cache(maxsize=1)
-def _guards_work() -> bool:
-    """Whether torch's ``TensorGuards`` exists here and refuses what a run must refuse (its
-    API is torch's private one): another shape, strides, dtype; else the run checks in
-    Python (logged once)."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)
-        guard = TensorGuards(a, b, dynamic_dims_sizes=[[2, 3], [4]], dynamic_dims_strides=[[3, 1], [1]])
-        changed = (a.t(), a[:1], a.as_strided((2, 3), (1, 2)), a.view(torch.int32), torch.zeros(3, 2))
-        if guard.check(a, b) and not any(guard.check(x, b) for x in changed) and not guard.check(a, b[:2]):
-            return True
-        why = "it accepted a changed tensor"
-    except Exception as e:  # noqa: BLE001 -- a private API: anything it does wrong means "not here"
-        why = f"{type(e).__name__}: {e}"
-    log_once("prepared-layout-guard", logging.INFO, "tide_triton: prepared runs check their tensors' shapes, "
-             "strides and dtypes in Python (torch's TensorGuards is not usable here: %s)", why)
-    return False
 
 
 def block_key(nbytes: int) -> str:
@@ -217,10 +110,10 @@ class _Prepared:
         key = self._key(first, second)
         self._bindings[key] = self._bind(first, second, key)
         if checked is None:
-            held = (_HeldList(first, key[0]), _HeldList(second, key[1]))
+            held = (HeldList(first, key[0]), HeldList(second, key[1]))
         else:  # the caller's tensors, which ``first`` and ``second`` are parts of (``shard_dims``)
-            held = (_HeldList(checked[0], tuple(map(_PTR, checked[0]))),
-                    _HeldList(checked[1], tuple(map(_PTR, checked[1]))))
+            held = (HeldList(checked[0], tuple(map(_PTR, checked[0]))),
+                    HeldList(checked[1], tuple(map(_PTR, checked[1]))))
         self._held = (*held, key) if hold else None
         """The tensors held (``hold``): each list as the caller passed it, as prepared (what a run
         checks), and the key of the binding of ``first`` and ``second``."""
@@ -321,7 +214,7 @@ class _Prepared:
         collective alive until the group closes; from now on every prepared run of the group
         ends joined (see :meth:`_joined`)."""
         self._captured[key] = binding
-        kept = self.g.state(_CAPTURED_KEY, _Captured)
+        kept = exec_state.of(self.g).captured
         if not any(p is self for p in kept):
             kept.append(self)
 
@@ -333,7 +226,7 @@ class _Prepared:
         at each replay: it must be joined at the graph's end (a capture requires it), and once
         a group has captured runs its eager runs join too -- so that a replay, ordered after
         them on the caller's stream, never overwrites a ring slot or a block a peer still reads."""
-        return captured or bool(self.g.state(_CAPTURED_KEY))
+        return captured or bool(exec_state.of(self.g).captured)
 
     def run(self, *, stream: object = None, async_op: bool = False, check_addresses: bool = True) -> Work:
         """The collective, as prepared, on the tensors' current values.  ``stream`` /
@@ -524,57 +417,10 @@ class PreparedReduceScatter(_Prepared):
         if not captured:  # a capture records loop copies instead (docs/design.md)
             t.warm_replays([*node_prepare.copy_lists(pushes), padding[0] if padding else None])  # before any wait
         st = Streams(g, t, self.device, stream, async_op)
-        cs = st.compute
-        self._follow(cs, captured)
-        fm, T, timeout = g.flags, self.token, g.options.timeout_s
-        me, S, plan, peers = g.rank, self.plan.stages, self.plan, self.peers
-        pace = None if captured else g.pacer(self.device)  # a capture neither fills queues nor waits on the host
-        if pace is not None:
-            pace.start(ops)
-        pending: set[tuple[int, int]] = set()  # (dest, stage): written, its free token not seen yet
-        with t.session(), st.kernels():
-            t.fence_from(cs)  # grads are complete before the copy queue reads them
-            try:
-                for j in range(plan.rounds):
-                    s = j % S
-                    if pace is not None:
-                        pace.before(j, t, timeout)
-                    dests = self.dests[j]
-                    frees = [d for d in dests if (d, s) in pending]
-                    if frees:  # the slot's previous contents were reduced by its reader
-                        slots = [fm.program_rs_free(s, d) for d in frees]
-                        t.wait_all_equal(slots, [T] * len(frees), peers=frees, timeout_s=timeout,
-                                         what=f"rank {{peer}} to free prepared reduce-scatter slot (stage {s})")
-                        t.signal_all([me] * len(frees), slots, [0] * len(frees))
-                        pending.difference_update((d, s) for d in frees)
-                    node_prepare.enqueue_push(t, pushes[j], cs if st.cuda else None, captured)
-                    t.signal_all(dests, [fm.program_rs_ready(s, me)] * len(dests), [T] * len(dests))
-                    pending.update((d, s) for d in dests)
-                    if j < len(reducers):  # my chunk j, from my grads and the peers' slots, in rank order
-                        slots = [fm.program_rs_ready(s, p) for p in peers]
-                        t.wait_all_equal(slots, [T] * len(peers), peers=peers, timeout_s=timeout, stream=cs,
-                                         what=f"rank {{peer}}'s prepared reduce-scatter contribution (chunk {j})")
-                        t.signal_all([me] * len(peers), slots, [0] * len(peers), stream=cs)
-                        reducers[j].launch(scale=self.scale, accumulate=self.accumulate, check_addresses=False,
-                                           capturing=captured, stream=cs if st.cuda else None)
-                        t.signal_all(peers, [fm.program_rs_free(s, me)] * len(peers), [T] * len(peers), stream=cs)
-                    if st.cuda and pace is not None:
-                        pace.after(j, cs if j < len(reducers) else t.copy_stream)
-                if padding is not None:  # padding rows become zero (disjoint from the sums' rows)
-                    t.copy_prepared(padding[0], capturable=captured)
-                t.fence_to(cs)  # the grads may be reused once the copy queue has read them
-                if pending:  # quiescent end: every slot this run wrote has been reduced
-                    ds = sorted(pending)
-                    slots = [fm.program_rs_free(s, d) for d, s in ds]
-                    t.wait_all_equal(slots, [T] * len(ds), peers=[d for d, _ in ds], timeout_s=timeout,
-                                     what="rank {peer} to free prepared reduce-scatter slots (end of run)")
-                    t.signal_all([me] * len(ds), slots, [0] * len(ds))
-                if self._joined(captured):
-                    t.fence_to(cs)
-            except BaseException:  # queued kernel pushes may still read their tables (to the run's end)
-                node_prepare.keep_after_failure(g, pushes)
-                raise
-        return st.finish()
+        self._follow(st.compute, captured)
+        flags = ring.Tokens(g, self.token, captured, lambda: self._joined(captured))
+        return ring.reduce_scatter(g, t, st, self.device, self.plan, self.dests, reducers, pushes, padding, flags,
+                                   scale=self.scale, accumulate=self.accumulate, ops=ops)
 
 
 class PreparedAllGather(_Prepared):
@@ -611,51 +457,15 @@ class PreparedAllGather(_Prepared):
         return [] if caster is None else [caster]
 
     def _run(self, g: Group, binding: Any, stream: object, async_op: bool, captured: bool) -> Work:
-        pulls, (caster, stage_copies, pad_copies, _zeros) = binding
+        pulls, stage = binding
+        _caster, stage_copies, pad_copies, _zeros = stage
         t = g.transport(self.device)
         if not captured:  # a capture records loop copies instead (docs/design.md)
             t.warm_replays([*pulls, stage_copies, pad_copies])  # before any flag wait
         st = Streams(g, t, self.device, stream, async_op)
-        cs = st.compute
-        self._follow(cs, captured)
-        fm, T, timeout = g.flags, self.token, g.options.timeout_s
-        me, W = g.rank, g.world_size
-        ranks = list(range(W))
-        with t.session(), st.kernels():
-            t.fence_from(cs)  # shards are complete before the copy queue reads them
-            # My block is free for the copy queue: the previous run (of any prepared all-gather
-            # of this block) ended there only after every reader had read it.  The cast writes
-            # it on SMs, from the caller's stream, which never waited for that end: it waits
-            # for the event recorded there (without it, a run following a run wrote the block
-            # while a slower peer still read the previous one -- seen on the H200).
-            # Under capture there is no such event to wait on (a graph may not wait on one
-            # recorded outside it): the capture began with the device idle, and replays follow
-            # joined runs on the caller's stream (:meth:`_joined`).
-            if caster is not None:  # cast on SMs, then the copy queue goes on from there
-                if not captured:
-                    t.wait_mark(self._block_free()[0], cs)
-                caster.launch(check_addresses=False, capturing=captured)
-                t.fence_from(cs)
-            else:
-                t.copy_prepared(stage_copies, capturable=captured)
-            t.copy_prepared(pad_copies, capturable=captured)
-            t.signal_all(ranks, [fm.program_ag_ready(me)] * W, [T] * W)
-            slots = [fm.program_ag_ready(r) for r in ranks]
-            t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
-                             what="rank {peer}'s prepared all-gather block")
-            t.signal_all([me] * W, slots, [0] * W)
-            copy_batches_paced(g, t, self.device, pulls, node_prepare.AG_BATCH, timeout, capturing=captured)
-            t.signal_all(ranks, [fm.program_ag_done(me)] * W, [T] * W)
-            t.fence_to(cs)  # the params are complete for later work on the stream
-            slots = [fm.program_ag_done(r) for r in ranks]  # quiescent end: every reader is done
-            t.wait_all_equal(slots, [T] * W, peers=ranks, timeout_s=timeout,
-                             what="rank {peer} to finish reading my prepared all-gather block")
-            t.signal_all([me] * W, slots, [0] * W)
-            if not captured:  # where the block is free again (the next run's cast waits for it)
-                self._block_free()[0] = t.mark()
-            if self._joined(captured):
-                t.fence_to(cs)
-        return st.finish()
+        self._follow(st.compute, captured)
+        flags = ring.Tokens(g, self.token, captured, lambda: self._joined(captured), self._block_free())
+        return ring.all_gather(g, t, st, self.device, pulls, stage, flags)
 
     def _before_replay(self, t: Any, cs: object) -> None:
         t.wait_mark(self._block_free()[0], cs)  # another all-gather of this block may end elsewhere
@@ -667,8 +477,8 @@ class PreparedAllGather(_Prepared):
         """The event after the last run's quiescent end on this rank's block (shared by the
         group's prepared all-gathers of the block's size), in a one-element list; ``[None]``
         before the first run."""
-        return self.g.state(("prepared-ag-block-free", self.device.type, self.device.index, self._region.key),
-                            lambda: [None])
+        return exec_state.of(self.g).block_free.setdefault(
+            (self.device.type, self.device.index, self._region.key), [None])
 
 
 def prepared_reduce_scatter(g: Group, token: int, grads: list[torch.Tensor], shards: list[torch.Tensor],
