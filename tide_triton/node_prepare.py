@@ -1,8 +1,8 @@
 """What a node-local collective enqueues that depends only on its addresses, prepared once
 and cached by them: the reduce-scatter's bound reductions and per-round push copies, the
-all-gather's pull copies and the staging of this rank's shards.  Shared by the eager
-executor (:mod:`tide_triton.collectives`) and the prepared collectives
-(:mod:`tide_triton.programs`), which differ only in how their flags say "ready" and "free"."""
+all-gather's pull copies and the staging of this rank's shards -- what the ring
+(:mod:`tide_triton.ring`) runs, eagerly (:mod:`tide_triton.node_collectives`) or prepared
+(:mod:`tide_triton.programs`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

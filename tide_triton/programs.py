@@ -6,7 +6,8 @@ parameter count, only with the rounds of the ring (one ``copy_prepared`` per rou
 operations) -- and from the second run on a set of addresses the whole run is recorded once and
 replayed by one graph launch (:mod:`tide_triton.run_graph`, ``$TIDE_TRITON_RUN_GRAPHS``).
 
-Flags: tokens, not counters (docs/design.md, "CUDA graph capture").  Each prepared collective
+Flags: tokens, not counters (docs/design.md, "CUDA graph capture"; the ring of
+:mod:`tide_triton.ring` with its :class:`~tide_triton.ring.Tokens` discipline).  Each prepared collective
 has a token ``T`` (the call number of the call that prepared it: the same on every rank,
 distinct per prepared collective).  Each token word has one writer and one reader: the writer
 stores ``T``, the reader waits for exactly ``T`` and sets its own word back to 0 before it tells
