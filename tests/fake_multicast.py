@@ -292,7 +292,7 @@ class FakeGroup:
         self.rank, self.world_size = rank, world_size
         self.options = GroupOptions(multicast=multicast, timeout_s=timeout_s)
         self._ex = exchange
-        self._extras: dict = {}
+        self.executor_state: Any = None
         self.regions: list[tuple[str, int]] = []
 
     def exchange(self, obj: Any) -> list:
@@ -305,17 +305,9 @@ class FakeGroup:
     def heap_barrier(self) -> None:
         pass
 
-    def state(self, key: tuple, make: Any = None) -> Any:
-        v = self._extras.get(key)
-        if v is None and make is not None:
-            v = self._extras.setdefault(key, make())
-        return v
-
     def close(self) -> None:
-        for x in list(self._extras.values()):
-            close = getattr(x, "close_extra", None)
-            if close is not None:
-                close()
+        if self.executor_state is not None:
+            self.executor_state.close_extra()
 
 
 class FakeHeaps:

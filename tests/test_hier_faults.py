@@ -91,6 +91,7 @@ def test_synchronize_side_waits_the_executors_stream_whatever_the_device_spellin
     must not look up another side stream -- on a GPU ``own_streams.take`` fails on its missing
     index with a bare ``TypeError``; with an index-free key it would wait for an idle new
     stream while an ``async_op`` collective still ran on the real one."""
+    from tide_triton.exec_state import ExecState
     from tide_triton.hier_collectives import _State, synchronize_side
 
     class _T:  # the node's transport as the group holds it (GlobalRanks over a CUDA transport)
@@ -108,8 +109,8 @@ def test_synchronize_side_waits_the_executors_stream_whatever_the_device_spellin
         return ("side", device.type, int(device.index))
 
     t = _T()
-    state = {("hier", id(t)): _State(SimpleNamespace(stuck=lambda: None))}
-    g = SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
+    state = ExecState(0, across_nodes={id(t): _State(SimpleNamespace(stuck=lambda: None))})
+    g = SimpleNamespace(existing_transport={"cuda": t}.get, executor_state=state,
                         side_stream=side_stream, check_posted=lambda timeout_s=None: None)
     for spelled in (torch.device("cuda", 0), torch.device("cuda")):
         synchronize_side(g, spelled, 1.0)

@@ -296,7 +296,8 @@ def test_creation_failure_after_the_object_releases_it_on_every_rank(monkeypatch
             errs[r] = str(e)
     run_threads(one, W, timeout=60)
     assert sorted(errs) == [0, 1] and all("injected" in e for e in errs.values()), errs
-    assert all(("multicast", "cuda") not in g._extras for g in form.groups), "no rank kept buffers"
+    assert all(g.executor_state is None or g.executor_state.multicast.get("cuda") is None
+               for g in form.groups), "no rank kept buffers"
     assert form.fake.live() == {}, "released before any close"
     assert form.fake.contexts == {}
     form.close()
