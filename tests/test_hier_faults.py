@@ -329,3 +329,30 @@ def test_a_broken_group_closes_its_nccl_hop_with_the_short_drain(broken: bool) -
         g._break("a test")
     g.close()
     assert drains == [_BROKEN_DRAIN_S if broken else 30.0]
+
+
+def test_a_group_closes_every_executor_part_when_one_fails_and_raises_the_first_error() -> None:
+    """The executors' state closes with the group part by part: a multicast buffer that fails
+    to close leaves the across-nodes hop closed all the same, and ``Group.close`` raises it."""
+    import tide_triton as tt
+    from tide_triton import exec_state
+    from tide_triton.hier_collectives import _State
+
+    closed: list = []
+
+    class _Failing:
+        def close_extra(self) -> None:
+            raise RuntimeError("buffers refused to close")
+
+    class _Net:
+        def close(self) -> None:
+            closed.append("net")
+
+    g = tt.local_groups(1, timeout_s=10)[0]
+    st = exec_state.of(g)
+    st.multicast["cuda"] = _Failing()
+    st.across_nodes[0] = _State(_Net())
+    st.captured.append(object())
+    with pytest.raises(RuntimeError, match="buffers refused to close"):
+        g.close()
+    assert closed == ["net"] and not st.captured and g.closed

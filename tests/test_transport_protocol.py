@@ -119,7 +119,7 @@ def test_live_host_transport_and_its_global_view_are_transports() -> None:
         t.close()
 
 
-def test_on_stream_wrapper_puts_every_wait_and_signal_on_its_stream() -> None:
+def test_bound_transport_puts_every_wait_and_signal_on_its_stream_and_delegates_nothing() -> None:
     """The cross-node executor wraps its transport so that every operation lands on one
     stream: a method the wrapper does not pin would silently go to the transport's own copy
     stream (the call-identity wait did, and would not have ordered the data after it)."""
@@ -136,3 +136,5 @@ def test_on_stream_wrapper_puts_every_wait_and_signal_on_its_stream() -> None:
         getattr(w, name)()
     assert seen == [(n, "side") for n in ("copy", "copy_prepared", "signal", "signal_all", "wait", "wait_all",
                                           "wait_all_equal")]
+    # no delegation by name: an operation it does not pin is not reachable through it
+    assert not hasattr(w, "ensure_heap") and not hasattr(w, "warm_replays")
