@@ -157,7 +157,7 @@ class DeviceTransport(Transport, Protocol):
 
     strided_copies: bool
     """:meth:`prepare_copies` takes ``strided=`` runs ``(dst, src, nbytes, rows, dst_pitch,
-    src_pitch)`` of equal rows (:class:`tide_triton.executor.Strided`), one descriptor each."""
+    src_pitch)`` of equal rows (:class:`tide_triton.copy_plan.Strided`), one descriptor each."""
 
     def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
                        strided: Sequence[Any] = ()) -> Any:

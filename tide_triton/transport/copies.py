@@ -5,7 +5,7 @@ allocation ends, addresses turned into driver objects) and enqueued on a stream 
 ``cuMemcpyBatchAsync`` per call where the driver has it (CUDA >= 12.8), otherwise one
 ``cuMemcpyAsync`` per piece; the path is chosen at creation and logged once.  A stream being
 captured into a CUDA graph gets the loop (``cuMemcpyBatchAsync`` cannot be captured).  Strided
-runs (equal rows at constant pitches, :class:`tide_triton.executor.Strided`) are one
+runs (equal rows at constant pitches, :class:`tide_triton.copy_plan.Strided`) are one
 ``cuMemcpy2DAsync`` each, or on one GPU with wide rows one ``cuMemcpy3DAsync`` of sub-rows
 (:func:`sub_row_bytes`).  A prepared list used again is replayed as a CUDA graph of its copies
 (:mod:`~tide_triton.transport.copy_graphs`).  Addresses may lie on another GPU (a peer's heap
@@ -182,7 +182,7 @@ class Copies:
     def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
                        strided: Sequence[Any] = (), cut: bool = True) -> PreparedCopies:
         """``strided``: ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` runs
-        (:class:`tide_triton.executor.Strided`), pitches >= nbytes.  ``cut``: cut copies and
+        (:class:`tide_triton.copy_plan.Strided`), pitches >= nbytes.  ``cut``: cut copies and
         runs where an allocation ends (a list made once and kept, whose pieces the planner may
         have merged across tensors); ``False`` for a raw per-call list of pieces that each lie
         inside one tensor (:meth:`CudaTransport.copy`: no driver queries on that path)."""

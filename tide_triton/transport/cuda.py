@@ -348,7 +348,7 @@ class CudaTransport:
                        strided: Sequence[Any] = ()) -> PreparedCopies:
         """Converting addresses to driver objects costs ~10x the enqueue itself.  ``strided``:
         runs ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` of equal rows
-        (:class:`tide_triton.executor.Strided`), one ``cuMemcpy2DAsync`` / ``cuMemcpy3DAsync`` each."""
+        (:class:`tide_triton.copy_plan.Strided`), one ``cuMemcpy2DAsync`` / ``cuMemcpy3DAsync`` each."""
         return self._copies.prepare_copies(dsts, srcs, nbytes, strided=strided)
 
     def copy_prepared(self, prepared: PreparedCopies, *, stream: torch.cuda.Stream | None = None,
