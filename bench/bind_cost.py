@@ -26,7 +26,7 @@ from tide_triton.collectives import prepared_all_gather_call, prepared_reduce_sc
 from tide_triton.kernels.segments import Binding  # noqa: E402
 from tide_triton.bench.measure import env_info  # noqa: E402
 from tide_triton.transport import host  # noqa: E402
-from tide_triton.workloads import layer_shapes  # noqa: E402
+from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 
 W = 2
 

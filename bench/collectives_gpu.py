@@ -52,7 +52,7 @@ import threading
 import time
 
 # The threads mode's ranks' streams must not share hardware queues (see
-# tide_triton.single_process.hardware_queues); a process per rank (torchrun) keeps the default:
+# tide_triton.group.single_process.hardware_queues); a process per rank (torchrun) keeps the default:
 # more queues cost the GPU's capacity for contexts
 # (docs/constraints.md#contexts-per-gpu-and-hardware-queues).
 if "RANK" not in os.environ:
@@ -69,7 +69,7 @@ from script_tools import collective_bytes  # noqa: E402
 import tide_triton as tt  # noqa: E402
 from tide_triton import envs, run_graph  # noqa: E402
 from tide_triton.bench.measure import GcPasses, copy_ceiling, env_info  # noqa: E402
-from tide_triton.workloads import layer_shapes  # noqa: E402
+from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 
 
 def rank_devices(W: int, share_gpu: bool) -> list[torch.device]:
@@ -121,7 +121,7 @@ def _count_replays() -> None:
 
 def driver_calls(g, fn) -> int:
     """CUDA driver calls of one ``fn()`` on group ``g``'s transport (after its first call); a
-    prepared run replayed from its recording (``tide_triton.run_graph``) counts its graph
+    prepared run replayed from its recording (``tide_triton.executors.recorded``) counts its graph
     launch once, made through the transport or (older torch) through ``CUDAGraph.replay``."""
     t = g.transport(torch.device("cuda", torch.cuda.current_device()))
     parts = [t._streams, t._copies, t._copy_graphs, t._flags, t._waits]  # every part that calls the driver

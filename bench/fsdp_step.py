@@ -77,7 +77,7 @@ def _watch_binds(step_now) -> list:
     ``(step, collective, full side new, shard side new)`` -- "new" against every set of
     addresses that collective met before (bound or not), so a set that only recurs after
     eviction still counts as seen."""
-    from tide_triton.programs import _Prepared
+    from tide_triton.executors.prepared import _Prepared
 
     log: list = []
     seen: dict = {}
@@ -144,7 +144,7 @@ def _profile_step(step, device: torch.device, trace: str | None = None) -> dict:
     for e in prof.events():  # FSDP2's host ranges, outermost only (they nest: pre_forward > all_gather)
         if e.name.startswith("FSDP::") and not _inside_fsdp_range(e):
             out["fsdp_host_us"] += e.cpu_time_total
-        elif e.name.startswith("tide_triton::"):  # tide_triton.ranges: preparation, host waits, copy graphs
+        elif e.name.startswith("tide_triton::"):  # tide_triton.runtime.profiling: preparation, host waits, copy graphs
             ranges[e.name] = ranges.get(e.name, 0.0) + e.cpu_time_total
     for e in prof.key_averages():
         if e.key in LAYOUT_OPS:

@@ -67,9 +67,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     import tide_triton as tt
-    from tide_triton import hier_collectives as hc
+    from tide_triton.executors import across_nodes as hc
     from tide_triton.bench.measure import copy_ceiling, env_info
-    from tide_triton.workloads import layer_shapes
+    from tide_triton.plan.workloads import layer_shapes
 
     dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()

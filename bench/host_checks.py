@@ -26,9 +26,9 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 
 from tide_triton import collectives as coll  # noqa: E402
-from tide_triton._checks import FLOAT_DTYPES, check_tensor_list, check_uniform  # noqa: E402
-from tide_triton.layout import ShardLayout  # noqa: E402
-from tide_triton.workloads import layer_shapes  # noqa: E402
+from tide_triton.runtime.checks import FLOAT_DTYPES, check_tensor_list, check_uniform  # noqa: E402
+from tide_triton.plan.layout import ShardLayout  # noqa: E402
+from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 
 
 def back_to_back(shapes, dtype, device) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import tide_triton as tt  # noqa: E402
 from tide_triton.bench.measure import GcPasses  # noqa: E402
 from tide_triton.transport import host  # noqa: E402
-from tide_triton.workloads import layer_shapes  # noqa: E402
+from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 
 
 def measure(model: str, op: str, world: int, scale: int, warmup: int, calls: int, profile: bool,

@@ -55,7 +55,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 # One process drives every rank (local_groups): their streams must not share hardware queues
-# (tide_triton.single_process.hardware_queues); read when CUDA initialises, before any GEMM.
+# (tide_triton.group.single_process.hardware_queues); read when CUDA initialises, before any GEMM.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 
@@ -69,7 +69,7 @@ from interference_parts import (TINY_SHAPES, Background, Clock, Gate, append_row
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.1-70b", help="layer from tide_triton.workloads, or 'tiny'")
+    ap.add_argument("--model", default="llama-3.1-70b", help="layer from tide_triton.plan.workloads, or 'tiny'")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--gemm", nargs=3, type=int, default=[1024, 16896, 8192], metavar=("M", "N", "K"))
     ap.add_argument("--gemm-iters", type=int, default=200, help="GEMMs per timed window (>= 50)")
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import tide_triton as tt
     from tide_triton.bench.measure import env_info
-    from tide_triton.workloads import layer_shapes
+    from tide_triton.plan.workloads import layer_shapes
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():

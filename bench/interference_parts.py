@@ -312,7 +312,7 @@ def make_tide(tt: Any, shapes: Sequence[tuple[int, ...]], W: int, device: torch.
 
 def make_sm(shapes: Sequence[tuple[int, ...]], W: int, device: torch.device,
             ) -> tuple[Callable[[int], None], Callable[[int], None], str]:
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     layout = ShardLayout(shapes, W)
     F = layout.flat_shard_numel

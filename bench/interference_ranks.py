@@ -66,7 +66,7 @@ def _make(kind: str, tt: Any, shapes: Any, rank: int, W: int, device: torch.devi
                 tt.synchronize(g, timeout_s=args.timeout)
         return step, done, g.close, (f"tide_triton.reduce_scatter bf16 -> fp32 avg (rs_push={rs_push or 'auto'}, "
                                      "Triton sums)")
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     chunk_cat, cc_name = base._chunk_cat_fn()
     F = ShardLayout(shapes, W).flat_shard_numel
@@ -92,7 +92,7 @@ def run_ranks(args: Any) -> int:
 
     import tide_triton as tt
     from tide_triton.bench.measure import env_info
-    from tide_triton.workloads import layer_shapes
+    from tide_triton.plan.workloads import layer_shapes
 
     device = _device(args)
     gpu = device.type == "cuda"

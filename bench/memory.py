@@ -19,7 +19,7 @@ rank (op avg):
 * ``tide total / rank`` = heap (max over ranks) + torch peak of the first call / W.
 
 From the layout (any W, here W = 2..8 and 64, no GPU): tide_triton's receive ring,
-``tide_triton.schedule.ring_plan(layout, ring_bytes, 2, stages).staging_elems() * 2`` bytes, vs
+``tide_triton.plan.schedule.ring_plan(layout, ring_bytes, 2, stages).staging_elems() * 2`` bytes, vs
 FSDP2's reduce-scatter input with ``reduce_dtype=fp32``: ``4 * sum(padded_numels)`` bytes per rank
 (the whole layer in fp32, padded to W*c rows per parameter), plus its fp32 output (``4 *
 flat_shard_numel``) for reference.
@@ -42,7 +42,7 @@ for _p in (_ROOT, _HERE):
         sys.path.insert(0, _p)
 
 # One process drives every rank (local_groups): their streams must not share hardware queues
-# (tide_triton.single_process.hardware_queues); read when CUDA initialises, before any GEMM.
+# (tide_triton.group.single_process.hardware_queues); read when CUDA initialises, before any GEMM.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # and no lazy kernel load may sync the context
 
@@ -58,14 +58,14 @@ def _shapes(model: str) -> tuple:
         except ImportError:
             from nccl_baseline import TINY_SHAPES  # type: ignore
         return TINY_SHAPES
-    from tide_triton.workloads import layer_shapes
+    from tide_triton.plan.workloads import layer_shapes
 
     return layer_shapes(model)
 
 
 def layout_row(model: str, W: int, ring_bytes: int, stages: int) -> dict:
-    from tide_triton.layout import ShardLayout
-    from tide_triton.schedule import FlagMap, ring_plan
+    from tide_triton.plan.layout import ShardLayout
+    from tide_triton.plan.schedule import FlagMap, ring_plan
 
     layout = ShardLayout(_shapes(model), W)
     plan = ring_plan(layout, ring_bytes, 2, stages)

@@ -100,7 +100,7 @@ NOT_SWAPPED = ("NCCL refused several ranks on one GPU: load NCCL >= 2.30 for thi
 def shapes_of(model: str) -> tuple[tuple[int, ...], ...]:
     if model == "tiny":
         return TINY_SHAPES
-    from tide_triton.workloads import layer_shapes
+    from tide_triton.plan.workloads import layer_shapes
 
     return layer_shapes(model)
 
@@ -368,7 +368,7 @@ class _Rank:
 
 def _model_rows(R: _Rank, model: str, send: Callable[..., None]) -> None:
     W, dev, rank = R.W, R.dev, R.rank
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     shapes = shapes_of(model)
     layout = ShardLayout(shapes, W)
@@ -597,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-70b", "qwen3-30b-a3b"],
-                    help="layer shape sets from tide_triton.workloads, or 'tiny'")
+                    help="layer shape sets from tide_triton.plan.workloads, or 'tiny'")
     ap.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--iters", type=int, default=10)

@@ -27,12 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tide_triton import node_prepare  # noqa: E402
-from tide_triton.heap import ring as heap_ring  # noqa: E402
-from tide_triton.layout import ShardLayout  # noqa: E402
+from tide_triton.plan.heap import ring as heap_ring  # noqa: E402
+from tide_triton.plan.layout import ShardLayout  # noqa: E402
 from tide_triton.bench.measure import env_info  # noqa: E402
-from tide_triton.options import GroupOptions  # noqa: E402
-from tide_triton.schedule import ring_plan  # noqa: E402
-from tide_triton.workloads import layer_shapes  # noqa: E402
+from tide_triton.group.options import GroupOptions  # noqa: E402
+from tide_triton.plan.schedule import ring_plan  # noqa: E402
+from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 
 
 class AddressOnly:

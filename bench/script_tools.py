@@ -14,9 +14,9 @@ if _ROOT not in sys.path:  # run from a checkout: this tree's tide_triton
     sys.path.insert(0, _ROOT)
 
 from tide_triton.bench.report import curves, finish_plot, pyplot  # noqa: E402
-from tide_triton.layout import ShardLayout  # noqa: E402
-from tide_triton.schedule import ring_plan  # noqa: E402
-from tide_triton.workloads import layer_shapes  # noqa: E402
+from tide_triton.plan.layout import ShardLayout  # noqa: E402
+from tide_triton.plan.schedule import ring_plan  # noqa: E402
+from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 
 __all__ = ["script_main", "collective_bytes", "plot_collective_rows", "slot_reuse_table"]
 

@@ -1,5 +1,5 @@
 """Host time per reduce-scatter call of ``Shard(dim > 0)`` parameters before anything moves: the
-split into :class:`~tide_triton.layout.DimShards` parts (a view per part, of the gradients and
+split into :class:`~tide_triton.plan.layout.DimShards` parts (a view per part, of the gradients and
 of the shards) and the call's argument checks on the parts; the layout itself (made once and
 cached by the FSDP2 drop-in) beside them.  Meta tensors: no memory, no kernels.  Shapes: the
 Qwen3-30B-A3B expert layer (``/work/shared/workloads/models.json``), its experts grouped
@@ -16,7 +16,7 @@ import types
 import torch
 
 from tide_triton.collectives import _rs_arguments, split_parts
-from tide_triton.layout import DimShards
+from tide_triton.plan.layout import DimShards
 
 E, H, D = 128, 768, 2048
 CASES = {

@@ -1,7 +1,7 @@
 """Schedule simulator: ``python bench/simulate.py``.
 
 Runs the cross-node all-gather / reduce-scatter schedules of a real layer without data,
-checks them element range by element range (:mod:`tide_triton.schedule_check`), and prints
+checks them element range by element range (:mod:`tide_triton.plan.check`), and prints
 bytes per rank, rounds and staging next to NCCL's ring and FSDP2's buffers.
 
     python bench/simulate.py --model llama-3.1-70b --ranks 16 32 64 128 1024 --local-size 8
@@ -20,16 +20,16 @@ if _ROOT not in sys.path:  # run from a checkout: this tree's tide_triton
     sys.path.insert(0, _ROOT)
 
 from tide_triton.bench.cli import Progress  # noqa: E402
-from tide_triton.hier_schedule import AllGatherPlan, ReduceScatterPlan  # noqa: E402
-from tide_triton.layout import ShardLayout  # noqa: E402
-from tide_triton.schedule_check import (  # noqa: E402
+from tide_triton.plan.across_nodes import AllGatherPlan, ReduceScatterPlan  # noqa: E402
+from tide_triton.plan.layout import ShardLayout  # noqa: E402
+from tide_triton.plan.check import (  # noqa: E402
     fixed_shard_shapes,
     nccl_ring_bytes,
     simulate_all_gather,
     simulate_reduce_scatter,
 )
-from tide_triton.topology import Topology  # noqa: E402
-from tide_triton.workloads import MODELS, layer_shapes  # noqa: E402
+from tide_triton.plan.topology import Topology  # noqa: E402
+from tide_triton.plan.workloads import MODELS, layer_shapes  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -46,7 +46,7 @@ def simulation_rows(model: str, ranks: Sequence[int], local_size: int, chunk_byt
                     elem_bytes: int, fixed_ref: int | None, check_limit: int,
                     on_step: Callable[[str], None] | None = None) -> list[dict]:
     """One row per (mode, world size): the cross-node schedules of ``model``'s layer checked
-    element by element by :mod:`tide_triton.schedule_check` (or, above ``check_limit``
+    element by element by :mod:`tide_triton.plan.check` (or, above ``check_limit``
     estimated runs, counted from the node-level rounds), next to NCCL's ring and FSDP2's
     buffers.  ``on_step(what)`` is called before each piece of work (for progress)."""
     step = on_step or (lambda what: None)

@@ -11,7 +11,7 @@ import torch
 
 from tide_triton.bench import measure as bench
 from tide_triton.kernels import accumulate, pack, placement, segments
-from tide_triton.workloads import layer_shapes
+from tide_triton.plan.workloads import layer_shapes
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import torch
 from tide_triton import ShardLayout, bind_accumulate_shards, bind_place_shards
 from tide_triton.bench.__main__ import main
 from tide_triton.bench.measure import copy_ceiling, env_info
-from tide_triton.workloads import MODELS, layer_shapes
+from tide_triton.plan.workloads import MODELS, layer_shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel benchmarks need a GPU")
 WORLD_SIZES = (8, 64)

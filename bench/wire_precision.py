@@ -9,7 +9,7 @@ Schemes, for W = nodes x local ranks, bf16 gradients (the autograd grads):
 
 * ``tide fp32 wire``: node-local fp32 sum of the L bf16 contributions (local rank order), then
   recursive halving along the rail: every round the partner's fp32 partial sum is added
-  (``held + received``) -- the order ``tide_triton.hier_collectives`` uses, rounding only in fp32;
+  (``held + received``) -- the order ``tide_triton.executors.across_nodes`` uses, rounding only in fp32;
 * ``tide bf16 wire``: the same, but every partial sum is rounded to bf16 when it is sent
   (half the inter-node bytes);
 * ``NCCL ring bf16``: the classic bf16 ring reduce-scatter -- W-1 hops, each adding the next

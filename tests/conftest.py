@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 # The single-process multi-rank tests drive several ranks' streams from one process: they
-# must not share hardware queues (tide_triton.single_process.hardware_queues; 2W+2 for W <= 7).
+# must not share hardware queues (tide_triton.group.single_process.hardware_queues; 2W+2 for W <= 7).
 # Read when CUDA initialises, so set before torch is imported.  Not 32: each queue costs the
 # GPU's context capacity (H200: 62 contexts at 8, 9 at 32; docs/constraints.md), and the
 # tests' spawned ranks (one each, _dist.run_multiprocess: 8) share the GPU with the workers.
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"  # tide_triton.envs.CPU_KERNELS (not imported before the above)
+CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"  # tide_triton.runtime.envs.CPU_KERNELS (not imported before the above)
 # CPU tensors' kernels: through the interpreter where it runs, else (compiled Triton, a GPU
 # machine) as plain torch, so the CPU tests run on both kinds of machine.
 os.environ.setdefault(CPU_KERNELS, "interpret" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "torch")
@@ -343,7 +343,7 @@ def workload_layouts(
     world_size: int, *, factor: int | None = None, max_params: int | None = None
 ) -> dict:
     """``{model: ShardLayout}`` for every model of workloads.json at ``world_size``."""
-    from tide_triton.layout import ShardLayout  # after TRITON_INTERPRET is settled
+    from tide_triton.plan.layout import ShardLayout  # after TRITON_INTERPRET is settled
 
     return {
         m: ShardLayout(workload_shapes(m, factor=factor, max_params=max_params), world_size)

@@ -5,7 +5,7 @@ ordinary (CPU) memory, injects failures.  No GPU, no real driver.
   object, so the fd travels between threads over the real fd passing (Unix sockets).
 * ``cuMulticastBindAddr`` binds a registered CPU tensor's bytes (:meth:`FakeDriver.register`);
   binding before every device was added fails, as the driver documents.
-* :class:`EmulatedBuffers` is the :class:`~tide_triton.multicast_exec.MulticastBuffers` of
+* :class:`EmulatedBuffers` is the :class:`~tide_triton.executors.multicast.MulticastBuffers` of
   one rank over the emulated object: a store to the multicast range is copied to every
   bound buffer, a reducing load sums them in fp32 (the kernels' torch references).
 * ``fail={"cuMulticastBindAddr"}`` makes the first call of that name fail (whichever rank
@@ -26,7 +26,7 @@ import torch
 
 from tide_triton.errors import PeerTimeoutError
 from tide_triton.kernels.multimem import multimem_reduce_ref, multimem_store_ref
-from tide_triton.options import GroupOptions
+from tide_triton.group.options import GroupOptions
 
 SUCCESS = 0
 INVALID_VALUE = 1
@@ -241,7 +241,7 @@ class FakeDriver:
 
 
 class EmulatedBuffers:
-    """One rank's :class:`~tide_triton.multicast_exec.MulticastBuffers` over the fake object
+    """One rank's :class:`~tide_triton.executors.multicast.MulticastBuffers` over the fake object
     mapped at ``mc_va``: stores and reducing loads through the kernels' torch references."""
 
     def __init__(self, fake: FakeDriver, mc_va: int, local: torch.Tensor, barrier: Callable[[], Any]) -> None:

@@ -12,7 +12,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess
 
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 pytestmark = pytest.mark.multiproc
 
@@ -21,7 +21,7 @@ def _repeat(rank: int, W: int, bad_on_repeat: bool) -> dict:
     import time
 
     import tide_triton as tt
-    from tide_triton.transport.base import PeerTimeoutError
+    from tide_triton.errors import PeerTimeoutError
 
     g = tt.init(timeout_s=20, agree="first")
     exchanges = []
@@ -128,7 +128,8 @@ def test_thousands_of_signatures_stay_fingerprinted_and_calls_describe_none() ->
     stay cached (a second pass over 5,000 costs no fingerprint again), and a call's identity
     keeps its signature, described only for an error message -- ``describe`` of a 771-parameter
     signature is a ``repr`` of every shape (~0.2 ms) and its cache is small."""
-    from tide_triton import calls, signatures
+    from tide_triton.group import calls
+    from tide_triton.group import signatures
 
     sigs = [("reduce_scatter", ("FSDP2 group", f"layers.{i}"), ("shapes", ((512, 1024),) * 3)) for i in range(5000)]
     for s in sigs:

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover
 
 import tide_triton as tt
 import tide_triton.collectives as coll
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 SHAPES = [(7, 5), (3,), (13, 2)]
 W = 2

@@ -15,9 +15,9 @@ import types
 import pytest
 import torch
 
-from tide_triton import programs
-from tide_triton._checks import CheckedLists
-from tide_triton.layout import ShardLayout
+from tide_triton.executors import prepared as programs
+from tide_triton.runtime.checks import CheckedLists
+from tide_triton.plan.layout import ShardLayout
 
 W = 3
 LAYOUTS = [ShardLayout([(7, 3), (2,), (5, 2)], W), ShardLayout([(6, 4), (4,)], W), ShardLayout([(3, 3)], W)]

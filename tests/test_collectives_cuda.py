@@ -48,7 +48,7 @@ def test_reused_copy_lists_in_the_single_process_mode(monkeypatch, mode: str) ->
     except ImportError:  # pragma: no cover
         from tests._dist import run_threads
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     monkeypatch.setenv("TIDE_TRITON_COPY_GRAPHS", mode)
     W, dev = 2, torch.device("cuda", 0)

@@ -19,9 +19,9 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
-from tide_triton import exec_state
-from tide_triton.layout import ShardLayout
-from tide_triton.schedule import ring_plan
+from tide_triton.executors import state as exec_state
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.plan.schedule import ring_plan
 
 pytestmark = pytest.mark.multiproc
 

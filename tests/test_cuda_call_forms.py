@@ -130,7 +130,7 @@ for sig in ("direct", "copy"):
         f.wait(3, 1 << 40, peer=1, timeout_s=1.0)
 f._memops(st.copy_stream_int, [(f._WRITE_OP, base, 7, f.WRITE)] * 300, "write")  # > 255: two calls
 assert set(w._pending) == {1, 2, 3}, w._pending
-# A run recorded into a graph (tide_triton.run_graph): its waits go into the recording, not
+# A run recorded into a graph (tide_triton.executors.recorded): its waits go into the recording, not
 # into the pending waits (nothing waits until a replay); each replay notes them as pending on
 # the stream it was launched on -- what a stuck synchronize names.
 before = dict(w._pending)

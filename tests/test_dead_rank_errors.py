@@ -143,7 +143,7 @@ def test_a_failing_store_raises_peer_lost_naming_its_host() -> None:
     """Any store operation that fails (here every one) ends an exchange in ``PeerLostError``
     naming the store's host, torch's error as its cause."""
     import tide_triton as tt
-    from tide_triton.bootstrap import Exchange, StoreKeyValue
+    from tide_triton.group.bootstrap import Exchange, StoreKeyValue
 
     class DeadStore:
         host, port = "10.0.0.1", 29500
@@ -170,8 +170,8 @@ def test_a_failing_store_raises_peer_lost_naming_its_host() -> None:
 
 def _identity(rank: int, kv, world_size: int = 4):
     """A group's call-identity side alone (no transport), in call #5, over the store ``kv``."""
-    from tide_triton.bootstrap import Exchange
-    from tide_triton.calls import CallIdentity
+    from tide_triton.group.bootstrap import Exchange
+    from tide_triton.group.calls import CallIdentity
 
     g = CallIdentity(rank, world_size, Exchange(kv, "g/", rank, world_size), flags=None, timeout_s=2.0)
     g.seq = 5
@@ -181,7 +181,7 @@ def _identity(rank: int, kv, world_size: int = 4):
 @contextlib.contextmanager
 def _waiting(kv, waits: dict[int, int]):
     """Ranks ``waits`` keys waiting for their values in call #5: notes renewed every 50 ms."""
-    from tide_triton.bootstrap import Exchange
+    from tide_triton.group.bootstrap import Exchange
 
     ex = {r: Exchange(kv, "g/", r, 4) for r in waits}
     stop = threading.Event()
@@ -205,7 +205,7 @@ def test_a_timeout_follows_live_waits_to_the_rank_that_waits_for_nobody() -> Non
     for rank 1, whose note says rank 0; rank 0 noted nothing: rank 0 is named, via 2 and 1.
     A note that is not renewed is a wait that ended: the chain stops there."""
     import tide_triton as tt
-    from tide_triton.bootstrap import LocalKeyValue
+    from tide_triton.group.bootstrap import LocalKeyValue
 
     kv = LocalKeyValue()
     me = _identity(3, kv)
@@ -224,7 +224,7 @@ def test_a_timeout_keeps_its_rank_when_the_waits_go_round() -> None:
     """Ranks waiting on each other (rank 2 for this rank, or 2 for 1 and 1 for 2: calls that
     differ) leave nobody missing: the error keeps the rank waited for."""
     import tide_triton as tt
-    from tide_triton.bootstrap import LocalKeyValue
+    from tide_triton.group.bootstrap import LocalKeyValue
 
     for waits in ({2: 3}, {2: 1, 1: 2}):
         kv = LocalKeyValue()
@@ -238,7 +238,7 @@ def test_a_peer_that_gave_up_on_a_third_rank_names_that_rank() -> None:
     rank 1, raises ``PeerTimeoutError`` naming rank 0 via rank 1 -- and rank 0, the rank it
     gave up on, keeps ``PeerAbortedError`` naming rank 1."""
     import tide_triton as tt
-    from tide_triton.bootstrap import Exchange, LocalKeyValue
+    from tide_triton.group.bootstrap import Exchange, LocalKeyValue
 
     kv = LocalKeyValue()
     Exchange(kv, "g/", 1, 4).publish_abort(

@@ -1,5 +1,5 @@
 """The rule around driver calls that wait for every stream of the process (module loads; see
-``tide_triton/device_wide.py``): registered owners settle before one, a kernel variant's
+``tide_triton/runtime/device_wide.py``): registered owners settle before one, a kernel variant's
 first load settles first and only once, and a transport that cannot settle names the peer
 its streams wait for.  The GPU case (a peer late on its GPU, a new kernel variant loaded
 meanwhile) is in tests/test_faults.py."""
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from tide_triton import device_wide
+from tide_triton.runtime import device_wide
 from tide_triton.errors import PeerTimeoutError
 
 
@@ -66,7 +66,7 @@ def test_a_kernel_variant_settles_before_its_first_load_and_only_then(clean_regi
     loaded -- the next prepare settles (and loads) again."""
     from tide_triton.kernels import segments
     from tide_triton.kernels.accumulate import bind_accumulate_shards
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     events: list = []
     owner = _Owner(events, "transport", device=None)  # the CPU tensors below: device index None

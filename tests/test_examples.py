@@ -109,7 +109,7 @@ def test_dit_example_block_is_wan22_14b_block() -> None:
         from train_dit import DiT, DiTConfig
     finally:
         sys.path.remove(str(EXAMPLES))
-    from tide_triton.workloads import layer_names, layer_shapes
+    from tide_triton.plan.workloads import layer_names, layer_shapes
 
     with torch.device("meta"):
         model = DiT(DiTConfig.wan22_14b(1))

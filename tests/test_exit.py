@@ -1,5 +1,5 @@
 """A process that used tide_triton exits cleanly: no thread of the library is left for the
-interpreter to end while it finalizes (tide_triton/stall_watch.py).
+interpreter to end while it finalizes (tide_triton/runtime/stall_watch.py).
 
 Python ends a daemon thread still alive at finalization with ``pthread_exit`` from wherever it
 stands; a thread standing inside a torch call then unwinds through a C++ ``noexcept`` frame and
@@ -67,7 +67,7 @@ def test_exit_is_clean_while_the_stall_watcher_runs_torch_code() -> None:
             import threading
             import time
             import torch
-            from tide_triton import stall_watch
+            from tide_triton.runtime import stall_watch
 
             stall_watch.POLL_S = 1e-4
             a = torch.randn(1024, 1024)

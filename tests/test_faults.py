@@ -543,8 +543,8 @@ def test_stuck_waits_are_released_only_for_peers_that_abandoned_their_calls() ->
     process's device-wide synchronize does not hang), but only when every peer those waits
     wait for published an abort: a peer that is only slow would otherwise receive pushes into
     slots it has not read yet (a wrong result without an error)."""
-    from tide_triton.bootstrap import Abort
-    from tide_triton.calls import CallIdentity
+    from tide_triton.group.bootstrap import Abort
+    from tide_triton.group.calls import CallIdentity
 
     class Aborts:
         def __init__(self, by: dict) -> None:
@@ -567,8 +567,8 @@ def test_a_peer_abort_is_read_for_the_call_it_abandoned_not_its_later_refusals()
     refused #5 ("broken"): a peer explaining its wait on #3 reads the refusal of #3 -- a store
     holding only the latest abort would report "abandoned call #5: its group is broken"
     instead of the argument error that caused it."""
-    from tide_triton.bootstrap import Exchange, LocalKeyValue
-    from tide_triton.calls import CallIdentity
+    from tide_triton.group.bootstrap import Exchange, LocalKeyValue
+    from tide_triton.group.calls import CallIdentity
     from tide_triton.errors import PeerAbortedError
 
     kv = LocalKeyValue()
@@ -629,7 +629,7 @@ def _load_while_a_peer_is_late(rank: int, W: int) -> dict:
 @pytest.mark.gpu
 def test_a_kernel_load_while_a_peer_is_late_ends_in_an_error_naming_it() -> None:
     """A module load waits for every stream of the process and stops the process's other
-    driver calls (tide_triton/device_wide.py): rank 0 loads the ``avg`` variant while its
+    driver calls (tide_triton/runtime/device_wide.py): rank 0 loads the ``avg`` variant while its
     stream waits for rank 1 (late on its GPU), and must not stop inside the driver until
     rank 1 catches up (had rank 1 died: forever, no deadline firing).  The promise: every rank
     ends in an error naming its peer, rank 0 within its deadline, never a value.  Which rank

@@ -159,7 +159,7 @@ def _scenario_slot(W, rank, device):
                 res["slot_bytes"] = sum({st.slot.region.key: st.slot.region.nbytes for m in [model, *model.layers]
                                          for st in [group_state(param_groups(m)[0])]}.values())
                 res["attrs_written"] = _tide_attrs(model)
-                from tide_triton.collectives import released_block_bytes
+                from tide_triton.executors.ag_block import released_block_bytes
                 res["block_released"] = released_block_bytes(region.group, torch.device(device).type)
                 res["nodes"] = region.group.nodes
                 res["regions_end"] = region.group.heap_regions_end

@@ -61,7 +61,7 @@ class _Carver:
 
 
 def _room(shapes: list[tuple[int, ...]], W: int) -> int:
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     layout = ShardLayout(shapes, W)
     return W * sum(layout.padded_shard_numels) + 2 * _GUARD * (len(shapes) + 2)
@@ -69,7 +69,7 @@ def _room(shapes: list[tuple[int, ...]], W: int) -> int:
 
 def _guarded(rank: int, W: int, kind: str = "cpu", local_size: int | None = None) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     dev = rank_device(rank) if kind == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
@@ -179,7 +179,7 @@ def test_kernels_write_only_inside_their_outputs(device: torch.device, padded: b
     into a flat buffer, each output carved between guard bands: the bands stay intact and the
     outputs equal the plain-torch references."""
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     W, rank = 3, 2  # the last rank: fewer real rows, or none
     shapes = _shapes(W)

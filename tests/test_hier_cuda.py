@@ -74,7 +74,7 @@ def _late_rank(rank: int, W: int, local: int) -> dict:
     import torch.distributed as dist
 
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
     from tide_triton.transport.base import PeerTimeoutError
 
     torch.cuda.set_device(0)
@@ -87,7 +87,8 @@ def _late_rank(rank: int, W: int, local: int) -> dict:
     tt.reduce_scatter(grads, shards, op="sum", group=g)  # set-up (communicators, windows) everywhere
     tt.synchronize(g)
     dist.barrier()
-    out: dict = {"path": __import__("tide_triton.hier_collectives", fromlist=["stats"]).stats(g, "cuda")["inter_node"]}
+    from tide_triton.executors import across_nodes
+    out: dict = {"path": across_nodes.stats(g, "cuda")["inter_node"]}
     if rank == W - 1:
         time.sleep(6)
     tt.reduce_scatter(grads, shards, op="sum", group=g)
@@ -124,7 +125,7 @@ def _mixed_calls(rank: int, W: int, local: int) -> dict:
     rail peers' only link)."""
     import tide_triton as tt
     from tide_triton.errors import ArgumentMismatchError
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     torch.cuda.set_device(0)
     g = tt.init(local_size=local, timeout_s=60, chunk_bytes=1 << 20, agree="first")

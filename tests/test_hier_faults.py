@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_threads
     from tests.test_hier_host import _CHUNK, _int, _ring_bytes
 
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 from tide_triton.transport.base import PeerTimeoutError
 
 
@@ -91,8 +91,8 @@ def test_synchronize_side_waits_the_executors_stream_whatever_the_device_spellin
     must not look up another side stream -- on a GPU ``own_streams.take`` fails on its missing
     index with a bare ``TypeError``; with an index-free key it would wait for an idle new
     stream while an ``async_op`` collective still ran on the real one."""
-    from tide_triton.exec_state import ExecState
-    from tide_triton.hier_collectives import _State, synchronize_side
+    from tide_triton.executors.state import ExecState
+    from tide_triton.executors.across_nodes import _State, synchronize_side
 
     class _T:  # the node's transport as the group holds it (GlobalRanks over a CUDA transport)
         def __init__(self) -> None:
@@ -204,7 +204,7 @@ def test_node_rounds_refuse_a_bad_node_count(bad: object, exc: type, msg: str) -
     """The public node-level schedules named no argument on a bad node count: 0 and negative
     counts returned rounds without transfers (a schedule that moves nothing), a float failed
     deep inside with ``unsupported operand type(s) for &``."""
-    from tide_triton.hier_schedule import all_gather_node_rounds, reduce_scatter_node_rounds
+    from tide_triton.plan.across_nodes import all_gather_node_rounds, reduce_scatter_node_rounds
 
     for fn in (all_gather_node_rounds, reduce_scatter_node_rounds):
         with pytest.raises(exc, match=msg):
@@ -267,7 +267,7 @@ def test_cross_node_calls_that_differ_raise_at_the_next_call_where_no_flag_reach
     checks the rail peers' of the previous such call: both ranks raise at the next call.
     Here on the host, with its rail flag check taken away as on CUDA (two nodes of one rank)."""
     import tide_triton as tt
-    from tide_triton import hier_collectives as hc
+    from tide_triton.executors import across_nodes as hc
     from tide_triton.errors import ArgumentMismatchError
 
     monkeypatch.setattr(hc, "_direct_peers", lambda g, cuda: [])  # local_size 1: no node peers
@@ -313,9 +313,9 @@ def test_a_broken_group_closes_its_nccl_hop_with_the_short_drain(broken: bool) -
     """``Group.close`` gives a broken group's transports a 3 s drain (their work may wait
     forever on peers), the cross-node hop included -- not its default 30 s."""
     import tide_triton as tt
-    from tide_triton.group import _BROKEN_DRAIN_S
-    from tide_triton import exec_state
-    from tide_triton.hier_collectives import _State
+    from tide_triton.group.core import _BROKEN_DRAIN_S
+    from tide_triton.executors import state as exec_state
+    from tide_triton.executors.across_nodes import _State
 
     drains: list = []
 
@@ -335,8 +335,8 @@ def test_a_group_closes_every_executor_part_when_one_fails_and_raises_the_first_
     """The executors' state closes with the group part by part: a multicast buffer that fails
     to close leaves the across-nodes hop closed all the same, and ``Group.close`` raises it."""
     import tide_triton as tt
-    from tide_triton import exec_state
-    from tide_triton.hier_collectives import _State
+    from tide_triton.executors import state as exec_state
+    from tide_triton.executors.across_nodes import _State
 
     closed: list = []
 

@@ -1,5 +1,5 @@
 """Declared topologies on the host transport: the cross-node reduce_scatter / all_gather
-(tide_triton.hier_collectives) run for real, in several processes joined by gloo, with the
+(tide_triton.executors.across_nodes) run for real, in several processes joined by gloo, with the
 inter-node hop emulated over shared memory (HostInterNode).
 
 Every value is an integer-valued bf16 (|x| <= 8), so sums are exact in fp32 in any order and
@@ -22,10 +22,10 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
-from tide_triton import exec_state
-from tide_triton.hier_schedule import AllGatherPlan, ReduceScatterPlan
-from tide_triton.layout import ShardLayout
-from tide_triton.topology import Topology
+from tide_triton.executors import state as exec_state
+from tide_triton.plan.across_nodes import AllGatherPlan, ReduceScatterPlan
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.plan.topology import Topology
 
 pytestmark = pytest.mark.multiproc
 
@@ -65,7 +65,7 @@ def _hier(pg, rank: int, W: int, L: int, seed: int, device: str = "cpu", **optio
     """Every check of a declared topology; ``device="cuda"``: the same on the GPU path
     (node-local CUDA transport + NCCL between nodes), tensors moved there and back."""
     import tide_triton as tt
-    from tide_triton import hier_collectives as hc
+    from tide_triton.executors import across_nodes as hc
 
     g = tt.init(pg, local_size=L, timeout_s=30, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK, **options)
     dev = torch.device(device)
@@ -319,7 +319,7 @@ def test_single_process_mode_refuses_lazy_module_loading(monkeypatch) -> None:
     other): a CUDA transport of several ranks in one process refuses it, with an error that
     says how to fix it (the driver reads the variable once, at cuInit: the library cannot)."""
     import tide_triton as tt
-    from tide_triton import single_process
+    from tide_triton.group import single_process
     from tide_triton.transport import driver
 
     assert single_process._lazy_loading_problem(1, True) is None  # one rank waits on no one
@@ -344,7 +344,7 @@ def test_single_process_mode_refuses_lazy_module_loading(monkeypatch) -> None:
 def test_single_process_mode_with_declared_nodes() -> None:
     # local_groups(local_size=...): the same cross-node executor, ranks as threads.
     import tide_triton as tt
-    from tide_triton import hier_collectives as hc
+    from tide_triton.executors import across_nodes as hc
 
     W, L = 4, 2
     groups = tt.local_groups(W, local_size=L, timeout_s=30, ring_bytes=_ring_bytes(W, L), chunk_bytes=_CHUNK)
@@ -377,7 +377,7 @@ def test_single_process_mode_with_declared_nodes() -> None:
 
 def _mixed_params(rank: int, W: int, L: int) -> str:
     import tide_triton as tt
-    from tide_triton.group import ArgumentMismatchError
+    from tide_triton.errors import ArgumentMismatchError
 
     g = tt.init(local_size=L, timeout_s=30)
     shapes = [(W + 1, 3)]  # padded rows differ from the full ones

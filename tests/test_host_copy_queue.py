@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover
     from tests.test_collectives_host import _scenarios
 
 import tide_triton as tt
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 ASYNC = {"tide_triton.transport.host.COPY_QUEUE": "async"}
 """The copy queue behind the caller, as ``run_multiprocess(attrs=...)`` sets it in its children."""
@@ -142,7 +142,7 @@ def test_all_gathers_back_to_back_with_a_slow_peer(monkeypatch, prepared: bool) 
 def test_the_queue_shows_the_race_the_block_free_wait_prevents(monkeypatch) -> None:
     """The harness can fail: without the prepared all-gather's wait for its block's previous
     run, the slow peer reads the next run's values."""
-    import tide_triton.programs as programs
+    import tide_triton.executors.prepared as programs
 
     monkeypatch.setattr(programs.PreparedAllGather, "_block_free", lambda self: [None])
     bad = _wrong_runs(_back_to_back(monkeypatch, prepared=True))
@@ -193,7 +193,7 @@ def test_captured_all_gathers_replayed_back_to_back_with_a_slow_peer(monkeypatch
     each), back to back, rank 1's copies 30 ms late: every run delivers its own values -- a
     captured run ends joined (the caller waits for its quiescent end), which is all that
     orders the next cast into the block, within a replay and across replays."""
-    from tide_triton.host_capture import HostGraph, capture
+    from tide_triton.runtime.host_capture import HostGraph, capture
 
     monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
     W = 2

@@ -1,5 +1,5 @@
 """Host cost of a collective independent of the parameter count: copy plans
-(:func:`tide_triton.copy_plan.plan_copies`) merge back-to-back copies and make runs of equal
+(:func:`tide_triton.executors.copy_plan.plan_copies`) merge back-to-back copies and make runs of equal
 copies one strided copy, exactly.
 
 * The plan moves every byte from the same source as the list it replaces (random lists on a
@@ -22,12 +22,12 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
 import tide_triton.collectives as coll
-import tide_triton.node_prepare as node_prepare
-from tide_triton.copy_plan import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies, prepare_planned
-from tide_triton.heap import ring as heap_ring
-from tide_triton.layout import ShardLayout
-from tide_triton.schedule import ring_plan
-from tide_triton.workloads import layer_shapes, scaled_shapes
+import tide_triton.executors.prepare as node_prepare
+from tide_triton.executors.copy_plan import STRIDED_MIN_ROWS, Strided, expand_copies, plan_copies, prepare_planned
+from tide_triton.plan.heap import ring as heap_ring
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.plan.schedule import ring_plan
+from tide_triton.plan.workloads import layer_shapes, scaled_shapes
 
 
 # ------------------------------------------------------------------------------ the planner
@@ -265,7 +265,7 @@ def test_planned_collectives_exact_and_bit_identical(W: int, device: str) -> Non
     On an H200 under lazy loading the rank threads stopped in ``Tensor.to``
     (a kernel's first launch loads its module, which synchronizes the context while the
     ranks' streams wait on each other) -- 3 of 3 runs under load; 3 of 3 passed with
-    ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.single_process._lazy_loading_problem)."""
+    ``CUDA_MODULE_LOADING=EAGER`` (tide_triton.group.single_process._lazy_loading_problem)."""
     if device == "cuda":
         out = run_multiprocess(_planned_and_unplanned, 1, W, device, timeout=240,
                                env={"CUDA_DEVICE_MAX_CONNECTIONS": "32", "CUDA_MODULE_LOADING": "EAGER"})[0]
@@ -347,7 +347,7 @@ def test_argument_checks_hold_no_object_per_parameter() -> None:
     started a garbage-collector pass -- 4 per all-gather of the 256-expert layer, and now and
     then a full pass of ~70 ms over the whole process inside one call
     (docs/constraints.md#garbage-collector-passes)."""
-    from tide_triton._checks import check_gather_shards, check_shapes
+    from tide_triton.runtime.checks import check_gather_shards, check_shapes
 
     W, me = 2, 0
     shapes = [(4 + i % 3, 2) for i in range(3000)]
@@ -446,7 +446,7 @@ def test_copy_graphs_off_by_default_where_ranks_share_a_process() -> None:
     ``off`` are kept as asked, and one rank per process keeps ``auto``.  The transport passes
     its in-process rank count (``CudaTransport.create_local_group``: all of them; on the GPU
     ``test_collectives_cuda.py::test_reused_copy_lists_in_the_single_process_mode``)."""
-    from tide_triton import envs
+    from tide_triton.runtime import envs
 
     def mode(value: str, ranks: int) -> str:
         return envs.copy_graphs({"TIDE_TRITON_COPY_GRAPHS": value}, ranks_in_process=ranks)
@@ -464,7 +464,7 @@ def test_single_process_mode_beyond_the_hardware_queues_is_warned_about(monkeypa
     variable is already at 32 here, as the benches set it).  Without CUDA nothing is said."""
     import logging
 
-    from tide_triton.single_process import hardware_queues
+    from tide_triton.group.single_process import hardware_queues
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -488,7 +488,7 @@ def test_only_local_groups_sets_the_hardware_queues_and_only_where_unset(monkeyp
     import os
 
     import tide_triton as tt
-    from tide_triton.single_process import hardware_queues
+    from tide_triton.group.single_process import hardware_queues
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
@@ -572,7 +572,7 @@ def test_array_planner_equals_the_element_planner(seed: int) -> None:
     the element-by-element planner (merges, strided runs, runs cut short, empty copies)."""
     import numpy as np
 
-    from tide_triton.copy_plan import _plan_lists, plan_copy_arrays
+    from tide_triton.executors.copy_plan import _plan_lists, plan_copy_arrays
 
     def _plan(d, x, b):
         return plan_copy_arrays(*(np.asarray(v, dtype=np.int64) for v in (d, x, b)), 4)

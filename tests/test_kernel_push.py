@@ -14,10 +14,10 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_threads
 
 import tide_triton as tt
-from tide_triton import node_prepare
-from tide_triton.layout import ShardLayout
-from tide_triton.schedule import ring_plan
-from tide_triton.workloads import layer_shapes
+from tide_triton.executors import prepare as node_prepare
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.plan.schedule import ring_plan
+from tide_triton.plan.workloads import layer_shapes
 
 # many small parameters (a MoE layer in miniature: > KERNEL_PUSH_MIN_PIECES pieces per round)
 # beside uneven ones (padded and empty shards)
@@ -185,7 +185,7 @@ def test_a_failed_run_keeps_its_kernel_pushes_for_the_group() -> None:
     group keeps their tables (``node_prepare.keep_after_failure``) so their memory is never
     reused under a late launch -- past the group's close where that leaked the heap (its streams
     still busy), else until it."""
-    from tide_triton import parts
+    from tide_triton.group import parts
     from tide_triton.errors import PeerTimeoutError
 
     W = 2

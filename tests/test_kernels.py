@@ -949,7 +949,7 @@ def test_a_launch_waits_for_a_tile_table_uploaded_on_another_stream() -> None:
     the pointer-upload stream alone; nothing waits where both went up on the launch stream.
     (Host-side fakes: the streams and the compiled kernel; the GPU test is in test_programs.)"""
     from tide_triton.kernels.segments import Binding
-    from tide_triton.node_prepare import KernelPush
+    from tide_triton.executors.prepare import KernelPush
 
     tiles_stream, ptr_stream = _FakeStream("tiles"), _FakeStream("pointers")
     kernel = _FakeKernel()

@@ -24,7 +24,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 try:  # pytest's default "prepend" import mode puts tests/ on sys.path
     from _dist import run_multiprocess

@@ -16,7 +16,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess
 
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.multiproc]
 

@@ -14,10 +14,10 @@ from _dist import run_threads
 from fake_multicast import EmulatedBuffers, FakeDriver, ThreadExchange
 
 import tide_triton as tt
-from tide_triton import envs
-from tide_triton.group import GroupOptions
-from tide_triton.layout import ShardLayout
-from tide_triton.multicast_exec import all_gather_node, chunk_plan, reduce_scatter_node
+from tide_triton.runtime import envs
+from tide_triton.group.core import GroupOptions
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.executors.multicast import all_gather_node, chunk_plan, reduce_scatter_node
 from tide_triton.transport import driver as drv
 from tide_triton.transport import multicast as mc
 from tide_triton.transport.multicast import (MulticastObject, RankFacts, device_supports_multicast,

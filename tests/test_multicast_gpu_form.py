@@ -17,11 +17,11 @@ from _dist import run_threads
 from fake_multicast import (FakeDriver, FakeGroup, FakeHeaps, FakeKernel, OnCuda, ThreadExchange, run_reduce,
                             run_store)
 
-from tide_triton import device_wide
-from tide_triton import multicast_exec as mcx
+from tide_triton.runtime import device_wide
+from tide_triton.executors import multicast as mcx
 from tide_triton.errors import PeerTimeoutError
 from tide_triton.kernels import multimem as mm
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 from tide_triton.transport import driver as drv
 from tide_triton.transport.multicast import MulticastObject
 
@@ -214,7 +214,7 @@ def test_barrier_has_a_deadline_naming_the_peer(monkeypatch):
 
 def test_first_launch_of_each_kernel_variant_settles_first(monkeypatch):
     """Finding: a kernel variant's first launch loads its module, which waits for every stream
-    of the process (tide_triton.device_wide); the multimem launchers did not settle first (the
+    of the process (tide_triton.runtime.device_wide); the multimem launchers did not settle first (the
     store is launched before any barrier, behind whatever the stream holds)."""
     W = 2
     form = GpuForm(monkeypatch, W)
@@ -365,7 +365,7 @@ def test_all_gather_enqueues_no_store_behind_a_stuck_stream(monkeypatch):
 
 
 class _SharedBuffers:
-    """:class:`~tide_triton.multicast_exec.MulticastBuffers` of plain tensors shared by rank
+    """:class:`~tide_triton.executors.multicast.MulticastBuffers` of plain tensors shared by rank
     threads: a store lands in every rank's buffer, a reducing load sums them all."""
 
     def __init__(self, bufs: list, rank: int, barrier: threading.Barrier) -> None:
@@ -392,7 +392,7 @@ def test_the_multicast_branches_check_their_tensors_like_the_copy_engine_path(co
     an error, a shard over parameter bytes sends rows another chunk overwrote.  Every rank
     raises, naming the argument, before anything moves."""
     import tide_triton as tt
-    from tide_triton import multicast_exec
+    from tide_triton.executors import multicast as multicast_exec
 
     W = 2
     shapes = [(6, 4), (6, 4)]

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tide_triton import hier_collectives as hc
-from tide_triton.group import GroupOptions
+from tide_triton.executors import across_nodes as hc
+from tide_triton.group.core import GroupOptions
 from tide_triton.transport import internode as inode
 from tide_triton.transport import nccl
 

@@ -335,8 +335,8 @@ def test_groups_close_newest_first() -> None:
     import weakref
 
     import tide_triton as tt
-    from tide_triton import group as group_mod
-    from tide_triton import process_groups
+    from tide_triton.group import core as group_mod
+    from tide_triton.group import process_groups
 
     first = tt.local_groups(2, timeout_s=30)
     second = tt.local_groups(2, timeout_s=30)

@@ -186,7 +186,7 @@ def test_stuck_names_the_oldest_nccl_wait_not_passed() -> None:
 def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None:
     from types import SimpleNamespace
 
-    from tide_triton.hier_collectives import _State, synchronize_side
+    from tide_triton.executors.across_nodes import _State, synchronize_side
     from tide_triton.transport.base import PeerTimeoutError
 
     class _T:

@@ -66,7 +66,7 @@ def _region_bytes(layout, gap: int) -> int:
 
 def _equal_to_block(rank: int, W: int, kind: str) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     dev = _device(kind, rank)
     if dev.type == "cuda":
@@ -120,7 +120,7 @@ def test_all_gather_from_region_equals_block_path(world_size: int, kind: str) ->
 
 def _no_block(rank: int, W: int, kind: str) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     dev = _device(kind, rank)
     if dev.type == "cuda":
@@ -154,7 +154,7 @@ def _padding_stays_in_the_shard(rank: int, W: int, kind: str) -> dict:
     after the last one; shards padded (FSDP2's layout), copied and cast.  The last ranks'
     shard padding lies past the end of an unpadded parameter: it must not be written there."""
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     dev = _device(kind, rank)
     if dev.type == "cuda":
@@ -203,7 +203,7 @@ def _vacate_waits(rank: int, W: int, how: str) -> dict:
     """Rank 1 is slow to read rank 0's rows (its pulls from rank 0's heap sleep first); rank
     0's all-gather returns at once, then it vacates its copy."""
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     g = tt.init(timeout_s=3 if how == "never" else 60)
     shapes = [(8, 4), (5,)]
@@ -281,7 +281,7 @@ def test_vacate_names_a_reader_that_never_finishes() -> None:
 
 def _bad_args(rank: int, W: int) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     g = tt.init(timeout_s=30)
     other = tt.local_groups(1)[0]
@@ -340,7 +340,7 @@ def test_bad_params_region_raises_on_every_rank() -> None:
 
 def _across_nodes(rank: int, W: int) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     g = tt.init(timeout_s=30, local_size=1)
     layout = ShardLayout([(4, 2)], W)
@@ -367,7 +367,7 @@ def _slow_reader_on_gpu(rank: int, W: int) -> dict:
     wait (on its stream) for rank 1's reads, or rank 1 reads rank 2's gradients as rank 0's
     parameters."""
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     dev = rank_device(rank)
     torch.cuda.set_device(dev)

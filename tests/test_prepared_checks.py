@@ -26,9 +26,9 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_multiprocess, run_threads
 
 import tide_triton as tt
-from tide_triton import prepared_held
+from tide_triton.executors import held as prepared_held
 from tide_triton.errors import PeerAbortedError
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 W = 2
 SHAPES = [(4, 6), (5,), (6, 6)]  # the first, changed, parameter: 2-D, non-square, even rows

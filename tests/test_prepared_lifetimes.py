@@ -19,9 +19,9 @@ except ImportError:  # pragma: no cover
     from tests.test_programs import SHAPES, W, _close, _grads, _groups, _want
 
 import tide_triton as tt
-from tide_triton import exec_state
-from tide_triton.host_capture import HostGraph, capture
-from tide_triton.layout import ShardLayout
+from tide_triton.executors import state as exec_state
+from tide_triton.runtime.host_capture import HostGraph, capture
+from tide_triton.plan.layout import ShardLayout
 
 
 def test_a_closed_group_lets_go_of_its_captured_collectives() -> None:

@@ -17,9 +17,9 @@ except ImportError:  # pragma: no cover
     from tests._dist import run_threads
 
 import tide_triton as tt
-from tide_triton import exec_state
+from tide_triton.executors import state as exec_state
 from tide_triton.errors import GroupBrokenError, PeerAbortedError, PeerTimeoutError
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 W = 3
 SHAPES = [(37, 5), (3,), (53, 2), (1, 4), (100,)]  # uneven rows: padded and empty shards at W=3
@@ -345,7 +345,7 @@ def test_new_gradients_beside_known_shards_are_checked_and_paired_with_them(case
     its own bytes (same address, same element count, not contiguous), and it is refused naming
     it (its peers' step names rank 0); every step before is exact, and with good gradients
     every step is."""
-    from tide_triton import exec_state
+    from tide_triton.executors import state as exec_state
     from tide_triton.collectives import prepared_reduce_scatter_call
 
     layout = ShardLayout(SHAPES, W)
@@ -787,7 +787,7 @@ def test_unheld_prepared_collectives_run_on_the_tensors_of_the_moment() -> None:
     (the peers' side is the heap), known ones run as bound; every run exact.  Wrong shapes at
     new addresses are refused (ValueError naming the argument); ``run()`` says why it cannot."""
     import tide_triton.collectives as coll
-    import tide_triton.programs as programs
+    import tide_triton.executors.prepared as programs
 
     layout = ShardLayout(SHAPES, W)
     gen = torch.Generator().manual_seed(8)
@@ -854,7 +854,7 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
     group; its results are exact.  After a capture, eager runs end joined too.  Under capture,
     ``async_op=True`` and tensors it never ran on raise ValueError naming the cause (a run that
     raises breaks the group: runs are not agreed)."""
-    import tide_triton.programs as programs
+    import tide_triton.executors.prepared as programs
     from tide_triton.kernels.segments import Binding
     from tide_triton.transport.host import HostTransport
 
@@ -984,12 +984,12 @@ def test_a_captured_run_records_only_what_a_graph_replays(monkeypatch) -> None:
 def test_captured_runs_replay_exactly_on_the_host(monkeypatch, queue: str, rs_push: str) -> None:
     """Issue 15's "replays exact" on the CPU: each rank captures its prepared reduce-scatter
     (sum, padded shards) and all-gather (fp32 -> bf16, a cast) into a host graph
-    (:mod:`tide_triton.host_capture`: the copies, signals, waits, fences and kernel launches are
+    (:mod:`tide_triton.runtime.host_capture`: the copies, signals, waits, fences and kernel launches are
     recorded, nothing moves), then replays it with new gradient values -- an eager run of the
     same prepared collectives and an eager reduce-scatter between replays; every replay exact
     and bit-identical to the eager reduce-scatter on the same values.  ``async``: the copy queue
     behind the caller, random delays."""
-    from tide_triton.host_capture import HostGraph, capture
+    from tide_triton.runtime.host_capture import HostGraph, capture
 
     if queue == "async":
         monkeypatch.setattr("tide_triton.transport.host.COPY_QUEUE", "async")
@@ -1053,7 +1053,7 @@ def test_ranks_replaying_different_captured_collectives_raise_naming_the_peer(mo
     peer that gave up first, within the group's deadline; the shards keep their old values."""
     import time
 
-    from tide_triton.host_capture import HostGraph, capture
+    from tide_triton.runtime.host_capture import HostGraph, capture
 
     layout, grads, groups = _mismatch_setup(43)
 
@@ -1093,7 +1093,7 @@ def test_a_run_on_another_stream_than_the_last_waits_for_it() -> None:
     sums).  Runs on one stream add no wait; a capture adds none."""
     import types
 
-    from tide_triton.programs import PreparedReduceScatter
+    from tide_triton.executors.prepared import PreparedReduceScatter
 
     class S:
         def __init__(self, name):

@@ -1,4 +1,4 @@
-"""tide_triton's named host ranges (tide_triton.ranges): in a torch.profiler trace while a
+"""tide_triton's named host ranges (tide_triton.runtime.profiling): in a torch.profiler trace while a
 profiler records -- the stretches the profiler cannot see otherwise (preparation, host waits,
 copy graphs) -- and nothing at all otherwise."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from tide_triton.layout import ShardLayout
-from tide_triton.ranges import host_range, in_host_range
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.runtime.profiling import host_range, in_host_range
 
 try:
     from _dist import run_threads

@@ -19,7 +19,7 @@ _SENTINEL = 0x5A
 
 def _handover_after_a_refused_call(rank: int, W: int, delay: float) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     g = tt.init(timeout_s=60)
     shapes = [(4 * W, 8), (3 * W + 1,)]
@@ -191,7 +191,7 @@ def _enable_fails_at_a_later_slot(rank: int, W: int) -> dict:
     from train_llama import Llama, LlamaConfig, shard
 
     import tide_triton as tt
-    from tide_triton import process_groups
+    from tide_triton.group import process_groups
     from tide_triton.transport import host
 
     cfg = LlamaConfig(vocab=13, dim=8, n_layers=3, n_heads=2, hidden=12, tied=True, bias=True, head_gain=True)

@@ -38,7 +38,7 @@ def _cuda_mapped(addr: int) -> bool:
 
 def _lifecycle(rank: int, W: int, device: str) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
@@ -178,7 +178,7 @@ def test_host_release_range_rejects_partial_segments() -> None:
 # ---- the all-gather block ---------------------------------------------------------------
 def _block(rank: int, W: int, device: str) -> dict:
     import tide_triton as tt
-    from tide_triton.collectives import release_all_gather_block, released_block_bytes
+    from tide_triton.executors.ag_block import release_all_gather_block, released_block_bytes
 
     dev = rank_device(rank) if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":

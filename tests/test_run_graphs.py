@@ -1,4 +1,4 @@
-"""Eager-launched prepared runs recorded once and replayed (:mod:`tide_triton.run_graph`), on
+"""Eager-launched prepared runs recorded once and replayed (:mod:`tide_triton.executors.recorded`), on
 the host transport with the ranks as threads (a host graph stands where a GPU has a CUDA
 graph; the package takes the same path): the first run on a set of addresses enqueues its
 operations, the second records them and every later run replays the recording -- each run
@@ -24,11 +24,11 @@ except ImportError:  # pragma: no cover
                                      _groups, _refill, _spawn, _want)
 
 import tide_triton as tt
-import tide_triton.programs as programs
-import tide_triton.run_graph as run_graph
+import tide_triton.executors.prepared as programs
+import tide_triton.executors.recorded as run_graph
 from tide_triton.errors import GroupBrokenError
 from tide_triton.transport import _once
-from tide_triton.layout import ShardLayout
+from tide_triton.plan.layout import ShardLayout
 
 RUNS = 5
 
@@ -268,7 +268,7 @@ def test_single_process_mode_on_a_gpu_records_nothing_by_default(caplog) -> None
     the host transport's host graphs, keep every value."""
     import logging
 
-    from tide_triton import envs
+    from tide_triton.runtime import envs
 
     def mode_for(value: str, device: torch.device, ranks: int) -> str:  # as programs asks for it
         return envs.run_graphs({"TIDE_TRITON_RUN_GRAPHS": value},
@@ -329,7 +329,7 @@ def test_run_graphs_picks_what_is_recorded(monkeypatch, mode: str, recorded: tup
         _close(groups)
     assert counts == {f"{r}:{name}": 2 if name in recorded else 3 for r in range(W)
                       for name in ("reduce_scatter (prepared)", "all_gather (prepared)")}, counts
-    from tide_triton import envs
+    from tide_triton.runtime import envs
     with pytest.raises(ValueError, match="TIDE_TRITON_RUN_GRAPHS"):
         envs.run_graphs({"TIDE_TRITON_RUN_GRAPHS": "always"})
 
@@ -511,7 +511,7 @@ def test_a_replay_on_the_side_stream_ends_before_the_next_run_on_another_stream(
 
 
 class _FakeGraph:
-    """``torch.cuda.CUDAGraph`` as :func:`tide_triton.run_graph.record` uses it, with failures
+    """``torch.cuda.CUDAGraph`` as :func:`tide_triton.executors.recorded.record` uses it, with failures
     to order (``fail``: the step that raises RuntimeError) and a log of what happened."""
 
     def __init__(self, log: list, fail: str | None) -> None:
@@ -633,7 +633,7 @@ def _evicted_under_replay_child(rank: int, world_size: int, rounds: int) -> list
     allocator hands to C's upload unless the replay's stream was recorded on them.  A's
     shards must hold A's sums, C's C's."""
     import tide_triton as tt_
-    from tide_triton import programs
+    from tide_triton.executors import prepared as programs
 
     dev = _rank_device(rank)
     programs._BINDINGS_KEPT = 1

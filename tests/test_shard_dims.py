@@ -1,6 +1,6 @@
 """Parameters sharded on a dim other than 0 (FSDP2's ``Shard(dim)``, MoE experts on dim 1).
 
-The layout (:class:`tide_triton.layout.DimShards`) against a plain-torch chunking; the public
+The layout (:class:`tide_triton.plan.layout.DimShards`) against a plain-torch chunking; the public
 collectives with ``shard_dims`` on awkward sizes (the sharded dim not divisible by W, smaller
 than W, an empty outer dim, a negative dim, mixed with dim-0 parameters), ranks as threads;
 and the FSDP2 drop-in on a torchtitan-like MoE model whose experts a ``shard_placement_fn``
@@ -19,7 +19,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import LogLines, assert_same, run_multiprocess, run_threads, train
 
-from tide_triton.layout import DimShards, ShardLayout
+from tide_triton.plan.layout import DimShards, ShardLayout
 
 # (shape, shard dim): dim 1 not divisible by W, dim 1 below W, 2-D on its last dim, a dim-0
 # parameter between them, dim 2 of a 4-D one, an empty outer dim, a negative dim
@@ -359,7 +359,7 @@ def test_fsdp_serves_shard1_experts_on_one_gpu(W: int) -> None:
     Shard(1) (more than STRIDED_MIN_ROWS) that each rank's slices of an expert weight move as one
     strided copy (cuMemcpy2DAsync).  A GPU's stock run is not bit-reproducible (atomics in some
     backward kernels): test_fsdp's GPU tolerance."""
-    from tide_triton.copy_plan import STRIDED_MIN_ROWS
+    from tide_triton.executors.copy_plan import STRIDED_MIN_ROWS
 
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     scenarios = ("bf16", "fp32", "accum", "prepared", "slot") if W == 2 else ("bf16", "fp32")
@@ -391,8 +391,8 @@ def test_shard1_pulls_are_one_strided_copy_per_rank_and_parameter() -> None:
     """The all-gather's copy plan for experts [E, d, h] on Shard(1): each rank's E slices of
     c*h elements land at the parameter's pitch d*h from its block (back to back, pitch c*h) --
     one strided copy (cuMemcpy2DAsync on CUDA) per rank, the same bytes as the parts' copies."""
-    from tide_triton.copy_plan import STRIDED_MIN_ROWS, expand_copies, plan_copies
-    from tide_triton.node_prepare import _Addresses, _gather_template
+    from tide_triton.executors.copy_plan import STRIDED_MIN_ROWS, expand_copies, plan_copies
+    from tide_triton.executors.prepare import _Addresses, _gather_template
 
     W, es, (E, d, h) = 4, 2, (STRIDED_MIN_ROWS + 2, 12, 5)
     ds = DimShards([(E, d, h), (7, 3)], [1, 0], W)
@@ -417,9 +417,9 @@ def test_shard1_pushes_are_one_strided_copy_per_peer_and_parameter() -> None:
     """The reduce-scatter's pushes of experts [E, d, h] on Shard(1): each peer's E slices of
     c*h elements are read at the gradient's pitch d*h into its slot (back to back) -- one
     strided copy per peer and round, nothing staged or transposed on the sender."""
-    from tide_triton.copy_plan import STRIDED_MIN_ROWS, plan_copies
-    from tide_triton.node_prepare import _Addresses, _push_template
-    from tide_triton.schedule import ring_plan
+    from tide_triton.executors.copy_plan import STRIDED_MIN_ROWS, plan_copies
+    from tide_triton.executors.prepare import _Addresses, _push_template
+    from tide_triton.plan.schedule import ring_plan
 
     W, es, me, (E, d, h) = 4, 2, 1, (STRIDED_MIN_ROWS + 1, 8, 3)
     ds = DimShards([(E, d, h)], 1, W)

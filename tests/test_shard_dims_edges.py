@@ -12,7 +12,7 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_threads
 
-from tide_triton.layout import DimShards
+from tide_triton.plan.layout import DimShards
 
 W = 2
 SHAPES = [(3, 4), (2, 6, 2)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tide_triton.hier_schedule import (
+from tide_triton.plan.across_nodes import (
     AllGatherPlan,
     ReduceScatterPlan,
     Run,
@@ -22,10 +22,10 @@ from tide_triton.hier_schedule import (
     chunk_runs,
     reduce_scatter_node_rounds,
 )
-from tide_triton.layout import ShardLayout
-from tide_triton.schedule_check import fixed_shard_shapes, nccl_ring_bytes, simulate
-from tide_triton.topology import Topology
-from tide_triton.workloads import layer_shapes
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.plan.check import fixed_shard_shapes, nccl_ring_bytes, simulate
+from tide_triton.plan.topology import Topology
+from tide_triton.plan.workloads import layer_shapes
 
 
 def _simulator_main():

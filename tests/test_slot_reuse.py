@@ -55,7 +55,7 @@ def _shape_sets(W: int):
 
 def _equivalence(rank: int, W: int) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     g = tt.init(timeout_s=60, ring_bytes=512 * W)
     out: dict = {}
@@ -121,7 +121,7 @@ def test_staged_reduce_scatter_equals_ring(world_size: int) -> None:
 
 def _handover(rank: int, W: int, delay: float) -> dict:
     import tide_triton as tt
-    from tide_triton.layout import ShardLayout
+    from tide_triton.plan.layout import ShardLayout
 
     g = tt.init(timeout_s=60)
     shapes = [(4 * W, 8), (3 * W + 1,)]
@@ -174,7 +174,7 @@ def test_writers_wait_for_the_owners_vacate_and_time_out_naming_it(world_size: i
 
 def _never_vacated(rank: int, W: int) -> str:
     import tide_triton as tt
-    from tide_triton.group import Group, GroupOptions
+    from tide_triton.group.core import Group, GroupOptions
     from tide_triton.transport.base import PeerTimeoutError
 
     g = Group(None, GroupOptions(timeout_s=2.0))
@@ -251,8 +251,8 @@ def _across_nodes(rank: int, W: int, L: int, delay: float) -> dict:
     all-gather block and the ring leave the region alone, and a node peer waits for the
     owner's vacate (ranks of other nodes never write into it, so they do not wait)."""
     import tide_triton as tt
-    from tide_triton import hier_collectives as hc
-    from tide_triton.layout import ShardLayout
+    from tide_triton.executors import across_nodes as hc
+    from tide_triton.plan.layout import ShardLayout
     try:
         from test_hier_host import _ring_bytes
     except ImportError:  # pragma: no cover

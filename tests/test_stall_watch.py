@@ -1,5 +1,5 @@
 """A call stuck where no deadline reaches (a thread inside a driver call) is reported, naming
-the rank, the call and where its thread stands (tide_triton/stall_watch.py)."""
+the rank, the call and where its thread stands (tide_triton/runtime/stall_watch.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ import time
 import pytest
 
 import tide_triton as tt
-from tide_triton import stall_watch
+from tide_triton.runtime import stall_watch
 
 
 def _wait_for(caplog, text: str, limit_s: float) -> list[str]:

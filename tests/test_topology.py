@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tide_triton.topology import Topology
+from tide_triton.plan.topology import Topology
 
 
 # 1 x 8 (one node), 8 x 1 (one rank per node), odd shapes (3 x 2, 2 x 3) and 128 x 8.

@@ -123,7 +123,7 @@ def test_bound_transport_puts_every_wait_and_signal_on_its_stream_and_delegates_
     """The cross-node executor wraps its transport so that every operation lands on one
     stream: a method the wrapper does not pin would silently go to the transport's own copy
     stream (the call-identity wait did, and would not have ordered the data after it)."""
-    from tide_triton.work import bound
+    from tide_triton.executors.work import bound
 
     seen: list = []
 

@@ -556,7 +556,7 @@ def test_check_apart_finds_exactly_the_overlaps_between_inputs_and_outputs(seed:
     not count -- checked against every pair, views of one buffer at random offsets."""
     import random
 
-    from tide_triton._checks import check_apart
+    from tide_triton.runtime.checks import check_apart
 
     rng = random.Random(seed)
     buf = torch.zeros(4096, dtype=torch.uint8)
@@ -592,7 +592,7 @@ def test_check_disjoint_and_check_storage_against_every_tensor(seed: int) -> Non
     with ``resize_(0)``, or shrunk), naming the first such tensor."""
     import random
 
-    from tide_triton._checks import check_disjoint, check_storage
+    from tide_triton.runtime.checks import check_disjoint, check_storage
 
     rng = random.Random(seed)
     for _ in range(50):

@@ -1,4 +1,4 @@
-"""Every real layer of the workloads (:data:`tide_triton.workloads.MODELS`: Llama-3.1-70B's
+"""Every real layer of the workloads (:data:`tide_triton.plan.workloads.MODELS`: Llama-3.1-70B's
 decoder layer, Qwen3-30B-A3B's MoE block, Wan2.2-14B's DiT block, the synthetic 256-expert
 layer) through the public collectives, exact: ``reduce_scatter`` and ``all_gather`` eagerly,
 then ``prepare_reduce_scatter`` / ``prepare_all_gather`` run twice, bit-identical to the eager
@@ -7,7 +7,7 @@ calls.  Ranks are threads of this process (``local_groups``).
 Wan2.2's block is the layer with the most shapes of its own: 1-D biases and norms beside
 [13824, 5120] matrices, and a [1, 6, 5120] modulation whose one row leaves every rank but
 the first an empty shard (FSDP2 pads it).  On the CPU the layers are scaled down
-(:func:`~tide_triton.workloads.scaled_shapes`, the same structure) and the MoE layers keep a
+(:func:`~tide_triton.plan.workloads.scaled_shapes`, the same structure) and the MoE layers keep a
 prefix of their experts; on a GPU every parameter at its real size.
 
 Every gradient is an integer-valued bf16 (|x| <= 8), so every sum is exact in fp32 and the
@@ -22,8 +22,8 @@ try:
 except ImportError:  # pragma: no cover
     from tests._dist import run_threads
 
-from tide_triton.layout import ShardLayout
-from tide_triton.workloads import MODELS, layer_shapes, scaled_shapes
+from tide_triton.plan.layout import ShardLayout
+from tide_triton.plan.workloads import MODELS, layer_shapes, scaled_shapes
 
 CPU_FACTOR = 512
 """Every dim divided by this on the CPU (Llama's [28672, 8192] MLP becomes [56, 16]; Wan's

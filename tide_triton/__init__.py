@@ -1,6 +1,6 @@
 """tide_triton: zero-copy, layout-aware collectives for FSDP2.
 
-Layout (:class:`ShardLayout`) -> schedule (:mod:`tide_triton.schedule`) -> transport
+Layout (:class:`ShardLayout`) -> schedule (:mod:`tide_triton.plan.schedule`) -> transport
 (:mod:`tide_triton.transport`) -> kernels (:mod:`tide_triton.kernels`: placement,
 accumulation, packing, all Triton).  Collectives: :func:`init`, :func:`reduce_scatter`,
 :func:`all_gather`.  FSDP2 drop-in: :func:`tide_triton.fsdp.enable`.
@@ -16,8 +16,8 @@ from .errors import (
     PeerTimeoutError,
     TideTritonError,
 )
-from .group import Group, GroupOptions, init
-from .hier_schedule import AllGatherPlan, ReduceScatterPlan
+from .group.core import Group, GroupOptions, init
+from .plan.across_nodes import AllGatherPlan, ReduceScatterPlan
 from .kernels import (
     accumulate_shards,
     accumulate_shards_ref,
@@ -29,9 +29,9 @@ from .kernels import (
     place_shards,
     place_shards_ref,
 )
-from .layout import DimShards, ShardLayout
-from .single_process import local_groups
-from .topology import Topology
+from .plan.layout import DimShards, ShardLayout
+from .group.single_process import local_groups
+from .plan.topology import Topology
 
 __version__ = "0.1.0"
 

@@ -2,12 +2,12 @@
 (shards straight into per-parameter storage), their prepared forms and ``synchronize``.
 
 What this module does: validate the arguments (this rank), agree on them (all ranks: same
-signature, no errors), then call an executor -- node-local (:mod:`tide_triton.node_collectives`,
-the ring of :mod:`tide_triton.ring`), across nodes (:mod:`tide_triton.hier_collectives`) or
-prepared (:mod:`tide_triton.programs`).
+signature, no errors), then call an executor -- node-local (:mod:`tide_triton.executors.node_local`,
+the ring of :mod:`tide_triton.executors.ring`), across nodes (:mod:`tide_triton.executors.across_nodes`) or
+prepared (:mod:`tide_triton.executors.prepared`).
 
 Heap layout of every rank: ``[flags | reduce-scatter ring | named regions | all-gather block]``
-(:mod:`tide_triton.heap`; regions: :meth:`Group.heap_region`, the staging of
+(:mod:`tide_triton.plan.heap`; regions: :meth:`Group.heap_region`, the staging of
 ``reduce_scatter(..., staging=...)``).
 """
 from __future__ import annotations
@@ -19,24 +19,23 @@ from typing import Any, Sequence
 
 import torch
 
-from . import exec_state, hier_collectives, node_collectives, programs, stall_watch
-from ._checks import (FLOAT_DTYPES, RS_APART, check_bound, check_gather_shards, check_shapes, check_tensor_list,
+from .executors import state
+from .executors import across_nodes
+from .executors import node_local
+from .executors import prepared
+from .runtime import stall_watch
+from .runtime.checks import (FLOAT_DTYPES, RS_APART, check_bound, check_gather_shards, check_shapes, check_tensor_list,
                       check_uniform, dtype_name)
-from .ag_block import release_all_gather_block, released_block_bytes
 from .errors import PeerAbortedError, PeerArgumentError
-from .group import Group, resolve
-from .hier_schedule import ReduceScatterPlan
-from .layout import DimShards, ShardLayout
-from .regions import HeapRegion
-from .schedule import ring_plan
-from .work import Work
-from .work import capturing as _capturing  # the name the capture tests patch
+from .group.core import Group, resolve
+from .plan.across_nodes import ReduceScatterPlan
+from .plan.layout import DimShards, ShardLayout
+from .group.regions import HeapRegion
+from .plan.schedule import ring_plan
+from .executors.work import Work
+from .executors.work import capturing as _capturing  # the name the capture tests patch
 
 _PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
-
-__all__ = ["reduce_scatter", "all_gather", "prepare_reduce_scatter", "prepare_all_gather", "Work", "synchronize",
-           "release_all_gather_block", "released_block_bytes", "split_parts"]
-
 
 def _check_region(g: Group, region: object, device: torch.device, name: str, use: str) -> None:
     """``region`` is a mapped :class:`HeapRegion` of ``g`` in the heap of ``device``'s type."""
@@ -177,7 +176,7 @@ def _check_split_bound(g: Group, name: str, full: list[torch.Tensor], shards: li
     parts lie inside these tensors, so their own later checks pass."""
     key = (name, tuple(map(_PTR, full)), tuple(map(_NUMEL, full)), tuple(map(_PTR, shards)),
            tuple(map(_NUMEL, shards)), full[0].element_size(), shards[0].element_size(), in_region)
-    seen = exec_state.of(g).checked_splits
+    seen = state.of(g).checked_splits
     if key in seen:
         return
     if gather:
@@ -223,9 +222,9 @@ def reduce_scatter(
     times ``s``).  With ``accumulate`` the previous shard value is added; otherwise padding
     rows become zero.  Sums are fp32 in a fixed order -- rank order 0..W-1 on one node; across
     nodes, local ranks first, then nodes as the rounds combine them (see
-    :mod:`tide_triton.hier_collectives`) -- so repeated runs are bit-identical.
+    :mod:`tide_triton.executors.across_nodes`) -- so repeated runs are bit-identical.
 
-    ``staging``: a :class:`~tide_triton.regions.HeapRegion` of this group (Slot-Reuse) --
+    ``staging``: a :class:`~tide_triton.group.regions.HeapRegion` of this group (Slot-Reuse) --
     the peers' contributions land in it instead of the group's receive ring, in chunks of
     ``staging.nbytes / (stages * (W-1))`` bytes.  Before its first write into rank ``d``'s
     copy this rank waits until ``d`` has called ``staging.vacate()`` once per use so far
@@ -235,7 +234,7 @@ def reduce_scatter(
     ``shard_dims``: the dim each parameter is sharded on (None: 0; an int for all; one per
     parameter; FSDP2's ``Shard(dim)``): rank ``r``'s shard is ``grads[i]``'s entries
     ``[r*c, r*c + n_r)`` of that dim, ``c = ceil(size / W)``, read in place where they lie in
-    the gradient (:class:`~tide_triton.layout.DimShards`).
+    the gradient (:class:`~tide_triton.plan.layout.DimShards`).
     """
     g = resolve(group)
     with g.call("reduce_scatter") as c:
@@ -281,10 +280,10 @@ def _reduce_scatter(g: Group, grads, shards, op, accumulate, stream, async_op, s
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
-    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
-        return hier_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
+    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/executors/across_nodes.py)
+        return across_nodes.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale,
                                                bool(accumulate), stream, async_op, staging)
-    return node_collectives.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale, bool(accumulate),
+    return node_local.reduce_scatter(g, grads_l, shards_l, layout, gdt, sdt, device, scale, bool(accumulate),
                                            stream, async_op, staging)
 
 
@@ -306,13 +305,13 @@ def all_gather(
     may differ from the shards' (each rank casts its own shard once, fp32 -> bf16 rounding to
     nearest even, and every rank pulls the cast bytes on copy engines).
 
-    ``params_region``: a :class:`~tide_triton.regions.HeapRegion` of this group (one node)
+    ``params_region``: a :class:`~tide_triton.group.regions.HeapRegion` of this group (one node)
     holding every ``params[i]``, at the same byte offsets on every rank (the FSDP2
     drop-in's Slot-Reuse slots).  Each rank then writes its own rows in place and the peers
     copy them straight from its copy of the region: no all-gather block in the heap and one
     copy pass less.  Until every peer has read them, this rank's rows must stay as they are:
     the next all-gather waits for that before it writes them, and the region's
-    :meth:`~tide_triton.regions.HeapRegion.vacate` (before peers stage a reduce-scatter in
+    :meth:`~tide_triton.group.regions.HeapRegion.vacate` (before peers stage a reduce-scatter in
     it) waits for it too.
 
     ``shard_dims``: as for :func:`reduce_scatter` -- rank ``r``'s shard lands in entries
@@ -364,9 +363,9 @@ def _all_gather(g: Group, shards, params, stream, async_op, region, shard_dims=N
     except (TypeError, ValueError) as e:
         err = e
     g.agree(sig, err)
-    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/hier_collectives.py)
-        return hier_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op)
-    return node_collectives.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op, region,
+    if g.nodes > 1:  # several nodes: the cross-node schedules (tide_triton/executors/across_nodes.py)
+        return across_nodes.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op)
+    return node_local.all_gather(g, shards_l, params_l, layout, pdt, sdt, device, stream, async_op, region,
                                        source)
 
 
@@ -385,7 +384,7 @@ def prepare_reduce_scatter(
     op: str | float = "avg",
     accumulate: bool = False,
     shard_dims: object = None,
-) -> programs.PreparedReduceScatter:
+) -> prepared.PreparedReduceScatter:
     """:func:`reduce_scatter` of these very tensors, checked, agreed and prepared once
     (collective); ``.run(stream=None, async_op=False)`` performs it as often as wanted, with
     host work independent of the parameter count (no checks, no agreement with the peers,
@@ -395,7 +394,7 @@ def prepare_reduce_scatter(
     Every rank must run the same prepared collectives in the same order (a rank running
     another one waits for it until the group's timeout, which names it).  One node; no
     staging.  Its ring is a heap region of ``ring_bytes`` shared by the group's prepared
-    reduce-scatters (:mod:`tide_triton.programs`).  ``shard_dims``: as for :func:`reduce_scatter`."""
+    reduce-scatters (:mod:`tide_triton.executors.prepared`).  ``shard_dims``: as for :func:`reduce_scatter`."""
     return prepared_reduce_scatter_call(resolve(group), grads, shards, op, accumulate, hold=True,
                                         shard_dims=shard_dims)
 
@@ -419,7 +418,7 @@ def prepared_reduce_scatter_call(g: Group, grads, shards, op, accumulate, *, hol
         token = c.seq
     # runs check the tensors as the caller passed them, not the shard_dims parts (views of their own)
     checked = None if shard_dims is None else (list(grads), list(shards))
-    return programs.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
+    return prepared.prepared_reduce_scatter(g, token, grads_l, shards_l, layout, gdt, sdt, device, scale,
                                             bool(accumulate), hold, checked)
 
 
@@ -429,7 +428,7 @@ def prepare_all_gather(
     *,
     group: object = None,
     shard_dims: object = None,
-) -> programs.PreparedAllGather:
+) -> prepared.PreparedAllGather:
     """:func:`all_gather` of these very tensors, prepared once (collective) and performed by
     ``.run()``, like :func:`prepare_reduce_scatter`.  Its block is a heap region shared by the
     group's prepared all-gathers of the same block size.  ``shard_dims``: as for :func:`all_gather`."""
@@ -453,7 +452,7 @@ def prepared_all_gather_call(g: Group, shards, params, *, hold: bool, shard_dims
         g.agree(sig, err)
         token = c.seq
     checked = None if shard_dims is None else (list(shards), list(params))  # as for the reduce-scatter
-    return programs.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold, checked)
+    return prepared.prepared_all_gather(g, token, shards_l, params_l, layout, sdt, pdt, device, hold, checked)
 
 
 def synchronize(group: object = None, *, device: object = None, stream: object = None,
@@ -462,7 +461,7 @@ def synchronize(group: object = None, *, device: object = None, stream: object =
     GPU of the group's CUDA calls, else the current CUDA device) and ``stream`` (default: the
     current stream) is done.  GPU-side
     waits on peers cannot time out by themselves: this is where a dead or stuck peer
-    surfaces, as :class:`~tide_triton.transport.base.PeerTimeoutError` naming it, after
+    surfaces, as :class:`~tide_triton.errors.PeerTimeoutError` naming it, after
     ``timeout_s`` (default: the group's).  A no-op for the host transport."""
     g = resolve(group)
     dev = torch.device(device) if device is not None else (
@@ -481,7 +480,7 @@ def _synchronize(g: Group, t: Any, dev: torch.device, stream: object, limit: flo
     poll = partial(g.raise_if_abandoned, since)  # a peer that gave up ends the wait at once
     try:
         if g.nodes > 1:  # the cross-node executor's stream first: it names a stuck NCCL peer
-            hier_collectives.synchronize_side(g, dev, limit)
+            across_nodes.synchronize_side(g, dev, limit)
         t.synchronize(timeout_s=limit, poll=poll)
         t.synchronize(timeout_s=limit, stream=stream if stream is not None else torch.cuda.current_stream(dev),
                       poll=poll)

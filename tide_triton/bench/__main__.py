@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.segments import cpu_runs_torch
-from ..workloads import MODELS, layer_shapes, scaled_shapes
+from ..plan.workloads import MODELS, layer_shapes, scaled_shapes
 from .cli import Progress, plot_or_exit, recorded_rows, require_device
 from .measure import (
     BenchRow,
@@ -37,8 +37,6 @@ from .measure import (
     env_info,
 )
 from .report import kernel_json_rows, kernel_table, plot_kernel_rows, staging_table
-
-__all__ = ["main"]
 
 _RING_BYTES = 256 << 20  # tide_triton's default reduce-scatter ring (GroupOptions.ring_bytes)
 

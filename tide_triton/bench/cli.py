@@ -15,9 +15,6 @@ import torch
 
 from .report import load_rows
 
-__all__ = ["Progress", "plot_or_exit", "recorded_rows", "require_device", "with_index"]
-
-
 class Progress:
     """``with Progress(total, "kernels") as p: ... p.step("llama W=8 placement")``.
 

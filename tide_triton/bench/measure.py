@@ -31,11 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..kernels import accumulate_shards, bind_accumulate_shards, bind_place_shards, place_shards
 from ..kernels.segments import cpu_runs_torch
-from ..layout import ShardLayout
-
-__all__ = ["BenchRow", "env_info", "device_label", "copy_ceiling", "bench_placement", "bench_accumulation",
-           "bench_host_overhead", "GcPasses"]
-
+from ..plan.layout import ShardLayout
 
 # --------------------------------------------------------------------------- garbage collector
 class GcPasses:

@@ -13,12 +13,9 @@ import os
 from dataclasses import asdict
 from typing import Callable, Iterable, Sequence
 
-from ..layout import ShardLayout
-from ..schedule import ring_plan
-from ..workloads import layer_shapes
-
-__all__ = ["kernel_table", "staging_table", "kernel_json_rows", "load_rows", "plot_kernel_rows",
-           "pyplot", "finish_plot", "curve", "curves", "COLORS"]
+from ..plan.layout import ShardLayout
+from ..plan.schedule import ring_plan
+from ..plan.workloads import layer_shapes
 
 MIB = 2 ** 20
 

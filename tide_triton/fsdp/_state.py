@@ -19,9 +19,6 @@ import torch
 if TYPE_CHECKING:
     from ._torch_adapter import TorchApi
 
-__all__ = ["GROUPS", "PARAMS", "GroupState", "active", "set_active", "state_of"]
-
-
 @dataclass(eq=False)
 class GroupState:
     """What tide_triton keeps for one enabled FSDPParamGroup."""

@@ -22,20 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = [
-    "SPLIT_PARTS_MAX",
-    "TorchApi",
-    "all_sharded",
-    "device_handle",
-    "fsdp_modules",
-    "load_api",
-    "param_groups",
-    "reduce_return_order",
-    "split_parts_why",
-    "supported_torch_version",
-    "why_stock",
-]
-
 _FIRST, _LAST = (2, 9), (2, 15)
 
 # Names FSDP2 returns from foreach_reduce, in the order the installed version's final
@@ -222,7 +208,7 @@ def device_handle(device: torch.device) -> Any:
 
 SPLIT_PARTS_MAX = 4096
 """The most dim-0 parts a group's ``Shard(dim > 0)`` parameters may split into
-(:class:`~tide_triton.layout.DimShards`: ``prod(shape[:dim])`` each) for tide_triton to serve
+(:class:`~tide_triton.plan.layout.DimShards`: ``prod(shape[:dim])`` each) for tide_triton to serve
 it.  Every reduce-scatter makes a view per part and checks each, ~3 us a part on the host
 before anything moves (Qwen3-30B-A3B's experts grouped ``[128, 768, 2048]`` on Shard(1), 384
 parts: ~1 ms a call; its 384 expert matrices as 2-D weights on Shard(1), a part per row, 458752

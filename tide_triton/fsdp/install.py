@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import is_int
-from ..collectives import released_block_bytes
+from ..runtime.checks import is_int
+from ..executors.ag_block import released_block_bytes
 from . import _state, slots, wrappers
 from ._state import GroupState
 from ._torch_adapter import (
@@ -33,8 +33,6 @@ from ._torch_adapter import (
     param_groups,
     why_stock,
 )
-
-__all__ = ["disable", "enable", "group_state", "heap_bytes", "is_enabled", "stats"]
 
 log = logging.getLogger("tide_triton")
 
@@ -75,14 +73,14 @@ def _uninstall(api: TorchApi) -> None:
 # --------------------------------------------------------------------------- groups
 def _existing_group(pg: dist.ProcessGroup) -> Any:
     """The open tide_triton group ``init(pg)`` would return, or None (creates nothing)."""
-    from ..group import existing
+    from ..group.core import existing
 
     return existing(pg)
 
 
 def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) -> Any:
     """The tide_triton group for FSDP2's shard process group ``pg``."""
-    from ..group import Group, init
+    from ..group.core import Group, init
 
     if group is None:
         have = _existing_group(pg)
@@ -166,7 +164,7 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
                          "set it to 2 (default) or more before enable()")
     if group is not None:
-        from ..group import Group
+        from ..group.core import Group
 
         if not isinstance(group, (Group, dist.ProcessGroup)):
             raise TypeError(f"group must be None, a ProcessGroup or a tide_triton Group, got {type(group).__name__}")
@@ -242,8 +240,8 @@ def _deadline(group: Any, apg: Any) -> tuple[float, str]:
     """The deadline of the tide_triton group that ``enable`` runs ``apg``'s collectives on
     (``group``'s, else the open group of the process group, else a new group's default),
     and how that group comes about -- a new group's set-up is collective: it is agreed."""
-    from ..group import Group, existing
-    from ..options import GroupOptions
+    from ..group.core import Group, existing
+    from ..group.options import GroupOptions
 
     have = group if isinstance(group, Group) else existing(group if isinstance(group, dist.ProcessGroup) else apg)
     if have is not None:  # given or found: the same on ranks that reach it either way
@@ -261,8 +259,8 @@ def _agree_decisions(plan: list, options: list, group: Any = None) -> None:
     bootstrap store, with the deadline of the group the collectives will run on), together
     with ``options`` (:func:`_protocol_options`) and how the group comes about: a difference
     raises on every rank, naming the group or option, the ranks and their values."""
-    from ..process_groups import exchange_once
-    from ..signatures import check_same
+    from ..group.process_groups import exchange_once
+    from ..group.signatures import check_same
 
     by_pg: dict[Any, list] = {}
     for _name, label, pg, why in plan:

@@ -10,7 +10,7 @@ these views, where they do nothing (a free records a CUDA event: the next writer
 On one node the all-gather reads the peers' rows straight from their slots
 (``all_gather(..., params_region=slot)``): no all-gather block is mapped for the slotted
 groups (one that other groups' all-gathers made past the slots is released with them; one
-made before the slots lies below them and stays mapped: :mod:`tide_triton.regions`).
+made before the slots lies below them and stays mapped: :mod:`tide_triton.group.regions`).
 
 What the slots cost: their bytes are mapped while a step uses them.  With ``release`` (the
 default) every slot whose groups are all resharded is released once backward is over
@@ -31,20 +31,6 @@ from torch import nn
 
 from . import _state
 from ._torch_adapter import all_sharded, param_groups
-
-__all__ = [
-    "SLOT_REUSE_RING",
-    "Slot",
-    "alloc_storage",
-    "assign_slots",
-    "free_storage",
-    "group_layout",
-    "heap_slot",
-    "release_idle",
-    "released_bytes",
-    "restore",
-    "unbind",
-]
 
 SLOT_REUSE_RING = 4 << 20
 """Receive ring of a tide_triton group created for Slot-Reuse (only reduce-scatters that
@@ -88,7 +74,7 @@ def release_idle() -> list[str]:
     (in creation order; every rank holds the same slots in the same state), then the
     all-gather block of each tide_triton group that released a slot.  Returns the keys of the
     regions released (and ``"all-gather block of <device type>"``)."""
-    from ..collectives import release_all_gather_block
+    from ..executors.ag_block import release_all_gather_block
 
     done: list[str] = []
     blocks: list[tuple[Any, torch.device]] = []

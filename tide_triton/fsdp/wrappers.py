@@ -19,12 +19,10 @@ from typing import Any
 
 import torch
 
-from ..layout import DimShards
+from ..plan.layout import DimShards
 from . import _state, slots
 from ._state import GroupState, state_of
 from ._torch_adapter import TorchApi, all_sharded, device_handle
-
-__all__ = ["all_gather", "copy_out", "reduce"]
 
 log = logging.getLogger("tide_triton")
 
@@ -144,7 +142,7 @@ def _ag_views(st: GroupState, fsdp_params: list, W: int) -> tuple[list, list, li
 
 
 def _dim_shards(fsdp_params: list, full: list, W: int):
-    """The :class:`~tide_triton.layout.DimShards` of a group with ``Shard(dim > 0)`` parameters
+    """The :class:`~tide_triton.plan.layout.DimShards` of a group with ``Shard(dim > 0)`` parameters
     (``full``: tensors of the unsharded shapes), or None when every one is ``Shard(0)``."""
     dims = tuple(fp.fsdp_placement.dim for fp in fsdp_params)
     if not any(dims):

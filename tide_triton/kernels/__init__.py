@@ -7,11 +7,11 @@ bind it to heap and tensor addresses.
 On CPU tensors a launch runs as plain torch by default, equal to the kernel bit for bit
 (``TIDE_TRITON_CPU_KERNELS=torch``; :mod:`tide_triton.kernels.segments`), or through Triton's
 interpreter (``interpret``).  Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so
-:func:`tide_triton.envs.use_interpreter_if_no_gpu` decides it here, before the kernel modules
+:func:`tide_triton.runtime.envs.use_interpreter_if_no_gpu` decides it here, before the kernel modules
 are imported: set without a CUDA device where the interpreter is asked for (a value the user
 set is kept).
 """
-from .. import envs as _envs
+from ..runtime import envs as _envs
 
 _envs.use_interpreter_if_no_gpu()
 

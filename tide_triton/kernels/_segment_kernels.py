@@ -12,8 +12,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["segmented_reduce_kernel", "TILE_FIELDS"]
-
 # Tile table row: where to write, where to read, how many elements.
 TILE_FIELDS = 5  # dst_idx, dst_off, src_idx, src_off, numel
 

@@ -9,9 +9,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["SharedPointers", "upload_pointer_tables", "upload_table_pairs"]
-
-
 def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object, object]:
     """Copy a small host table to ``device`` without a host sync: pinned memory, a
     non-blocking copy on the current stream, an event that other streams wait on before

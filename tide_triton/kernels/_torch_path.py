@@ -9,10 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .. import envs
-
-__all__ = ["TorchPlan", "cpu_runs_torch", "torch_plan", "torch_views", "run_torch"]
-
+from ..runtime import envs
 
 def cpu_runs_torch(device: torch.device) -> bool:
     """Whether a launch on ``device`` runs as plain torch: CPU tensors under

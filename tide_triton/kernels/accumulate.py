@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import (
+from ..runtime.checks import (
     FLOAT_DTYPES,
     check_entries_uniform,
     check_shapes,
@@ -23,12 +23,9 @@ from .._checks import (
     check_tensor_list,
     check_uniform,
 )
-from ..layout import ShardLayout
+from ..plan.layout import ShardLayout
 from .placement import Sources, check_layout, check_max_ctas
 from .segments import Binding, SegmentProgram, Span, check_device
-
-__all__ = ["accumulate_shards", "bind_accumulate_shards", "accumulate_shards_ref"]
-
 
 @lru_cache(maxsize=64)
 def _program(layout: ShardLayout, rank: int, flat_src: bool) -> SegmentProgram:

@@ -33,16 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .. import device_wide
-
-__all__ = [
-    "multimem_reduce_kernel",
-    "multimem_store_kernel",
-    "multimem_reduce",
-    "multimem_store",
-    "multimem_reduce_ref",
-    "multimem_store_ref",
-]
+from ..runtime import device_wide
 
 GROUP = 8
 """bf16 elements per multimem access (16 bytes: ``.v4.bf16x2``)."""
@@ -160,7 +151,7 @@ _LOADED_LOCK = threading.Lock()
 
 def _settle_before_load(key: tuple, device_index: int | None) -> bool:
     """Before a variant's first launch, which loads its module -- a driver call that waits for
-    every stream of the process (:mod:`tide_triton.device_wide`) -- the groups of this process
+    every stream of the process (:mod:`tide_triton.runtime.device_wide`) -- the groups of this process
     settle, with their deadlines.  ``key``: what Triton specialises the variant on (the
     constexprs, each pointer's 16-byte alignment, each int's ``== 1`` / ``% 16 == 0`` /
     64-bit width).  Returns whether the variant is new (the caller adds it once launched)."""

@@ -13,13 +13,10 @@ from typing import Sequence
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
-from ..layout import ShardLayout
+from ..runtime.checks import FLOAT_DTYPES, check_flat, check_shapes, check_tensor_list, check_uniform
+from ..plan.layout import ShardLayout
 from .placement import check_layout, check_max_ctas, check_ranks
 from .segments import Binding, SegmentProgram, Span, check_device
-
-__all__ = ["pack_shards", "bind_pack_shards", "pack_shards_ref"]
-
 
 @lru_cache(maxsize=64)
 def _program(layout: ShardLayout, ranks: tuple[int, ...]) -> SegmentProgram:

@@ -14,7 +14,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .._checks import (
+from ..runtime.checks import (
     FLOAT_DTYPES,
     check_entries_uniform,
     check_shapes,
@@ -22,10 +22,8 @@ from .._checks import (
     check_tensor_list,
     check_uniform,
 )
-from ..layout import ShardLayout
+from ..plan.layout import ShardLayout
 from .segments import Binding, SegmentProgram, Span, check_device
-
-__all__ = ["place_shards", "bind_place_shards", "place_shards_ref"]
 
 Sources = Sequence[Union[torch.Tensor, Sequence[torch.Tensor]]]
 """Per rank (or per contribution): one flat 1-D buffer holding that rank's padded shards

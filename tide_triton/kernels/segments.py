@@ -30,15 +30,16 @@ import torch
 import triton.language as tl
 from triton import knobs as _knobs
 
-from .. import device_wide, envs, host_capture
+from ..runtime import device_wide
+from ..runtime import envs
+from ..runtime import host_capture
 from ._segment_kernels import TILE_FIELDS, segmented_reduce_kernel
-from ._tables import SharedPointers, upload_pointer_tables, upload_table_pairs
+from ._tables import SharedPointers
+from ._tables import upload_pointer_tables as upload_pointer_tables  # the executors' way to the tables
+from ._tables import upload_table_pairs as upload_table_pairs
 from ._tables import alignment as _alignment
 from ._tables import upload as _upload
 from ._torch_path import TorchPlan, cpu_runs_torch, run_torch, torch_plan, torch_views
-
-__all__ = ["Span", "SegmentProgram", "Binding", "SharedPointers", "upload_pointer_tables", "upload_table_pairs",
-           "TorchPlan", "launch_config", "interpreting", "cpu_runs_torch"]
 
 _TL_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -497,7 +498,7 @@ class Binding:
 
         Loading a module waits for every stream of the process (and stops the process's
         other driver calls meanwhile): the groups of this process settle first
-        (:mod:`tide_triton.device_wide`).  Ranks driven from one process (the single-process
+        (:mod:`tide_triton.runtime.device_wide`).  Ranks driven from one process (the single-process
         mode) must do all of it before they enqueue waits on each other's flags, or the load
         waits on a stream that waits on a peer whose thread is itself stuck behind the load."""
         if self.program.n_tiles == 0 or not self._cuda:
@@ -517,7 +518,7 @@ class Binding:
             kernel = _COMPILED.get(spec)
         if kernel is None:
             # The module load below waits for every stream of the process, and stops every
-            # other thread's driver calls meanwhile: settle first (tide_triton.device_wide).
+            # other thread's driver calls meanwhile: settle first (tide_triton.runtime.device_wide).
             device_wide.before(f"loading a kernel variant (segmented_reduce_kernel {key}, {self._static})",
                                self.dsts[0].device.index)
             # Later launches call the compiled kernel directly, skipping Triton's per-launch

@@ -1,2 +1,1 @@
-"""How bytes move between ranks (copy engines, NCCL, host shared memory)."""
-__all__: list[str] = []
+"""How bytes move between ranks (copy engines, NCCL, host shared memory).  Internal."""

@@ -5,9 +5,7 @@ import logging
 import threading
 from typing import Any
 
-from ..heap import round_up  # re-exported for the transports: one round_up in the package
-
-__all__ = ["log", "log_once", "describe", "raise_if_failed", "round_up"]
+from ..plan.heap import round_up as round_up  # re-exported for the transports: one round_up in the package
 
 log = logging.getLogger("tide_triton")
 

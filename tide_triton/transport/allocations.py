@@ -25,8 +25,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["AllocationRanges", "UNBOUNDED", "split_copies", "split_strided"]
-
 Run = tuple[int, int, int, int, int, int]
 """A strided run: ``(dst, src, nbytes, rows, dst_pitch, src_pitch)``."""
 

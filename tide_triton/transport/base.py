@@ -21,10 +21,6 @@ from typing import Any, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..errors import PeerTimeoutError
-
-__all__ = ["Transport", "DeviceTransport", "PeerTimeoutError"]
-
 
 @runtime_checkable
 class Transport(Protocol):
@@ -157,7 +153,7 @@ class DeviceTransport(Transport, Protocol):
 
     strided_copies: bool
     """:meth:`prepare_copies` takes ``strided=`` runs ``(dst, src, nbytes, rows, dst_pitch,
-    src_pitch)`` of equal rows (:class:`tide_triton.copy_plan.Strided`), one descriptor each."""
+    src_pitch)`` of equal rows (:class:`tide_triton.executors.copy_plan.Strided`), one descriptor each."""
 
     def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
                        strided: Sequence[Any] = ()) -> Any:
@@ -169,7 +165,7 @@ class DeviceTransport(Transport, Protocol):
 
     def settle_device_wide(self, what: str) -> None:
         """Before ``what``, a driver call that waits for every stream of this process
-        (:mod:`tide_triton.device_wide`): wait, with the deadline, until this rank's streams are
+        (:mod:`tide_triton.runtime.device_wide`): wait, with the deadline, until this rank's streams are
         idle -- what that call would wait for anyway, but ending in ``PeerTimeoutError`` naming
         the peer they wait for, not in a thread stopped inside the driver."""
 

@@ -5,7 +5,7 @@ allocation ends, addresses turned into driver objects) and enqueued on a stream 
 ``cuMemcpyBatchAsync`` per call where the driver has it (CUDA >= 12.8), otherwise one
 ``cuMemcpyAsync`` per piece; the path is chosen at creation and logged once.  A stream being
 captured into a CUDA graph gets the loop (``cuMemcpyBatchAsync`` cannot be captured).  Strided
-runs (equal rows at constant pitches, :class:`tide_triton.copy_plan.Strided`) are one
+runs (equal rows at constant pitches, :class:`tide_triton.executors.copy_plan.Strided`) are one
 ``cuMemcpy2DAsync`` each, or on one GPU with wide rows one ``cuMemcpy3DAsync`` of sub-rows
 (:func:`sub_row_bytes`).  A prepared list used again is replayed as a CUDA graph of its copies
 (:mod:`~tide_triton.transport.copy_graphs`).  Addresses may lie on another GPU (a peer's heap
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .. import envs
+from ..runtime import envs
 from ._once import log_once
 from .allocations import AllocationRanges, split_copies, split_strided
 from .driver import CtxGuard, check, driver_version
@@ -29,9 +29,6 @@ from .streams import RankStreams
 
 if TYPE_CHECKING:  # the graphs part enqueues with this module's enqueue_each
     from .copy_graphs import CopyGraphs
-
-__all__ = ["Copies", "PreparedCopies", "COPY_MODES", "enqueue_each", "sub_row_bytes", "memcpy2d_struct",
-           "memcpy3d_struct"]
 
 COPY_MODES = ("auto", "batch", "loop")
 
@@ -144,7 +141,7 @@ class Copies:
         """``batch`` where ``cuMemcpyBatchAsync`` copies 8 bytes from ``probe_src`` to
         ``probe_dst`` (a probe word and a scratch word of this rank's heap), else ``loop``
         (``copy_mode`` pins one; ``batch`` that cannot work raises); and the copy-graph mode
-        (``ranks_in_process`` > 1 in the single-process mode: :func:`tide_triton.envs.graphs_in_process`)."""
+        (``ranks_in_process`` > 1 in the single-process mode: :func:`tide_triton.runtime.envs.graphs_in_process`)."""
         cu = self._cu
         why = ""
         path = "loop"
@@ -182,7 +179,7 @@ class Copies:
     def prepare_copies(self, dsts: Sequence[int], srcs: Sequence[int], nbytes: Sequence[int], *,
                        strided: Sequence[Any] = (), cut: bool = True) -> PreparedCopies:
         """``strided``: ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` runs
-        (:class:`tide_triton.copy_plan.Strided`), pitches >= nbytes.  ``cut``: cut copies and
+        (:class:`tide_triton.executors.copy_plan.Strided`), pitches >= nbytes.  ``cut``: cut copies and
         runs where an allocation ends (a list made once and kept, whose pieces the planner may
         have merged across tensors); ``False`` for a raw per-call list of pieces that each lie
         inside one tensor (:meth:`CudaTransport.copy`: no driver queries on that path)."""

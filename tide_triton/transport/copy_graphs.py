@@ -14,13 +14,11 @@ import logging
 import weakref
 from typing import Any, Sequence
 
-from ..ranges import in_host_range
+from ..runtime.profiling import in_host_range
 from ._once import log_once
 from .copies import PreparedCopies, enqueue_each
 from .driver import CtxGuard, CudaError, check
 from .streams import RankStreams
-
-__all__ = ["CopyGraphs", "GRAPH_MIN_DESCRIPTORS"]
 
 GRAPH_MIN_DESCRIPTORS = 8
 """Under ``$TIDE_TRITON_COPY_GRAPHS=auto``, the smallest prepared list replayed as a graph:

@@ -36,13 +36,13 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from .. import device_wide
+from ..runtime import device_wide
 from ..errors import PeerTimeoutError
 from . import driver
 from ._once import describe, round_up
 from .copies import COPY_MODES, Copies, PreparedCopies
 from .copy_graphs import CopyGraphs
-from .cuda_setup import (access_problems, as_device, check_int, choose_signal_path, device_uuid, local_devices,
+from .cuda_setup import (access_problems, as_device, check_int, choose_signal_path, device_uuid,
                          LocalGroup, local_placement, placement, probe_local_signals, rendezvous,
                          reserve_peers)
 from .driver import CtxGuard, Transaction, check
@@ -53,8 +53,6 @@ from .streams import RankStreams
 from .views import heap_view
 from .vmm import SEGMENT_BYTES, VA_BYTES, VmmHeap, quiet
 from .waits import Pending, WaitLedger
-
-__all__ = ["CudaTransport", "CudaOptions", "PreparedCopies", "local_devices"]
 
 log = logging.getLogger("tide_triton")
 
@@ -348,7 +346,7 @@ class CudaTransport:
                        strided: Sequence[Any] = ()) -> PreparedCopies:
         """Converting addresses to driver objects costs ~10x the enqueue itself.  ``strided``:
         runs ``(dst, src, nbytes, rows, dst_pitch, src_pitch)`` of equal rows
-        (:class:`tide_triton.copy_plan.Strided`), one ``cuMemcpy2DAsync`` / ``cuMemcpy3DAsync`` each."""
+        (:class:`tide_triton.executors.copy_plan.Strided`), one ``cuMemcpy2DAsync`` / ``cuMemcpy3DAsync`` each."""
         return self._copies.prepare_copies(dsts, srcs, nbytes, strided=strided)
 
     def copy_prepared(self, prepared: PreparedCopies, *, stream: torch.cuda.Stream | None = None,

@@ -17,17 +17,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._checks import is_int
+from ..runtime.checks import is_int
 from . import driver
 from ._once import describe, log_once, raise_if_failed
 from .driver import Transaction, check
 from .flags import Flags
 from .handles import FdChannel
 from .vmm import VmmHeap
-
-__all__ = ["check_int", "as_device", "local_devices", "placement", "rendezvous", "reserve_peers", "access_problems",
-           "choose_signal_path", "signal_path_of", "probe_local_signals", "local_placement", "device_uuid",
-           "unreachable_message", "LocalGroup"]
 
 Allgather = Callable[[Any], list]
 

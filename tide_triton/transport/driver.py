@@ -23,20 +23,6 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = [
-    "cu",
-    "CudaError",
-    "check",
-    "require",
-    "error_name",
-    "Transaction",
-    "init",
-    "driver_version",
-    "device_context",
-    "CtxGuard",
-    "wait_with_deadline",
-]
-
 log = logging.getLogger("tide_triton")
 
 # cuda-bindings >= 12.6 (and 13.x, where the old path is gone) / cuda-python 12.x before it.

@@ -20,15 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .._checks import is_int
+from ..runtime.checks import is_int
 from ..errors import PeerTimeoutError
-from ..ranges import in_host_range
+from ..runtime.profiling import in_host_range
 from ._once import log_once, round_up
 from .driver import CtxGuard, CudaError, check
 from .streams import RankStreams
 from .waits import WaitLedger
-
-__all__ = ["Flags", "HiddenWords", "SIGNAL_MODES"]
 
 SIGNAL_MODES = ("auto", "direct", "copy")
 

@@ -21,8 +21,6 @@ from typing import Any, Sequence
 from ._once import log_once
 from .driver import Transaction
 
-__all__ = ["FD_PASSING", "FdChannel", "pidfd_getfd", "close_fds"]
-
 FD_PASSING = ("auto", "socket", "pidfd")
 """``auto``: the socket, then ``pidfd_getfd`` for what did not arrive; or only one of them."""
 

@@ -13,15 +13,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from .._checks import is_int
+from ..runtime.checks import is_int
 from ._once import describe, raise_if_failed, round_up
 from .cuda_setup import check_int
 from .driver import Transaction
 from .handles import FdChannel, close_fds
 from .vmm import VmmHeap
-
-__all__ = ["HeapRounds"]
-
 
 class HeapRounds:
     """The collective growth of one rank's heap (see the module notes).  ``user_off``: where

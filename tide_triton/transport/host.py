@@ -37,12 +37,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import host_capture
-from ..heap import round_up
-from .base import PeerTimeoutError
-
-__all__ = ["HostTransport", "remove_stale_files", "HOST_COMPUTE"]
-
+from ..runtime import host_capture
+from ..plan.heap import round_up
+from ..errors import PeerTimeoutError
 
 class _HostCompute:
     """The compute stream of a collective on the host transport: the calling thread."""
@@ -321,7 +318,7 @@ class HostTransport:
 
     def _on(self, stream: object, name: str, fn: Callable[..., None], *args: Any, **kw: Any) -> None:
         """Run ``fn`` now (a synchronous queue, or the compute stream), or queue it -- or, while
-        this thread captures (:mod:`tide_triton.host_capture`), record where it would go."""
+        this thread captures (:mod:`tide_triton.runtime.host_capture`), record where it would go."""
         now = self._queue is None or stream is not None
         graph = host_capture.recording()
         if graph is not None:

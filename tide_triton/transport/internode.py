@@ -1,6 +1,6 @@
 """The cross-node hop: byte streams between rail peers on different nodes.
 
-:mod:`tide_triton.hier_collectives` runs the cross-node schedules; every byte between nodes
+:mod:`tide_triton.executors.across_nodes` runs the cross-node schedules; every byte between nodes
 goes through one of the transports here.
 
 :class:`InterNodeTransport` is the interface the cross-node hop needs: grouped,
@@ -35,12 +35,10 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ..heap import WIRE_HEADER, round_up, wire_ring_bytes
-from .base import PeerTimeoutError, Transport
+from ..plan.heap import WIRE_HEADER, round_up, wire_ring_bytes
+from ..errors import PeerTimeoutError
+from .base import Transport
 from .rma_protocol import LandingRing
-
-__all__ = ["Iov", "Message", "InterNodeTransport", "HostInterNode", "NcclInterNode", "NcclPutSignalInterNode",
-           "nccl_hop"]
 
 log = logging.getLogger("tide_triton")
 

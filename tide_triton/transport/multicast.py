@@ -7,7 +7,7 @@ nothing here asks the driver for one unless the caller asked for multicast (``"a
 * every rank's device reports ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``;
 * the node's ranks agree (same mode; every rank's environment allows it);
 * ``$TIDE_TRITON_MULTICAST`` is not ``0``, ``$NCCL_NVLS_ENABLE`` is not ``0`` and
-  ``$TORCH_SYMM_MEM_DISABLE_MULTICAST`` is not ``1`` (read through :mod:`tide_triton.envs`).
+  ``$TORCH_SYMM_MEM_DISABLE_MULTICAST`` is not ``1`` (read through :mod:`tide_triton.runtime.envs`).
 
 :func:`resolve_multicast` is the collective form (it shares each rank's facts over
 ``exchange`` and every rank decides from the same list); with ``mode="off"`` it returns at
@@ -41,22 +41,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from .. import envs
+from ..runtime import envs
 from ._once import describe, log_once, raise_if_failed, round_up
 from .driver import Transaction, check
 from .handles import FdChannel, close_fds
-
-__all__ = [
-    "MULTICAST_MODES",
-    "MULTICAST_CALLS",
-    "Decision",
-    "RankFacts",
-    "multicast_allowed",
-    "env_facts",
-    "device_supports_multicast",
-    "resolve_multicast",
-    "MulticastObject",
-]
 
 log = logging.getLogger("tide_triton")
 

@@ -41,10 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import envs
-
-__all__ = ["NcclError", "NcclLibrary", "NcclComm", "find_library", "load", "check_placement", "ENV_LIBRARY",
-           "MULTI_RANK_PER_GPU"]
+from ..runtime import envs
 
 log = logging.getLogger("tide_triton")
 
@@ -377,7 +374,7 @@ class NcclComm:
     def close(self, deadline_s: float | None = None) -> None:
         """Deregister the windows and destroy the communicator (idempotent).  Both wait for
         the other members to do the same for this communicator (in the same order relative to
-        their other communicators: :mod:`tide_triton.group` closes groups newest first), so
+        their other communicators: :mod:`tide_triton.group.core` closes groups newest first), so
         they run on a helper thread with a deadline (``TIDE_TRITON_NCCL_CLOSE_DEADLINE_S``,
         default 60 s): past it, an error names this rank and the members, and the
         communicator is left to process exit instead of holding this process forever.  At

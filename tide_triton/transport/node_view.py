@@ -2,7 +2,7 @@
 
 A group of several nodes connects each node's ranks with their own transport (VMM handles
 and copy engines do not cross nodes), whose ranks are numbered 0..L-1.  The cross-node
-executor (:mod:`tide_triton.hier_collectives`) names ranks globally, as its plans do;
+executor (:mod:`tide_triton.executors.across_nodes`) names ranks globally, as its plans do;
 :class:`GlobalRanks` translates: global rank ``first + i`` is the inner transport's rank
 ``i``, and the inner transport's timeouts name global ranks.  Naming a rank of another node
 is an error (a ValueError naming it and the node's ranks), never a wrong address.
@@ -13,9 +13,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .base import Transport
-
-__all__ = ["GlobalRanks"]
-
 
 class GlobalRanks:
     def __init__(self, inner: Transport, first: int) -> None:

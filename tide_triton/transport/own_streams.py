@@ -23,8 +23,6 @@ import torch
 
 from .driver import CtxGuard, check, cu, primary_context
 
-__all__ = ["take", "give_back"]
-
 _lock = threading.Lock()
 _free: dict[tuple[int, int], list[int]] = {}  # (device index, priority) -> idle handles
 _guards: dict[int, CtxGuard] = {}  # device index -> its primary context (retained once), made current

@@ -11,7 +11,7 @@ words are read on the error paths only (a timeout, a close that releases stuck w
 Whose word:
 
 * an eager stream's: one per stream handle, numbered by a host counter from 1 (the word starts 0);
-* a recording's (:mod:`tide_triton.run_graph`): one per stream of the recording -- the graph's
+* a recording's (:mod:`tide_triton.executors.recorded`): one per stream of the recording -- the graph's
   branches run concurrently, and sequence numbers only order one stream's batches -- numbered
   1..k in the graph, and written to 0 by the graph's first node
   (:meth:`~tide_triton.transport.flags.Flags.recording_started`), so every replay starts
@@ -29,8 +29,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .driver import CtxGuard, check
-
-__all__ = ["ProgressWords", "CHUNK_WORDS"]
 
 CHUNK_WORDS = 512
 """Words per ``cuMemAlloc`` (4 KiB): a stream or a recording's stream takes one; the first

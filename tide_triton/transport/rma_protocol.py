@@ -46,8 +46,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Chunk", "cut", "peer_events", "LandingRing"]
-
 Iov = Sequence[tuple[int, int]]
 
 

@@ -23,8 +23,6 @@ import torch
 from .driver import CtxGuard, Transaction, check
 from .progress import ProgressWords
 
-__all__ = ["RankStreams", "NOT_READY"]
-
 NOT_READY = 600
 """``CUDA_ERROR_NOT_READY``: what ``cuStreamQuery`` answers for a stream with work left."""
 
@@ -98,7 +96,7 @@ class RankStreams:
         return self._capture_handle
 
     def recording_stream(self) -> Any:
-        """The stream this rank records its prepared runs on (:mod:`tide_triton.run_graph`): the
+        """The stream this rank records its prepared runs on (:mod:`tide_triton.executors.recorded`): the
         rank's own capture stream -- never one of torch's pooled streams, which torch hands out
         round-robin: in the single-process mode a pooled stream can be another rank's, and that
         rank's work would go into this rank's graph."""

@@ -14,11 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from .._checks import is_int
+from ..runtime.checks import is_int
 from ._once import log_once
-
-__all__ = ["wrap", "heap_view"]
-
 
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]

@@ -29,8 +29,6 @@ from typing import Any, Callable, Sequence
 from ._once import round_up
 from .driver import CtxGuard, Transaction, check
 
-__all__ = ["VmmHeap", "VA_BYTES", "SEGMENT_BYTES"]
-
 log = logging.getLogger("tide_triton")
 
 VA_BYTES = 64 << 30
@@ -163,7 +161,7 @@ class VmmHeap:
             raise ValueError(f"range [{start}, {end}) must start and end on segment boundaries of rank "
                              f"{self.rank}'s heap (boundaries near it: "
                              f"{[e for e in edges if start - self.segment_bytes <= e <= end + self.segment_bytes]}); "
-                             "make the region end on a segment boundary (tide_triton.heap)")
+                             "make the region end on a segment boundary (tide_triton.plan.heap)")
         return sorted(out, key=lambda s: s[0])
 
     def unmap_range(self, start: int, end: int) -> list[tuple[int, int]]:

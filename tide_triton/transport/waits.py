@@ -21,14 +21,12 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from ..errors import PeerTimeoutError
-from ..ranges import host_range, in_host_range
+from ..runtime.profiling import host_range, in_host_range
 from ._once import log_once
 from .driver import CtxGuard, CudaError, check
 from .streams import NOT_READY, RankStreams
 
 log = logging.getLogger("tide_triton")
-
-__all__ = ["WaitLedger", "Stuck", "Pending", "RECORDING_WORDS", "POLL_S"]
 
 POLL_S = 0.05
 """How often a host wait on a stream runs its ``poll`` (a look for peers' published aborts)."""
