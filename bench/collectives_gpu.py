@@ -67,7 +67,8 @@ import torch  # noqa: E402
 from script_tools import collective_bytes  # noqa: E402
 
 import tide_triton as tt  # noqa: E402
-from tide_triton import envs, run_graph  # noqa: E402
+from tide_triton.executors import recorded as run_graph  # noqa: E402
+from tide_triton.runtime import envs  # noqa: E402
 from tide_triton.bench.measure import GcPasses, copy_ceiling, env_info  # noqa: E402
 from tide_triton.plan.workloads import layer_shapes  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tide_triton import node_prepare  # noqa: E402
+from tide_triton.executors import prepare as node_prepare  # noqa: E402
 from tide_triton.plan.heap import ring as heap_ring  # noqa: E402
 from tide_triton.plan.layout import ShardLayout  # noqa: E402
 from tide_triton.bench.measure import env_info  # noqa: E402

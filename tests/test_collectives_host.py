@@ -185,7 +185,7 @@ def test_bad_input_raises_on_every_rank(case: str, local: str, remote: str) -> N
 
 def _dead_peer(rank: int, W: int, which: str) -> str:
     import tide_triton as tt
-    from tide_triton.transport.base import PeerTimeoutError
+    from tide_triton.errors import PeerTimeoutError
 
     g = tt.init(timeout_s=3)
     shapes = [(8, 4)]

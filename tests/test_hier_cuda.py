@@ -75,7 +75,7 @@ def _late_rank(rank: int, W: int, local: int) -> dict:
 
     import tide_triton as tt
     from tide_triton.plan.layout import ShardLayout
-    from tide_triton.transport.base import PeerTimeoutError
+    from tide_triton.errors import PeerTimeoutError
 
     torch.cuda.set_device(0)
     # agree="first": the late call's signature is known, so no host exchange holds the others

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover
     from tests.test_hier_host import _CHUNK, _int, _ring_bytes
 
 from tide_triton.plan.layout import ShardLayout
-from tide_triton.transport.base import PeerTimeoutError
+from tide_triton.errors import PeerTimeoutError
 
 
 # ----------------------------------------------------------------------- aborts in the hop

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from tide_triton.executors import across_nodes as hc
 from tide_triton.group.core import GroupOptions
 from tide_triton.transport import internode as inode
 from tide_triton.transport import nccl
@@ -127,7 +126,7 @@ def _warnings(caplog) -> list[str]:
 
 def _assert_send_recv(w: _World, out: dict) -> None:
     for r, net in out.items():
-        assert type(net) is hc.NcclInterNode and net.path == "send_recv", (r, net)
+        assert type(net) is inode.NcclInterNode and net.path == "send_recv", (r, net)
         assert net.comm is w.comms[r] and not net.comm.closed
         assert net.rail == w.rail(r) and net.stream.cuda_stream == 1234
 
@@ -184,7 +183,7 @@ def test_put_signal_when_everything_works(monkeypatch, caplog, inter_node, world
     out = _run_logged(monkeypatch, caplog, w, inter_node)
     assert _warnings(caplog) == []
     for r, net in out.items():
-        assert type(net) is hc.NcclPutSignalInterNode and net.path == "put_signal", (r, net)
+        assert type(net) is inode.NcclPutSignalInterNode and net.path == "put_signal", (r, net)
         c = net.comm
         assert c is w.comms[r] and not c.closed and c.index == r // 2
         assert c.windows == [WINDOW_BYTES]

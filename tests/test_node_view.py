@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tide_triton.transport.base import PeerTimeoutError
+from tide_triton.errors import PeerTimeoutError
 from tide_triton.transport.host import HostTransport
 from tide_triton.transport.node_view import GlobalRanks
 
@@ -187,7 +187,7 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
     from types import SimpleNamespace
 
     from tide_triton.executors.across_nodes import _State, synchronize_side
-    from tide_triton.transport.base import PeerTimeoutError
+    from tide_triton.errors import PeerTimeoutError
 
     class _T:
         def __init__(self, exc):

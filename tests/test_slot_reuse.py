@@ -175,7 +175,7 @@ def test_writers_wait_for_the_owners_vacate_and_time_out_naming_it(world_size: i
 def _never_vacated(rank: int, W: int) -> str:
     import tide_triton as tt
     from tide_triton.group.core import Group, GroupOptions
-    from tide_triton.transport.base import PeerTimeoutError
+    from tide_triton.errors import PeerTimeoutError
 
     g = Group(None, GroupOptions(timeout_s=2.0))
     region = g.heap_region("params", 4096, "cpu")

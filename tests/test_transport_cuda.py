@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tide_triton.transport import driver
-from tide_triton.transport.base import PeerTimeoutError
+from tide_triton.errors import PeerTimeoutError
 from tide_triton.transport.cuda import CudaTransport
 
 
