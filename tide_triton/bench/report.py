@@ -109,13 +109,13 @@ def load_rows(paths: Iterable[str]) -> list[dict]:
 def pyplot():
     """matplotlib's pyplot on the Agg backend; matplotlib is the optional ``bench`` extra,
     imported only when a plot is asked for."""
-    try:
+    try:  # matplotlib is optional (the bench extra): imported only when a plot is asked for
         import matplotlib
     except ImportError:
         raise RuntimeError("plots need matplotlib, which is not installed: pip install 'tide_triton[bench]' "
                            "(or pip install matplotlib)") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend at import
 
     return plt
 
@@ -138,6 +138,7 @@ def finish_plot(fig, axes_time, axes_bw, rows: Sequence[dict], path: str, title:
             styles: Sequence[tuple[str, str, str]]) -> None:
     """Axes, one legend (colour = model, line style = implementation, dotted = ceiling),
     the provenance of every source in small print, and the file."""
+    # matplotlib is optional (the bench extra): imported only when a plot is drawn
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 

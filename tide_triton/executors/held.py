@@ -79,7 +79,7 @@ def _layout_guard(tensors: Sequence[torch.Tensor]) -> Any:
     2-core x86, torch 2.13; docs/benchmarks.md, "Python per call on the CPU")."""
     if not _guards_work():
         return None
-    from torch._C._dynamo.guards import TensorGuards
+    from torch._C._dynamo.guards import TensorGuards  # torch's private API: imported only once _guards_work vouched
 
     return TensorGuards(*tensors, dynamic_dims_sizes=[list(map(int, t.size())) for t in tensors],
                         dynamic_dims_strides=[list(map(int, t.stride())) for t in tensors])
@@ -90,7 +90,7 @@ def _guards_work() -> bool:
     """Whether torch's ``TensorGuards`` exists here and refuses what a run must refuse (its
     API is torch's private one): another shape, strides, dtype; else the run checks in
     Python (logged once)."""
-    try:
+    try:  # torch's private API: a missing or changed one falls back to checks in Python
         from torch._C._dynamo.guards import TensorGuards
 
         a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)

@@ -145,6 +145,7 @@ def load_api() -> TorchApi:
         path = supported_torch_version()
         if path is None:
             raise RuntimeError(f"torch {torch.__version__} is outside the versions tide_triton.fsdp knows (2.9-2.15)")
+        # FSDP2 internals: import tide_triton loads none until enable(); a missing one is an unsupported torch
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
@@ -177,7 +178,7 @@ def load_api() -> TorchApi:
 def fsdp_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every ``fully_shard``-ed module inside ``module`` (itself
     included, named ``"<root>"``), in ``named_modules`` order: the same on every rank."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # FSDP2: none of it loads until enable()
 
     return [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
@@ -194,14 +195,14 @@ def param_groups(module: nn.Module) -> list:
 
 def all_sharded(fsdp_params: Any) -> bool:
     """Every parameter of ``fsdp_params`` holds only its shard (no unsharded storage in use)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState  # FSDP2 internals: none until enable()
 
     return all(fp.sharded_state == ShardedState.SHARDED for fp in fsdp_params)
 
 
 def device_handle(device: torch.device) -> Any:
     """``torch.cuda`` (or the CPU's stand-in) as FSDP2 uses it for ``device``."""
-    from torch.distributed.device_mesh import _get_device_handle
+    from torch.distributed.device_mesh import _get_device_handle  # torch private: a change fails enable(), not import
 
     return _get_device_handle(device.type)
 
@@ -236,6 +237,7 @@ def split_parts_why(fsdp_params: Any) -> str | None:
 
 def why_stock(pg: Any, api: TorchApi) -> str | None:
     """Why this FSDPParamGroup must stay on the stock path (None: it can use tide_triton)."""
+    # FSDP2 internals and DTensor (~500 modules): none loads until enable()
     from torch.distributed.fsdp._fully_shard import _fsdp_common as fcom
     from torch.distributed.fsdp._fully_shard._fsdp_api import CPUOffloadPolicy
     from torch.distributed.tensor import Shard

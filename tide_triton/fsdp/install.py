@@ -23,6 +23,10 @@ from torch import nn
 
 from ..runtime.checks import is_int
 from ..executors.ag_block import released_block_bytes
+from ..group.core import Group, existing, init
+from ..group.options import GroupOptions
+from ..group.process_groups import exchange_once
+from ..group.signatures import check_same
 from . import _state, slots, wrappers
 from ._state import GroupState
 from ._torch_adapter import (
@@ -43,7 +47,7 @@ def _install(api: TorchApi) -> None:
     if getattr(fpg.foreach_reduce, "_tide_wrapper", False):
         return
     _state.set_active(api)
-    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam  # FSDP2 internals: none until enable()
 
     if not getattr(fparam.free_storage, "_tide_wrapper", False):  # pass-through but for heap slots
         slots.ORIG_STORAGE[:] = [fparam.alloc_storage, fparam.free_storage]
@@ -55,7 +59,7 @@ def _install(api: TorchApi) -> None:
 
 def _uninstall(api: TorchApi) -> None:
     fpg = api.fpg
-    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fparam  # FSDP2 internals: none until enable()
 
     if slots.ORIG_STORAGE and fparam.free_storage is slots.free_storage \
             and fparam.alloc_storage is slots.alloc_storage:
@@ -73,15 +77,11 @@ def _uninstall(api: TorchApi) -> None:
 # --------------------------------------------------------------------------- groups
 def _existing_group(pg: dist.ProcessGroup) -> Any:
     """The open tide_triton group ``init(pg)`` would return, or None (creates nothing)."""
-    from ..group.core import existing
-
     return existing(pg)
 
 
 def _resolve_group(group: Any, pg: dist.ProcessGroup, slot_reuse: bool = False) -> Any:
     """The tide_triton group for FSDP2's shard process group ``pg``."""
-    from ..group.core import Group, init
-
     if group is None:
         have = _existing_group(pg)
         if have is not None:
@@ -164,8 +164,6 @@ def enable(module: nn.Module, *, group: Any = None, slot_reuse: bool = False,
         raise ValueError(f"tide_triton.fsdp.SLOT_POOL must be an int >= 1, got {slot_pool!r}; "
                          "set it to 2 (default) or more before enable()")
     if group is not None:
-        from ..group.core import Group
-
         if not isinstance(group, (Group, dist.ProcessGroup)):
             raise TypeError(f"group must be None, a ProcessGroup or a tide_triton Group, got {type(group).__name__}")
     mods = fsdp_modules(module)
@@ -240,9 +238,6 @@ def _deadline(group: Any, apg: Any) -> tuple[float, str]:
     """The deadline of the tide_triton group that ``enable`` runs ``apg``'s collectives on
     (``group``'s, else the open group of the process group, else a new group's default),
     and how that group comes about -- a new group's set-up is collective: it is agreed."""
-    from ..group.core import Group, existing
-    from ..group.options import GroupOptions
-
     have = group if isinstance(group, Group) else existing(group if isinstance(group, dist.ProcessGroup) else apg)
     if have is not None:  # given or found: the same on ranks that reach it either way
         return have.options.timeout_s, "an open tide_triton group"
@@ -259,9 +254,6 @@ def _agree_decisions(plan: list, options: list, group: Any = None) -> None:
     bootstrap store, with the deadline of the group the collectives will run on), together
     with ``options`` (:func:`_protocol_options`) and how the group comes about: a difference
     raises on every rank, naming the group or option, the ranks and their values."""
-    from ..group.process_groups import exchange_once
-    from ..group.signatures import check_same
-
     by_pg: dict[Any, list] = {}
     for _name, label, pg, why in plan:
         by_pg.setdefault(getattr(pg, "_all_gather_process_group", None), []).append((label, why))

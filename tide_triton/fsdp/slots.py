@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from . import _state
+from ..executors.ag_block import release_all_gather_block
 from ._torch_adapter import all_sharded, param_groups
 
 SLOT_REUSE_RING = 4 << 20
@@ -74,8 +75,6 @@ def release_idle() -> list[str]:
     (in creation order; every rank holds the same slots in the same state), then the
     all-gather block of each tide_triton group that released a slot.  Returns the keys of the
     regions released (and ``"all-gather block of <device type>"``)."""
-    from ..executors.ag_block import release_all_gather_block
-
     done: list[str] = []
     blocks: list[tuple[Any, torch.device]] = []
     for ref in list(_SLOTS):

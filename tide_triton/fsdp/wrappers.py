@@ -18,8 +18,12 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 from ..plan.layout import DimShards
+from ..collectives import all_gather as tide_all_gather
+from ..collectives import prepared_all_gather_call, prepared_reduce_scatter_call, reduce_scatter, split_parts
 from . import _state, slots
 from ._state import GroupState, state_of
 from ._torch_adapter import TorchApi, all_sharded, device_handle
@@ -47,8 +51,6 @@ def _ag_ok(fsdp_params: list) -> bool:
 
 @torch.no_grad()
 def _tide_all_gather(st: GroupState, api: TorchApi, a: dict):
-    from ..collectives import all_gather as tide_all_gather
-
     fsdp_params, pg, device = a["fsdp_params"], a["group"], a["device"]
     copy_in_stream, ag_stream = a["all_gather_copy_in_stream"], a["all_gather_stream"]
     W = pg.size()
@@ -105,8 +107,6 @@ def _prepared_all_gather(st: GroupState, shards: list, outs: list, stream: Any) 
     """The group's all-gather as a prepared collective (``enable(prepared=True)``): made at its
     first call (collective: every rank is in the same call), run on this call's tensors --
     FSDP2's parameter group keeps its shapes, so a known set of addresses runs as bound."""
-    from ..collectives import prepared_all_gather_call
-
     key = ("ag", shards[0].dtype, outs[0].dtype)
     prep = st.prepared.get(key)
     if prep is None:
@@ -156,8 +156,6 @@ def _dim_shards_of(shapes: tuple, dims: tuple, W: int) -> DimShards:
 
 
 def _split(tensors: list, ds: DimShards) -> list:
-    from ..collectives import split_parts
-
     return split_parts(tensors, ds)
 
 
@@ -203,8 +201,6 @@ reduce._tide_wrapper = True  # type: ignore[attr-defined]
 
 def _reduce_plan(api: TorchApi, a: dict):
     """(op, post_divide, orig_dtype, HSDP all-reduce op or None) for tide_triton, or the reason to run stock."""
-    from torch.distributed import ReduceOp
-
     grads, rs_group, ar_group = a["unsharded_grads"], a["reduce_scatter_group"], a["all_reduce_group"]
     prep = a.get("prepare_reduce_scatter_inputs")  # torch 2.15: tide_triton lays out the inputs itself
     if prep is not None and prep is not getattr(api.fc, "_default_reduce_scatter_input_fn", None):
@@ -278,8 +274,6 @@ def _prepared_reduce_scatter(st: GroupState, fsdp_params: list, grads: list, sha
     tensors: which parameters they are joins the key, so it gets a program of its own -- run
     on the full one, the shapes' check would fail, and a run's error breaks the group (runs
     are not agreed)."""
-    from ..collectives import prepared_reduce_scatter_call
-
     key: tuple = ("rs", repr(op), accumulate, grads[0].dtype, shards[0].dtype)
     pg = st.pg_ref()
     if pg is None or len(fsdp_params) != len(pg.fsdp_params):  # a subset: the FSDPParams' identities
@@ -299,8 +293,6 @@ def _combine(op: str | float, post: float, W: int) -> float:
 @torch.no_grad()
 def _tide_reduce(st: GroupState, api: TorchApi, a: dict, op: str | float, post: float | None,
                  orig_dtype: torch.dtype | None, ar_op: Any):
-    import torch.distributed as dist
-
     fsdp_params, unsharded_grads = a["fsdp_params"], a["unsharded_grads"]
     rs_group, rs_stream, device = a["reduce_scatter_group"], a["reduce_scatter_stream"], a["device"]
     hook, ar_stream = a["all_reduce_hook"], a["all_reduce_stream"]
@@ -383,8 +375,6 @@ def _run_reduce_scatter(st: GroupState, fsdp_params: list, grads: list, shards: 
     """The group's reduce-scatter of ``grads`` into ``shards`` on ``stream`` (None on the host):
     staged in the group's Slot-Reuse slot when backward has vacated it, prepared where the
     group asks for it, counted in the group's stats."""
-    from ..collectives import reduce_scatter
-
     staging = None
     if st.slot is not None and not st.slot.region.released and not st.slot.live_others(None):
         # Slot-Reuse: every group of the slot is resharded, so backward has vacated it
@@ -410,7 +400,7 @@ def _run_reduce_scatter(st: GroupState, fsdp_params: list, grads: list, shards: 
 def _grad_locals(fsdp_params: list, out_dtype: torch.dtype, device: torch.device) -> list:
     """Per parameter, the local tensor of its ``.grad`` where the sums can go straight into it
     (a DTensor's contiguous local of the shard's shape, dtype and device), else None."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # ~500 modules: loaded by FSDP2, not by import tide_triton
 
     locals_ = []
     for fp in fsdp_params:

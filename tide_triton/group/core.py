@@ -30,6 +30,8 @@ from .options import GroupOptions
 from .parts import KeptUntilIdle, Pacer, PreparedCache, ZeroBuffers
 from .regions import RegionTable, heap_region
 from ..transport import own_streams
+from ..transport.host import HostTransport
+from ..transport.node_view import GlobalRanks
 from ..plan.schedule import FlagMap
 from ..plan.topology import Topology
 
@@ -191,8 +193,6 @@ class Group:
 
     def _make_transport(self, device: torch.device):
         if device.type == "cpu":
-            from ..transport.host import HostTransport
-
             return HostTransport(self.rank, self.world_size, self.exchange, n_flags=self.n_flags)
         if device.type != "cuda":
             raise ValueError(f"tensors must be on the CPU or a CUDA device, got {device}")
@@ -202,7 +202,7 @@ class Group:
             return self._node_transport(device)
         if self._local is not None:  # one process: the ranks' transports are made together
             return self._local.cuda_transport(self.rank, device, self.n_flags)
-        from ..transport.cuda import CudaTransport
+        from ..transport.cuda import CudaTransport  # loads at the first CUDA collective: CPU runs never need it
 
         return CudaTransport(self.rank, self.world_size, self.exchange, device=device,
                              n_flags=self.n_flags, timeout_s=self.options.timeout_s)
@@ -210,8 +210,7 @@ class Group:
     def _node_transport(self, device: torch.device):
         """Several nodes on CUDA: a transport over this node's ranks only (VMM handles do not
         cross nodes), addressed with global rank numbers (:class:`GlobalRanks`)."""
-        from ..transport.cuda import CudaTransport
-        from ..transport.node_view import GlobalRanks
+        from ..transport.cuda import CudaTransport  # loads at the first CUDA collective: CPU runs never need it
 
         if self._local is not None:
             raise NotImplementedError(

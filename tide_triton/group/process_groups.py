@@ -10,6 +10,7 @@ import weakref
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from .bootstrap import Exchange, StoreKeyValue
 
@@ -41,8 +42,6 @@ def open_groups() -> list[Any]:
 
 def _default_store() -> Any:
     """The default process group's store (every process group's ranks reach it)."""
-    from torch.distributed import distributed_c10d as c10d
-
     try:
         return c10d._get_default_store()
     except Exception as e:  # noqa: BLE001
@@ -75,8 +74,6 @@ def _store_exchange(pg: Any, prefix: str) -> Exchange:
 def _store_prefix(pg: Any) -> str:
     """Keys of one group instance: the process group's name and how many groups this process
     made for it before (every rank makes them in the same order: creation is collective)."""
-    from torch.distributed import distributed_c10d as c10d
-
     try:
         name = c10d._get_process_group_name(pg)
     except Exception:  # noqa: BLE001
@@ -115,8 +112,6 @@ def close_with_process_groups() -> None:
     global _destroy_wrapped
     if _destroy_wrapped:
         return
-    from torch.distributed import distributed_c10d as c10d
-
     orig = c10d.destroy_process_group
 
     def destroy_process_group(group: Any = None) -> Any:

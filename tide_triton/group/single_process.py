@@ -14,6 +14,7 @@ import torch
 
 from ..runtime.checks import is_int
 from .bootstrap import LocalKeyValue
+from ..transport import driver  # module, not name: tests patch driver.module_loading_is_lazy
 from ..runtime.envs import cuda_device_max_connections, cuda_module_loading
 from .core import Group
 from .options import GroupOptions
@@ -79,7 +80,7 @@ class LocalRanks:
         the ``n`` visible GPUs (the torchrun convention)."""
         if self._devices is not None:
             return self._devices
-        from ..transport.cuda_setup import local_devices
+        from ..transport.cuda_setup import local_devices  # CUDA transport module: loads at the first CUDA run
 
         return local_devices(self.world_size)
 
@@ -90,16 +91,14 @@ class LocalRanks:
 
     def check_module_loading(self) -> None:
         """Raise where this process loads CUDA kernels lazily (see :func:`_lazy_loading_problem`)."""
-        from ..transport.driver import module_loading_is_lazy
-
-        why = _lazy_loading_problem(self.world_size, module_loading_is_lazy())
+        why = _lazy_loading_problem(self.world_size, driver.module_loading_is_lazy())
         if why:
             raise RuntimeError(why)
 
     def cuda_transport(self, rank: int, device: torch.device, n_flags: int) -> Any:
         """Rank ``rank``'s CUDA transport (the ranks' transports are made together, by the
         first rank that asks); ``device``, the tensors' device, must be the rank's."""
-        from ..transport.cuda import CudaTransport
+        from ..transport.cuda import CudaTransport  # loads at the first CUDA collective: CPU runs never need it
 
         devices = self.devices()
         want = devices[rank]

@@ -97,6 +97,8 @@ import logging
 import os
 from typing import Mapping
 
+import torch
+
 log = logging.getLogger("tide_triton")
 
 NCCL_LIBRARY = "TIDE_TRITON_NCCL_LIBRARY"
@@ -212,8 +214,6 @@ def use_interpreter_if_no_gpu() -> bool:
     whether the interpreter is on afterwards."""
     global _interpreter_decided
     if not _interpreter_decided:
-        import torch
-
         if not torch.cuda.is_available():
             try:
                 mode = cpu_kernels()

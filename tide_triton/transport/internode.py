@@ -390,7 +390,7 @@ def nccl_hop(t: Transport, rank: int, rail: Sequence[int], exchange: Any, stream
     that raises (a peer aborted, or never came) aborts the communicator first: no group holds
     it yet, so nothing else would release it."""
     global _fallback_logged
-    from . import nccl
+    from . import nccl  # NCCL's ctypes binding loads only where a group spans nodes
 
     want = inter_node
     lib = nccl.load(nccl_library)

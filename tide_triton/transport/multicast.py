@@ -36,6 +36,7 @@ hardware: see docs/multicast.md.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -213,8 +214,6 @@ class MulticastObject:
 
     # ---- steps ----------------------------------------------------------------------------
     def _ctx(self) -> Any:
-        import contextlib
-
         return self._guard if self._guard is not None else contextlib.nullcontext()
 
     def _step(self, what: str, fn: Callable[[], Any]) -> None:

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..runtime import envs
 
 log = logging.getLogger("tide_triton")
@@ -231,8 +233,6 @@ MULTI_RANK_PER_GPU = (2, 30, 0)
 def _device_key(device_index: int) -> str:
     """What tells GPUs apart across processes: the device UUID (ordinals differ under
     per-process ``CUDA_VISIBLE_DEVICES``), else the ordinal."""
-    import torch
-
     try:
         return f"uuid-{torch.cuda.get_device_properties(device_index).uuid}"
     except Exception:  # noqa: BLE001 - only used to tell devices apart
@@ -297,8 +297,6 @@ class NcclComm:
         if not isinstance(uid_bytes, (bytes, bytearray)) or len(uid_bytes) != C.sizeof(NcclUniqueId):
             raise RuntimeError(f"rank {self.members[0]} sent no NCCL unique id for communicator {self.members}")
         uid = NcclUniqueId.from_buffer_copy(uid_bytes)
-        import torch
-
         self.device_index = device_index
         with torch.cuda.device(device_index):
             lib.check(lib.fn("ncclCommInitRank")(C.byref(self._comm), len(self.members), uid, self.index),
@@ -309,8 +307,6 @@ class NcclComm:
     def register_window(self, ptr: int, nbytes: int) -> Any:
         """Collective over the members: register ``nbytes`` at ``ptr`` (one cuMem segment)
         as a symmetric window; returns the handle (deregistered by :meth:`close`)."""
-        import torch
-
         win = _P()
         with torch.cuda.device(self.device_index):
             self.lib.check(self.lib.fn("ncclCommWindowRegister")(self._comm, _P(ptr), nbytes, C.byref(win),
@@ -322,8 +318,6 @@ class NcclComm:
     def mem_alloc(self, nbytes: int) -> int:
         """``nbytes`` of ``ncclMemAlloc`` memory (one physical cuMem segment, as a window
         needs; local, not collective).  Freed by :meth:`close`."""
-        import torch
-
         ptr = _P()
         with torch.cuda.device(self.device_index):
             self.lib.check(self.lib.fn("ncclMemAlloc")(C.byref(ptr), nbytes), f"ncclMemAlloc({nbytes})")
