@@ -649,3 +649,26 @@ def test_a_stream_of_another_device_is_refused_naming_both() -> None:
         g.check_own_stream(None, torch.device("cuda", 0))
     finally:
         g.close()
+
+
+def test_renamed_group_option_raises_naming_its_new_name():
+    """``max_inflight_chunks`` is ``host_ahead_chunks`` now: the old name, passed to
+    GroupOptions, init or local_groups, raises naming the new one (it read like
+    ``inflight_chunks``, the inter-node knob); the new one reaches the group's pacer."""
+    import tide_triton as tt
+
+    want = r"'max_inflight_chunks' is now called 'host_ahead_chunks': pass host_ahead_chunks=3"
+    with pytest.raises(TypeError, match=want):
+        tt.GroupOptions(max_inflight_chunks=3)
+    with pytest.raises(TypeError, match=want):
+        tt.init(max_inflight_chunks=3)
+    with pytest.raises(TypeError, match=want):
+        tt.local_groups(2, max_inflight_chunks=3)
+    with pytest.raises(ValueError, match="host_ahead_chunks must be an int >= 1, got 0"):
+        tt.GroupOptions(host_ahead_chunks=0)
+    (g,) = tt.local_groups(1, host_ahead_chunks=3)
+    try:
+        assert g.options.host_ahead_chunks == 3
+        assert g.pacer(torch.device("cpu")).max_depth == 3
+    finally:
+        g.close()

@@ -304,7 +304,7 @@ class Group:
             p = self._pacers.get((device.type, device.index))
             if p is None:
                 p = self._pacers[(device.type, device.index)] = Pacer(device.type == "cuda",
-                                                                      self.options.max_inflight_chunks)
+                                                                      self.options.host_ahead_chunks)
         return p
 
     def side_stream(self, device: torch.device):
@@ -420,7 +420,7 @@ class Group:
 _SHARED_OPTIONS = ("ring_bytes", "stages", "agree", "chunk_bytes", "inflight_chunks", "inter_node", "multicast")
 """The options every rank of a group must share (agreed at creation): they lay out the heap,
 the ring and the flag map, choose the protocol of the calls or the hop across nodes.  The
-others (``timeout_s``, ``max_ctas``, ``rs_push``, ``max_inflight_chunks``, ``nccl_library``) are this
+others (``timeout_s``, ``max_ctas``, ``rs_push``, ``host_ahead_chunks``, ``nccl_library``) are this
 rank's own affair."""
 
 

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from ..runtime import envs
 from ..runtime.checks import is_int
 
+RENAMED_OPTIONS = {"max_inflight_chunks": "host_ahead_chunks"}
+"""Options that were renamed, old name to new: passing an old name raises ``TypeError``
+naming the new one."""
+
+
 @dataclass(frozen=True)
 class GroupOptions:
     """Options of :func:`init` (keyword-only)."""
@@ -45,8 +50,10 @@ class GroupOptions:
     ``$TIDE_TRITON_RS_PUSH``, else ``"auto"`` -- resolved when the options are made, so the
     field always holds one of the three.  What the kernel pushes cost and save:
     docs/collectives.md.  This rank's own affair (its peers only see their slots and flags)."""
-    max_inflight_chunks: int = 8
-    """How many reduce-scatter chunks the host may enqueue ahead of the GPU."""
+    host_ahead_chunks: int = 8
+    """On one node: how many reduce-scatter chunks the host may enqueue ahead of the GPU
+    (:class:`~tide_triton.group.parts.Pacer`; not ``inflight_chunks``, the chunks on the
+    inter-node wire)."""
     chunk_bytes: int = 4 << 20
     """Across nodes: largest chunk on the inter-node wire (one send, gated on its signal)."""
     inflight_chunks: int = 2
@@ -71,6 +78,13 @@ class GroupOptions:
     in the environment -- else the copy-engine path, logged once), ``"on"`` (raises on every
     rank, saying why, where the guard fails).  Never run on multicast hardware yet."""
 
+    def __new__(cls, *args: object, **kwargs: object) -> "GroupOptions":
+        # the dataclass __init__ would only say "unexpected keyword argument"
+        for old, new in RENAMED_OPTIONS.items():
+            if old in kwargs:
+                raise TypeError(f"the group option {old!r} is now called {new!r}: pass {new}={kwargs[old]!r}")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.rs_push is None:
             object.__setattr__(self, "rs_push", envs.rs_push())
@@ -84,9 +98,9 @@ class GroupOptions:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
         if self.agree not in ("always", "first"):
             raise ValueError(f'agree must be "always" or "first", got {self.agree!r}')
-        if not is_int(self.max_inflight_chunks) \
-                or self.max_inflight_chunks < 1:
-            raise ValueError(f"max_inflight_chunks must be an int >= 1, got {self.max_inflight_chunks!r}")
+        if not is_int(self.host_ahead_chunks) \
+                or self.host_ahead_chunks < 1:
+            raise ValueError(f"host_ahead_chunks must be an int >= 1, got {self.host_ahead_chunks!r}")
         if not is_int(self.chunk_bytes) or self.chunk_bytes < 16:
             raise ValueError(f"chunk_bytes must be an int >= 16, got {self.chunk_bytes!r}")
         if not is_int(self.inflight_chunks) \
