@@ -63,7 +63,7 @@ def _check(out, grads, layout):
             assert torch.equal(params[p], want.to(torch.bfloat16))
 
 
-_MATCH = r"cannot be captured in a CUDA graph.*per-call values.*host \(group._Pacer\)"
+_MATCH = r"cannot be captured in a CUDA graph.*per-call values.*host \(group\.parts\.Pacer\)"
 
 
 def _refused_calls(groups, grads, layout, device, capturing_ranks, capture) -> list:

@@ -78,7 +78,7 @@ def _refuse_capture(c: Any, name: str, stream: object) -> None:
             "torch.cuda.CUDAGraph.capture_begin): (1) its flags carry per-call values -- the call number "
             "(call identity), the reduce-scatter chunk sequence, the all-gather epoch -- which a graph would "
             "bake in, so a second replay finds its waits already satisfied and reads slots before the peers "
-            "wrote them; (2) its pacing waits on events from the host (group._Pacer), which a capture "
+            "wrote them; (2) its pacing waits on events from the host (group.parts.Pacer), which a capture "
             "cannot do; (3) a first call of a signature, heap growth or a new transport exchange with the "
             "peers on the host.  Capture a prepared collective instead (tide_triton.prepare_reduce_scatter / "
             "prepare_all_gather, then .run() inside the capture: fixed tensors, token flags), or call this one "

@@ -227,7 +227,7 @@ class WaitLedger:
             return
         deadline = time.monotonic() + timeout_s
         nap = 5e-6
-        with host_range("tide_triton::pace"):  # the pacer's wait (group._Pacer), its only use
+        with host_range("tide_triton::pace"):  # the pacer's wait (group.parts.Pacer), its only use
             while not event.query():
                 if time.monotonic() >= deadline:
                     self.raise_stuck(timeout_s, None)
