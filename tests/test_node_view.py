@@ -187,6 +187,7 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
     from types import SimpleNamespace
 
     from tide_triton.executors.across_nodes import _State, synchronize_side
+    from tide_triton.executors.state import ExecState
     from tide_triton.errors import PeerTimeoutError
 
     class _T:
@@ -200,8 +201,9 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
 
     def group(t, stuck):
         net = SimpleNamespace(stuck=lambda: stuck)
-        state = {("hier", id(t)): _State(net)}
-        return SimpleNamespace(existing_transport={"cuda": t}.get, state=lambda key, make=None: state.get(key),
+        ex = ExecState(rank=0)
+        ex.across_nodes[id(t)] = _State(net)
+        return SimpleNamespace(existing_transport={"cuda": t}.get, executor_state=ex,
                                side_stream=lambda device: "SIDE", check_posted=lambda timeout_s=None: None)
 
     dev = torch.device("cuda", 0)
@@ -219,7 +221,7 @@ def test_synchronize_side_names_a_stuck_nccl_peer_after_the_flag_waits() -> None
         synchronize_side(group(_T(TimeoutError("busy")), ((1, 13), "send/recv")), dev, 1.0)
     with pytest.raises(TimeoutError, match="busy"):  # nothing of NCCL's is stuck: the plain timeout
         synchronize_side(group(_T(TimeoutError("busy")), None), dev, 1.0)
-    nothing = SimpleNamespace(existing_transport={}.get, state=lambda key, make=None: None)
+    nothing = SimpleNamespace(existing_transport={}.get, executor_state=None)
     synchronize_side(nothing, dev, 1.0)  # no cross-node state: no-op
 
 
