@@ -18,6 +18,7 @@ bit, the average to the last bit of fp32).  Takes a few seconds on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import threading
 
@@ -125,11 +126,11 @@ def main() -> int:
 
         def thread(r: int) -> None:
             try:
+                own_stream = contextlib.nullcontext()
                 if devices[r].type == "cuda":  # ranks sharing a GPU need a stream each
                     torch.cuda.set_device(devices[r])
-                    with torch.cuda.stream(torch.cuda.Stream(devices[r])):
-                        results[r] = run_rank(groups[r], r, world, devices[r])
-                else:
+                    own_stream = torch.cuda.stream(torch.cuda.Stream(devices[r]))
+                with own_stream:
                     results[r] = run_rank(groups[r], r, world, devices[r])
             except Exception as e:  # noqa: BLE001 - reported below with the rank
                 results[r] = [f"rank {r}: {type(e).__name__}: {e}"]

@@ -37,9 +37,6 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 CPU_KERNELS = "TIDE_TRITON_CPU_KERNELS"  # tide_triton.runtime.envs.CPU_KERNELS (not imported before the above)
-# CPU tensors' kernels: through the interpreter where it runs, else (compiled Triton, a GPU
-# machine) as plain torch, so the CPU tests run on both kinds of machine.
-os.environ.setdefault(CPU_KERNELS, "interpret" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "torch")
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -58,6 +55,11 @@ __all__ = [
 def interpreting() -> bool:
     """True when the kernels run through Triton's interpreter (same rule as the package)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# CPU tensors' kernels: through the interpreter where it runs, else (compiled Triton, a GPU
+# machine) as plain torch, so the CPU tests run on both kinds of machine.
+os.environ.setdefault(CPU_KERNELS, "interpret" if interpreting() else "torch")
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 from typing import Any, Callable, Iterable, Sequence
 
 def _rows_per_rank(sizes: Iterable[int], world_size: int) -> tuple[int, ...]:
@@ -27,6 +28,11 @@ def _rows_per_rank(sizes: Iterable[int], world_size: int) -> tuple[int, ...]:
 def _shard_rows(sizes: Iterable[int], rows_per_rank: Iterable[int], rank: int) -> tuple[int, ...]:
     """Real entries rank ``rank`` holds of each sharded dim: ``clamp(size - rank * c, 0, c)``."""
     return tuple(max(0, min(d - rank * c, c)) for d, c in zip(sizes, rows_per_rank))
+
+
+def _starts(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each of ``sizes`` starts when they are laid back to back (exclusive prefix sums)."""
+    return tuple(accumulate(sizes[:-1], initial=0)) if sizes else ()
 
 
 def _check_rank(rank: int, world_size: int) -> int:
@@ -122,11 +128,7 @@ class ShardLayout:
     def flat_offsets(self) -> tuple[int, ...]:
         """Start of each padded shard in one rank's flat block (padded shards back to back,
         in parameter order: FSDP2's all-gather input and its reduce-scatter output)."""
-        out, acc = [], 0
-        for s in self.padded_shard_numels:
-            out.append(acc)
-            acc += s
-        return tuple(out)
+        return _starts(self.padded_shard_numels)
 
     @cached_property
     def flat_shard_numel(self) -> int:
@@ -290,11 +292,7 @@ class DimShards:
     @cached_property
     def starts(self) -> tuple[int, ...]:
         """Index of each parameter's first part in :attr:`layout`."""
-        out, acc = [], 0
-        for n in self.parts:
-            out.append(acc)
-            acc += n
-        return tuple(out)
+        return _starts(self.parts)
 
     @cached_property
     def layout(self) -> ShardLayout:
